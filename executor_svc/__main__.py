@@ -1,0 +1,5 @@
+import sys
+
+from executor_svc.executor import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""The executor process: rank r of the tensor-parallel group. It loads its shard, shakes hands with
+the scheduler, then runs every StepPlan it receives; rank 0 replies with the sampled tokens."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from executor_svc.seq_mirror import SequenceMirrors
+from protos import engine_pb2
+from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
+
+log = logging.getLogger("nanoserve.executor")
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def _init_distributed(rank: int, world_size: int, init_addr: str, device_type: str) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size)
+
+
+def _heartbeat_loop(ctx: zmq.Context, addr: str, rank: int, stop: threading.Event) -> None:
+    """Liveness on its own socket, so a long forward never looks like a dead executor."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{rank}-hb".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    beat = engine_pb2.ExecutorToScheduler(heartbeat=engine_pb2.Heartbeat(rank=rank)).SerializeToString()
+    while not stop.is_set():
+        try:
+            sock.send(beat, zmq.NOBLOCK)
+        except zmq.Again:  # scheduler not reachable right now; the next beat tries again
+            pass
+        stop.wait(HEARTBEAT_INTERVAL_S)
+    sock.close()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the process that started us is gone (covers a SIGKILLed parent)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_addr: str,
+                 dist_init_addr: str) -> int:
+    from executor_svc.model_runner import ModelRunner, resolve_device
+
+    if world_size > 1:
+        _init_distributed(rank, world_size, dist_init_addr, resolve_device(config.device, rank).type)
+    t0 = time.perf_counter()
+    runner = ModelRunner(config, rank, world_size)
+    log.info("rank %d ready in %.1fs: %s on %s, %s, %d KV blocks of %d, backend %s", rank,
+             time.perf_counter() - t0, runner.facts.architecture, runner.device, runner.dtype,
+             runner.num_blocks, runner.block_size, runner.backend.name)
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(scheduler_addr)
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat_loop, args=(ctx, scheduler_addr, rank, stop), daemon=True).start()
+    sock.send(engine_pb2.ExecutorToScheduler(handshake=runner.handshake()).SerializeToString())
+
+    mirrors = SequenceMirrors()
+    try:
+        while True:
+            msg = engine_pb2.SchedulerToExecutor.FromString(sock.recv())
+            if msg.WhichOneof("kind") == "shutdown":
+                log.info("rank %d shutting down: %s", rank, msg.shutdown.reason)
+                return 0
+            plan = msg.plan
+            t_step = time.perf_counter()
+            result = engine_pb2.StepResult(step_id=plan.step_id)
+            try:
+                chunks = mirrors.apply(plan)
+                runner.copy_blocks(plan.block_copies)
+                sampled = runner.execute(chunks)
+                mirrors.commit(chunks)
+                result.sampled.extend(sampled)
+            except Exception as exc:  # the scheduler fails the step's requests; we keep serving
+                log.error("rank %d step %d failed:\n%s", rank, plan.step_id, traceback.format_exc())
+                result.Clear()
+                result.step_id = plan.step_id
+                result.error = f"{type(exc).__name__}: {exc}"
+                for new in plan.new_seqs:
+                    mirrors.seqs.pop(new.seq_id, None)
+                for cached in plan.cached_seqs:
+                    mirrors.seqs.pop(cached.seq_id, None)
+            result.execute_seconds = time.perf_counter() - t_step
+            if rank == 0:
+                sock.send(engine_pb2.ExecutorToScheduler(result=result).SerializeToString())
+    finally:
+        stop.set()
+        sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser("nanoserve executor", description="one tensor-parallel rank of the data plane")
+    parser.add_argument("--rank", type=int, default=int(os.environ.get("NANOSERVE_RANK", 0)))
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("NANOSERVE_WORLD_SIZE", 1)))
+    parser.add_argument("--scheduler-addr", default=os.environ.get("NANOSERVE_EXECUTOR_ADDR", "tcp://127.0.0.1:5560"),
+                        help="the scheduler's executor socket (ZMQ address)")
+    parser.add_argument("--dist-init-addr", default=os.environ.get("NANOSERVE_DIST_INIT_ADDR", "127.0.0.1:29500"),
+                        help="host:port of rank 0 for torch.distributed when world size > 1")
+    parser.add_argument("--watch-parent", action="store_true", help="exit when the parent process dies")
+    parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s executor[{args.rank}] %(levelname)s %(message)s")
+    if args.watch_parent:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown on Ctrl-C
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    config = engine_config_from_args(args)
+    config.tensor_parallel_size = args.world_size
+    return run_executor(config, args.rank, args.world_size, args.scheduler_addr, args.dist_init_addr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

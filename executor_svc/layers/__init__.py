@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks; each parameter carries a `weight_loader` for its own shard."""

@@ -1,0 +1,10 @@
+"""SwiGLU's gate: the fused gate_up projection is split in halves, silu(gate) * up."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,26 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 and the scale applied after casting back, as HF does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, returns (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual  # in the activation dtype, as HF adds it
+        return self._norm(x), x

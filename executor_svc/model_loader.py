@@ -1,0 +1,141 @@
+"""Build a supported model from an HF checkpoint directory and stream its safetensors into it.
+
+Each parameter loads its own shard through its `weight_loader`; checkpoint tensors that we
+fuse (q/k/v -> qkv_proj, gate/up -> gate_up_proj) go to the fused parameter with a shard id.
+"""
+import contextlib
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from executor_svc.models import MODEL_REGISTRY
+from executor_svc.models.llama import head_dim_of
+from kernels.attention_backend import AttentionBackend
+
+
+@dataclass
+class ModelFacts:
+    architecture: str
+    model_name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+
+
+def read_model_facts(model_dir: str) -> ModelFacts:
+    config = AutoConfig.from_pretrained(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    eos = _as_list(config.eos_token_id)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos += _as_list(json.load(f).get("eos_token_id"))
+    return ModelFacts(
+        architecture=(config.architectures or ["<none>"])[0],
+        model_name=os.path.basename(os.path.normpath(model_dir)),
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim_of(config),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_ids=list(dict.fromkeys(eos)),  # union, first-seen order
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+    )
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+) -> tuple[nn.Module, ModelFacts]:
+    """The model on `device` in `dtype`, weights loaded (this rank's shard), attention on `backend`."""
+    facts = read_model_facts(model_dir)
+    model_cls = MODEL_REGISTRY.get(facts.architecture)
+    if model_cls is None:
+        raise ValueError(
+            f"architecture {facts.architecture!r} in {model_dir} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        )
+    config = AutoConfig.from_pretrained(model_dir)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(config)
+    load_weights(model, model_dir)
+    model.requires_grad_(False)
+    for attn in model.attention_layers():
+        attn.backend = backend
+    return model, facts
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Stream every *.safetensors tensor into its parameter; fail if any parameter stays unloaded."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    params = dict(model.named_parameters())
+    packed = model.packed_modules_mapping
+    loaded: dict[str, set] = {name: set() for name in params}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():
+                if ckpt_name.endswith("rotary_emb.inv_freq"):
+                    continue  # recomputed from the config
+                if ckpt_name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue  # the LM head is embed_tokens' weight
+                name, shard_id = _our_name(ckpt_name, packed)
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {type(model).__name__}")
+                param = params[name]
+                if shard_id is None:
+                    param.weight_loader(param, f.get_tensor(ckpt_name))
+                else:
+                    param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                loaded[name].add(shard_id)
+
+    expected_shards = {}
+    for fused, shard_id in packed.values():
+        expected_shards.setdefault(fused, set()).add(shard_id)
+    missing = []
+    for name, got in loaded.items():
+        module_name = name.split(".")[-2] if "." in name else ""
+        if got != expected_shards.get(module_name, {None}):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"{len(missing)} parameters not (fully) loaded from {model_dir}: {missing[:8]}")
+
+
+def _our_name(ckpt_name: str, packed: dict) -> tuple[str, object]:
+    """Map a checkpoint tensor name to (our parameter name, shard id or None)."""
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard_id = packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
+    return ckpt_name, None
+
+
+def _as_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,10 @@
+"""Supported architectures, by the name in config.json's "architectures"."""
+from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.models.qwen2 import Qwen2ForCausalLM
+from executor_svc.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}

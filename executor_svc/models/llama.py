@@ -1,0 +1,132 @@
+"""Llama: pre-norm decoder blocks of (RMSNorm -> GQA attention with RoPE) and (RMSNorm -> SwiGLU MLP).
+
+Qwen2 and Qwen3 are this same block with other switches (qkv bias; per-head q/k RMSNorm), so
+they construct LlamaForCausalLM with their flags rather than repeating it.
+"""
+import torch
+from torch import nn
+
+from executor_svc.layers.activation import SiluAndMul
+from executor_svc.layers.attention import Attention
+from executor_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from executor_svc.layers.layernorm import RMSNorm
+from executor_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from executor_svc.layers.rotary import RotaryEmbedding, rope_config
+from kernels.attention_backend import AttentionMetadata
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+        )
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (self.attn.num_heads, self.attn.head_dim))
+        k = k.unflatten(-1, (self.attn.num_kv_heads, self.attn.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_config(config)
+        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter's name, shard id passed to its weight_loader)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: bool = False):
+        """Biases default to config.attention_bias (Llama's switch for all four projections)."""
+        super().__init__()
+        attention_bias = getattr(config, "attention_bias", False)
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+        o_bias = attention_bias if o_bias is None else o_bias
+        self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's packed tokens."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, vocab] on rank 0, None on other ranks."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

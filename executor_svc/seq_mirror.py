@@ -1,0 +1,81 @@
+"""The executor's mirror of the scheduler's sequences, kept in step by applying each plan's deltas.
+
+Executors never decide anything (invariant 1): they copy block ids and tokens they are told about.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import engine_pb2
+
+
+@dataclass
+class MirroredSeq:
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int
+    sampling: engine_pb2.SamplingOptions
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's work in a step: compute tokens [start, end) and sample if end is the last."""
+
+    seq: MirroredSeq
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seq.token_ids)
+
+
+class SequenceMirrors:
+    def __init__(self) -> None:
+        self.seqs: dict[int, MirroredSeq] = {}
+
+    def apply(self, plan: engine_pb2.StepPlan) -> list[ScheduledChunk]:
+        """Apply the plan's deltas and return this step's chunks in plan order."""
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for seq_id in plan.preempted_seq_ids:
+            self.seqs.pop(seq_id, None)
+        chunks: list[ScheduledChunk] = []
+        for new in plan.new_seqs:
+            seq = MirroredSeq(
+                seq_id=new.seq_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                block_table=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.sampling,
+            )
+            self.seqs[seq.seq_id] = seq
+            chunks.append(self._chunk(seq, new.num_scheduled_tokens))
+        for cached in plan.cached_seqs:
+            seq = self.seqs.get(cached.seq_id)
+            if seq is None:
+                raise RuntimeError(f"plan {plan.step_id} names seq {cached.seq_id} that this executor does not mirror")
+            seq.block_table.extend(cached.new_block_ids)
+            if cached.HasField("last_token_id"):
+                seq.token_ids.append(cached.last_token_id)
+            chunks.append(self._chunk(seq, cached.num_scheduled_tokens))
+        return chunks
+
+    @staticmethod
+    def _chunk(seq: MirroredSeq, num_scheduled: int) -> ScheduledChunk:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_scheduled
+        if num_scheduled <= 0 or end > len(seq.token_ids):
+            raise RuntimeError(
+                f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
+        return ScheduledChunk(seq, start, end)
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """The forward succeeded: the chunks' tokens now have K/V in the pool."""
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+
+    def clear(self) -> None:
+        self.seqs.clear()

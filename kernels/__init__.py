@@ -1,0 +1,1 @@
+"""Attention backends and fused small ops. Each kernel has a torch reference beside it."""

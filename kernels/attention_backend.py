@@ -1,0 +1,95 @@
+"""The attention-backend interface every implementation (torch, triton, flash_attn) follows.
+
+Shapes, with T = tokens in the step, B = sequences in the step:
+  q                 [T, H_q, D]
+  key, value        [T, H_kv, D]               (the new tokens' K/V, written by store_kvcache)
+  k_cache, v_cache  [N, block_size, H_kv, D]   (one layer's slice of the KV pool)
+  output            [T, H_q, D]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each step's tokens live in the paged KV pool.
+
+    Sequence i owns query tokens cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are the *last*
+    seqlens_q[i] tokens of its context of seqlens_k[i] tokens, so a cached prefix or an earlier
+    prefill chunk gives seqlens_k[i] > seqlens_q[i]. Attention is causal within the context.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset; -1 means do not store
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]: prefix sums of query lengths
+    seqlens_k: torch.Tensor  # int32 [B]: context length of each sequence, new tokens included
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: padded with 0 beyond each table's end
+    max_seqlen_q: int  # max query length in the step (host int)
+    max_seqlen_k: int  # max context length in the step (host int)
+    block_size: int  # tokens per block
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqlens_k.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one query token."""
+        return self.max_seqlen_q == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kvcache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter key/value rows into the cache at slot_mapping, skipping slots equal to -1."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal paged attention of q over each sequence's cached context; returns [T, H_q, D]."""
+
+
+BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick a backend by name; 'auto' prefers flash_attn, then triton on CUDA, else torch."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKEND_NAMES}")
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+
+                name = "flash_attn"
+            except ImportError:
+                name = "triton"
+        else:
+            name = "torch"
+    if name == "torch":
+        from kernels.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from kernels.flash_attention import FlashAttentionBackend
+
+    return FlashAttentionBackend()

@@ -1,0 +1,1 @@
+"""nanoserve control plane: scheduler process, gRPC front end, offline API and CLI. No torch here."""

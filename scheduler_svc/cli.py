@@ -1,0 +1,107 @@
+"""The `nanoserve` command: one entry point for every role and for offline generation."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from scheduler_svc.config import add_engine_args, engine_config_from_args
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from scheduler_svc.llm import LLM
+    from scheduler_svc.sampling_params import SamplingParams
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("nanoserve generate: give prompts as arguments or with --prompts-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    try:
+        params.validate()
+    except ValueError as exc:
+        print(f"nanoserve generate: {exc}", file=sys.stderr)
+        return 2
+    config = engine_config_from_args(args)
+    with LLM(**vars(config)) as llm:
+        inputs = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+        results = llm.generate(inputs, params, use_tqdm=not args.no_progress)
+        for prompt, result in zip(prompts, results):
+            for out in result.outputs:
+                if args.json:
+                    print(json.dumps({"prompt": prompt, "index": out.index, "text": out.text,
+                                      "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                      "num_prompt_tokens": len(result.prompt_token_ids),
+                                      "num_cached_tokens": result.num_cached_tokens}))
+                else:
+                    print(f"=== {prompt!r} [{out.index}] ({out.finish_reason}, {len(out.token_ids)} tokens)")
+                    print(out.text)
+    return 0
+
+
+def _cmd_executor(argv: list[str]) -> int:
+    # exec, so that this process (part of scheduler_svc) never imports torch itself
+    os.execv(sys.executable, [sys.executable, "-m", "executor_svc", *argv])
+    return 1
+
+
+def _cmd_scheduler(argv: list[str]) -> int:
+    from scheduler_svc.scheduler_process import main
+
+    return main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # roles that parse their own flags
+    if argv and argv[0] == "executor":
+        return _cmd_executor(argv[1:])
+    if argv and argv[0] == "scheduler":
+        return _cmd_scheduler(argv[1:])
+    parser = argparse.ArgumentParser("nanoserve", description="nanoserve: an LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation for prompts")
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
+    sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _cmd_generate(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

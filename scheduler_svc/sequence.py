@@ -1,0 +1,59 @@
+"""A sequence: one prompt and the tokens generated for it, as the scheduler tracks it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos import engine_pb2
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # unique for the scheduler's lifetime
+    request_id: str  # the client's id
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    sampling: engine_pb2.SamplingOptions
+    stopping: engine_pb2.StoppingOptions
+    priority: int = 0  # lower first
+    arrival_order: int = 0  # ties broken by arrival
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    num_computed_tokens: int = 0  # tokens whose K/V is in the pool
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block
+
+    # executor mirror bookkeeping (invariant 4: plans carry deltas)
+    in_executor: bool = False  # executors hold a mirror of this sequence
+    num_blocks_sent: int = 0  # block_table entries the executors already know
+    last_token_unsent: bool = False  # the newest sampled token has not reached the executors
+    finish_reason: int = engine_pb2.FINISH_REASON_UNSPECIFIED
+    stop_token_id: int = -1
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

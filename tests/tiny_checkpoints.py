@@ -1,0 +1,77 @@
+"""Tiny random HF checkpoints (safetensors, fp32) for tests that compare against transformers.
+
+Every weight, norm scales and biases included, is re-drawn at a scale that makes logits spread
+out, so a wrongly loaded or skipped tensor changes the output visibly.
+"""
+import os
+
+import torch
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def _randomize_and_save(model, path: str, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif param.dim() == 1:  # biases
+                param.copy_(0.2 * noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    return path
+
+
+def make_tiny_llama(path: str, seed: int = 0, **overrides) -> str:
+    """Llama with untied embeddings (by default) and rope theta 10000."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**_COMMON, "tie_word_embeddings": False, "eos_token_id": 2, **overrides})
+    torch.manual_seed(seed)
+    return _randomize_and_save(LlamaForCausalLM(config), path, seed)
+
+
+def make_tiny_qwen2(path: str, seed: int = 1, **overrides) -> str:
+    """Qwen2: q/k/v biases, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, "eos_token_id": 3, **overrides})
+    torch.manual_seed(seed)
+    return _randomize_and_save(Qwen2ForCausalLM(config), path, seed)
+
+
+def make_tiny_qwen3(path: str, seed: int = 2, **overrides) -> str:
+    """Qwen3: q/k norms and head_dim 32, deliberately not hidden_size / num_heads (16)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **{**_COMMON, "head_dim": 32, "tie_word_embeddings": False, "eos_token_id": [4, 5], **overrides}
+    )
+    torch.manual_seed(seed)
+    return _randomize_and_save(Qwen3ForCausalLM(config), path, seed)
+
+
+MAKERS = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "qwen3": make_tiny_qwen3}
+
+
+def tiny_checkpoint(kind: str, tmp_path_factory) -> str:
+    """A session-cached checkpoint directory of `kind` (one of MAKERS), built on first use."""
+    root = tmp_path_factory.getbasetemp() / "tiny_checkpoints"
+    path = root / kind
+    if not (path / "config.json").exists():
+        os.makedirs(root, exist_ok=True)
+        MAKERS[kind](str(path))
+    return str(path)
