@@ -52,7 +52,7 @@ test: install proto model
 	$(PY) -m pytest -q -m "not gpu"
 
 test-gpu:
-	$(MAKE) proto PY=$(GPU_PY)
+	$(MAKE) --no-print-directory proto PY=$(GPU_PY)
 	$(GPU_PY) -m pytest -q -m gpu
 
 run: install proto model

@@ -75,6 +75,7 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.send(engine_pb2.ExecutorToScheduler(handshake=runner.handshake()).SerializeToString())
 
     mirrors = SequenceMirrors()
+    last_reply = None
     try:
         while True:
             msg = engine_pb2.SchedulerToExecutor.FromString(sock.recv())
@@ -100,6 +101,8 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
                 for cached in plan.cached_seqs:
                     mirrors.seqs.pop(cached.seq_id, None)
             result.execute_seconds = time.perf_counter() - t_step
+            result.idle_seconds = t_step - last_reply if last_reply is not None else 0.0
+            last_reply = time.perf_counter()
             if rank == 0:
                 sock.send(engine_pb2.ExecutorToScheduler(result=result).SerializeToString())
     finally:

@@ -35,7 +35,10 @@ class ModelFacts:
 
 
 def read_model_facts(model_dir: str) -> ModelFacts:
-    config = AutoConfig.from_pretrained(model_dir)
+    return _facts(model_dir, AutoConfig.from_pretrained(model_dir))
+
+
+def _facts(model_dir: str, config) -> ModelFacts:
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
     eos = _as_list(config.eos_token_id)
@@ -62,13 +65,13 @@ def load_model(
     model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
 ) -> tuple[nn.Module, ModelFacts]:
     """The model on `device` in `dtype`, weights loaded (this rank's shard), attention on `backend`."""
-    facts = read_model_facts(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    facts = _facts(model_dir, config)
     model_cls = MODEL_REGISTRY.get(facts.architecture)
     if model_cls is None:
         raise ValueError(
             f"architecture {facts.architecture!r} in {model_dir} is not supported; supported: {sorted(MODEL_REGISTRY)}"
         )
-    config = AutoConfig.from_pretrained(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
     load_weights(model, model_dir)
@@ -95,7 +98,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     continue  # the LM head is embed_tokens' weight
                 name, shard_id = _our_name(ckpt_name, packed)
                 if name not in params:
-                    raise KeyError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {type(model).__name__}")
+                    model_name = type(model).__name__
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {model_name}")
                 param = params[name]
                 if shard_id is None:
                     param.weight_loader(param, f.get_tensor(ckpt_name))

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.model_loader import ModelFacts, load_model
 from executor_svc.sampler import Sampler, SamplingBatch
-from executor_svc.seq_mirror import ScheduledChunk
+from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
 from kernels.attention_backend import AttentionMetadata, get_backend
 from protos import engine_pb2
 from scheduler_svc.config import EngineConfig
@@ -46,10 +47,9 @@ class StepInputs:
     sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
 
 
-def compute_slot_mapping(block_table: np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
-    """The KV pool slot of every token position in [start, end): block_id * block_size + offset."""
-    positions = np.arange(start, end)
-    return block_table[positions // block_size].astype(np.int64) * block_size + positions % block_size
+def slot_mapping(block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Where each token's K/V goes in the pool: block_id * block_size + offset in the block."""
+    return block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 class ModelRunner:
@@ -66,14 +66,25 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend)
         self.sampler = Sampler()
+        self._pinned: dict[str, torch.Tensor] = {}
         self.num_blocks = self._size_kv_pool()
         self._allocate_kv_pool(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
+                                       self.facts.hidden_size, self.dtype, self.device)
+            self.graphs.capture()
 
     # ------------------------------------------------------------------ KV pool
 
     @property
+    def max_model_len(self) -> int:
+        limit = self.facts.max_position_embeddings
+        return min(self.config.max_model_len or limit, limit)
+
+    @property
     def num_kv_heads_local(self) -> int:
-        return max(1, self.facts.num_kv_heads // self.world_size)
+        return self.facts.num_kv_heads // self.world_size  # the layers check divisibility
 
     def _bytes_per_block(self) -> int:
         f = self.facts
@@ -94,18 +105,29 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        blocks_needed = num_seqs * (-(-(num_tokens // num_seqs + 1) // self.block_size))
-        self._allocate_kv_pool(blocks_needed)
-        per_seq = num_tokens // num_seqs
-        lengths = [per_seq] * num_seqs
-        lengths[-1] += num_tokens - per_seq * num_seqs
-        ids = torch.randint(0, self.facts.vocab_size, (num_tokens,), device=self.device)
-        chunks_meta = self._profile_meta(lengths)
-        hidden = self.model(ids, chunks_meta[0], chunks_meta[1])
-        self.model.compute_logits(hidden[chunks_meta[2]])
+        lengths = [num_tokens // num_seqs] * num_seqs
+        lengths[-1] += num_tokens - sum(lengths)
+        chunks, next_block = [], 0
+        for i, n in enumerate(lengths):
+            nb = -(-n // self.block_size)
+            ids = torch.randint(0, self.facts.vocab_size, (n,)).tolist()
+            seq = MirroredSeq(i, ids, n, list(range(next_block, next_block + nb)), 0, engine_pb2.SamplingOptions())
+            chunks.append(ScheduledChunk(seq, 0, n))
+            next_block += nb
+        self._allocate_kv_pool(next_block)
+        inputs = self.prepare_inputs(chunks)
+        bucket = None
+        if self.graphs is not None and inputs.meta.is_decode:
+            bucket = self.graphs.bucket(len(chunks), inputs.meta.max_seqlen_k)
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.model.compute_logits(hidden[inputs.logits_indices])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_cache = None
+        del hidden, inputs
+        self._release_kv_pool()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
@@ -118,20 +140,10 @@ class ModelRunner:
         log.info("KV pool: %d blocks (profiled peak %.2f GiB)", num_blocks, peak / 2**30)
         return num_blocks
 
-    def _profile_meta(self, lengths: list[int]):
-        positions, slots, tables = [], [], []
-        next_block = 0
-        for n in lengths:
-            nb = -(-n // self.block_size)
-            table = np.arange(next_block, next_block + nb, dtype=np.int32)
-            next_block += nb
-            positions.append(np.arange(n))
-            slots.append(compute_slot_mapping(table, 0, n, self.block_size))
-            tables.append(table)
-        meta = self._metadata(lengths, lengths, tables, np.concatenate(slots))
-        last = np.cumsum(lengths) - 1
-        return (torch.from_numpy(np.concatenate(positions)).to(self.device), meta,
-                torch.from_numpy(last).to(self.device))
+    def _release_kv_pool(self) -> None:
+        self.kv_cache = None
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.tensor([])
 
     def _allocate_kv_pool(self, num_blocks: int) -> None:
         f = self.facts
@@ -151,53 +163,70 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def _metadata(self, q_lens, k_lens, tables, slot_mapping: np.ndarray) -> AttentionMetadata:
-        max_blocks = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu_q[1:])
-        to_dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        return AttentionMetadata(
-            slot_mapping=to_dev(slot_mapping.astype(np.int64)),
-            cu_seqlens_q=to_dev(cu_q),
-            seqlens_k=to_dev(np.asarray(k_lens, dtype=np.int32)),
-            block_tables=to_dev(block_tables),
-            max_seqlen_q=int(max(q_lens)),
-            max_seqlen_k=int(max(k_lens)),
-            block_size=self.block_size,
-        )
+    def _upload(self, array: np.ndarray, slot: str) -> torch.Tensor:
+        """Host array to the device; on CUDA through a reused pinned buffer and a non-blocking copy.
+
+        Reusing one pinned buffer per input is safe because every step ends with a host sync (the
+        sampled ids), so the previous step's copies have finished before this one writes."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(array)
+        flat = array.reshape(-1)
+        buf = self._pinned.get(slot)
+        if buf is None or buf.numel() < flat.size or buf.dtype != torch.from_numpy(flat[:0]).dtype:
+            buf = torch.empty(max(flat.size, 1024) * 2, dtype=torch.from_numpy(flat[:0]).dtype).pin_memory()
+            self._pinned[slot] = buf
+        host = buf[: flat.size]
+        host.numpy()[:] = flat
+        return host.to(self.device, non_blocking=True).view(array.shape)
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Flatten the step's chunks into model inputs; one python pass, the rest vectorised."""
         bs = self.block_size
-        ids, positions, slots, tables, q_lens, k_lens, logits_idx, sampling = [], [], [], [], [], [], [], []
-        offset = 0
+        ids: list[int] = []
+        starts, ends, tables, sampling, logits_idx = [], [], [], [], []
         for c in chunks:
             seq = c.seq
-            num_blocks = -(-c.end // bs)
-            if len(seq.block_table) < num_blocks:
+            if len(seq.block_table) * bs < c.end:
                 raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
-            table = np.asarray(seq.block_table[:num_blocks], dtype=np.int32)
-            ids.append(np.asarray(seq.token_ids[c.start:c.end], dtype=np.int64))
-            positions.append(np.arange(c.start, c.end, dtype=np.int64))
-            slots.append(compute_slot_mapping(table, c.start, c.end, bs))
-            tables.append(table)
-            q_lens.append(c.end - c.start)
-            k_lens.append(c.end)
-            offset += c.end - c.start
+            ids.extend(seq.token_ids[c.start:c.end])
+            starts.append(c.start)
+            ends.append(c.end)
+            tables.append(seq.block_table)
             if c.samples:
-                logits_idx.append(offset - 1)
+                logits_idx.append(len(ids) - 1)
                 sampling.append(c)
-        meta = self._metadata(q_lens, k_lens, tables, np.concatenate(slots))
-        to_dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        k_lens = np.asarray(ends, dtype=np.int64)
+        q_lens = k_lens - np.asarray(starts, dtype=np.int64)
+        cu_q = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        # token t of sequence i sits at position starts[i] + (t - cu_q[i])
+        row = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = k_lens[row] - q_lens[row] + np.arange(len(ids)) - cu_q[row]
+        block_tables = self._block_tables(tables, -(-k_lens // bs))
+        meta = AttentionMetadata(
+            slot_mapping=self._upload(slot_mapping(block_tables, row, positions, bs), "slot_mapping"),
+            cu_seqlens_q=self._upload(cu_q.astype(np.int32), "cu_seqlens_q"),
+            seqlens_k=self._upload(k_lens.astype(np.int32), "seqlens_k"),
+            block_tables=self._upload(block_tables, "block_tables"),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(k_lens.max()),
+            block_size=bs,
+        )
         return StepInputs(
-            input_ids=to_dev(np.concatenate(ids)),
-            positions=to_dev(np.concatenate(positions)),
+            input_ids=self._upload(np.asarray(ids, dtype=np.int64), "input_ids"),
+            positions=self._upload(positions, "positions"),
             meta=meta,
-            logits_indices=to_dev(np.asarray(logits_idx, dtype=np.int64)),
+            logits_indices=self._upload(np.asarray(logits_idx, dtype=np.int64), "logits_indices"),
             sampling_chunks=sampling,
         )
+
+    @staticmethod
+    def _block_tables(tables: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
+        """Each sequence's blocks in use this step, padded with 0 to the longest."""
+        out = np.zeros((len(tables), int(num_blocks.max())), dtype=np.int32)
+        for i, (table, n) in enumerate(zip(tables, num_blocks.tolist())):
+            out[i, :n] = table[:n]
+        return out
 
     # ------------------------------------------------------------------ step
 
@@ -207,7 +236,13 @@ class ModelRunner:
         if not chunks:
             return []
         inputs = self.prepare_inputs(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        bucket = None
+        if self.graphs is not None and inputs.meta.is_decode:
+            bucket = self.graphs.bucket(len(chunks), inputs.meta.max_seqlen_k)
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if not inputs.sampling_chunks:
             return []
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -173,7 +173,7 @@ class Sampler:
             return SamplerOutput(token_ids, None, None, None, None)
 
         chosen = raw_logprobs.gather(-1, token_ids[:, None])
-        rank = (raw_logprobs >= chosen).sum(dim=-1)  # ties rank behind the chosen token
+        rank = (raw_logprobs >= chosen).sum(dim=-1)  # 1-based; ties count ahead of the chosen token
         top_logprobs, top_token_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
         return SamplerOutput(token_ids, chosen.squeeze(-1), rank, top_token_ids, top_logprobs)
 

@@ -39,59 +39,61 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         num_seqs, max_q, max_k = meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k
-        seqlens_k = meta.seqlens_k.long()
-        key, value, key_valid = self._gather_context(k_cache, v_cache, meta)
-
-        # Query slot i of sequence b sits at context position seqlens_k[b] - seqlens_q[b] + i.
-        seqlens_q = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
-        slot = torch.arange(max_q, device=q.device)
-        q_pos = (seqlens_k - seqlens_q).unsqueeze(1) + slot  # [B, max_q]
+        num_kv_heads = k_cache.shape[2]
+        key, value = self._gather_context(k_cache, v_cache, meta)  # [B, H_kv, max_k, D]
         k_pos = torch.arange(max_k, device=q.device)
-        mask = (k_pos <= q_pos.unsqueeze(-1)) & key_valid.unsqueeze(1)  # [B, max_q, max_k]
-
-        if max_q == 1:  # decode: one query per sequence, so the batch is already "padded"
-            q_padded = q.unsqueeze(1)
-        else:
-            seq_of_token, slot_of_token = self._token_coordinates(meta, q.shape[0])
-            q_padded = q.new_zeros(num_seqs, max_q, *q.shape[1:])
-            q_padded[seq_of_token, slot_of_token] = q
-
-        out = F.scaled_dot_product_attention(
-            q_padded.transpose(1, 2),  # [B, H_q, max_q, D]
-            key.transpose(1, 2),  # [B, H_kv, max_k, D]
-            value.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1),  # padded query rows still see key 0, so no NaN rows
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2)  # [B, max_q, H_q, D]
+        key_valid = k_pos < meta.seqlens_k.long().unsqueeze(1)  # [B, max_k]
 
         if max_q == 1:
-            return out.squeeze(1)
-        return out[seq_of_token, slot_of_token]
+            # Decode: every query sees its whole context, so the query heads sharing a KV head can
+            # stand in for a query length of H_q / H_kv, and one mask row serves them all.
+            out = F.scaled_dot_product_attention(
+                q.reshape(num_seqs, num_kv_heads, -1, q.shape[-1]),
+                key,
+                value,
+                attn_mask=key_valid[:, None, None, :],
+                scale=scale,
+            )
+            return out.reshape(q.shape)
+
+        # Query slot i of sequence b sits at context position seqlens_k[b] - seqlens_q[b] + i.
+        seq_of_token, slot_of_token, seqlens_q = self._token_coordinates(meta, q.shape[0])
+        q_pos = (meta.seqlens_k.long() - seqlens_q).unsqueeze(1) + torch.arange(max_q, device=q.device)
+        # padded query rows (q_pos past the end) still see key 0, so no row is fully masked
+        mask = (k_pos <= q_pos.unsqueeze(-1)) & key_valid.unsqueeze(1)  # [B, max_q, max_k]
+        q_padded = q.new_zeros(num_seqs, max_q, *q.shape[1:])
+        q_padded[seq_of_token, slot_of_token] = q
+        out = F.scaled_dot_product_attention(
+            q_padded.transpose(1, 2),  # [B, H_q, max_q, D]
+            key,
+            value,
+            attn_mask=mask.unsqueeze(1),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)[seq_of_token, slot_of_token]
 
     @staticmethod
     def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
-        """Each sequence's K/V as [B, max_seqlen_k, H_kv, D] and its validity mask [B, max_seqlen_k].
+        """Each sequence's K and V, [B, H_kv, max_seqlen_k, D], read through its block table.
 
-        Positions past a sequence's length come from padding or stale slots; they are zeroed
-        so that garbage in an uninitialised pool (even NaN) cannot leak through 0 * NaN.
+        Positions past a sequence's length hold stale or padding slots, which the mask hides.
+        That is exact only if they are finite (0 * NaN is NaN), so the pool must be allocated
+        with torch.zeros, never torch.empty.
         """
-        max_k, block_size = meta.max_seqlen_k, meta.block_size
-        num_blocks = -(-max_k // block_size)
+        num_blocks = -(-meta.max_seqlen_k // meta.block_size)
         block_tables = meta.block_tables[:, :num_blocks].long()
-        key = k_cache[block_tables].flatten(1, 2)[:, :max_k]
-        value = v_cache[block_tables].flatten(1, 2)[:, :max_k]
-        valid = torch.arange(max_k, device=key.device) < meta.seqlens_k.long().unsqueeze(1)
-        keep = valid[:, :, None, None]
-        return torch.where(keep, key, 0), torch.where(keep, value, 0), valid
+        key = k_cache[block_tables].flatten(1, 2)[:, : meta.max_seqlen_k]
+        value = v_cache[block_tables].flatten(1, 2)[:, : meta.max_seqlen_k]
+        return key.transpose(1, 2), value.transpose(1, 2)
 
     @staticmethod
-    def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence index, slot within the sequence's queries) of each packed query token."""
+    def _token_coordinates(meta: AttentionMetadata, num_tokens: int):
+        """Each packed query token's (sequence, slot among that sequence's queries), and seqlens_q."""
         cu = meta.cu_seqlens_q.long()
         seqlens_q = cu[1:] - cu[:-1]
         seq_of_token = torch.repeat_interleave(
             torch.arange(meta.num_seqs, device=cu.device), seqlens_q, output_size=num_tokens
         )
         slot_of_token = torch.arange(num_tokens, device=cu.device) - cu[seq_of_token]
-        return seq_of_token, slot_of_token
+        return seq_of_token, slot_of_token, seqlens_q

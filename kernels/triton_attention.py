@@ -66,7 +66,7 @@ def prefill_config(block_d: int) -> PrefillConfig:
         return PrefillConfig(16, 16, 4, 1)  # smallest tiles tl.dot allows on a GPU
     if block_d <= 128:
         return PrefillConfig(128, 64, 8, 3)
-    return PrefillConfig(64, 32, 4, 2)  # padded D=256 tiles would not fit shared memory at 128x64
+    return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
 
 
 def decode_config(block_d: int) -> DecodeConfig:
@@ -420,9 +420,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, _num_sms(q.device), cfg.block_n)
     if num_splits > 1:
-        part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        # One allocation for the partials: acc [B, H_q, splits, D], then max and sum [B, H_q, splits].
+        n = num_seqs * num_q_heads * num_splits
+        workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=q.device)
+        part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
     else:
         part_acc = part_m = part_l = out  # not touched when SPLIT is False
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](

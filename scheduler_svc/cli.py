@@ -7,6 +7,7 @@ import os
 import sys
 
 from scheduler_svc.config import add_engine_args, engine_config_from_args
+from scheduler_svc.server_config import add_server_args
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,64 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s frontend %(levelname)s %(message)s")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import functools
+
+    from scheduler_svc.launcher import launch_engine
+    from scheduler_svc.server import run_frontend
+    from scheduler_svc.server_config import server_config_from_args
+    from scheduler_svc.supervisor import supervise
+
+    _setup_logging(args.log_level)
+    engine_config = engine_config_from_args(args)
+    server_config = server_config_from_args(args)
+    server_config.model = engine_config.model
+    procs = launch_engine(engine_config)
+    try:
+        return asyncio.run(run_frontend(server_config, procs.frontend_addr, supervise=functools.partial(supervise, procs)))
+    finally:
+        procs.shutdown()
+
+
+def _cmd_frontend(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from scheduler_svc.server import run_frontend
+    from scheduler_svc.server_config import server_config_from_args
+
+    _setup_logging(args.log_level)
+    return asyncio.run(run_frontend(server_config_from_args(args), args.scheduler_addr))
+
+
+def _add_client_parsers(client: argparse.ArgumentParser) -> None:
+    from scheduler_svc.grpc_client import add_client_args
+
+    sub = client.add_subparsers(dest="client_command", required=True)
+    for name, help_text in [("generate", "generate from a text prompt"), ("chat", "one chat turn, templated"),
+                            ("tokenize", "text to tokens"), ("info", "the model and the engine"),
+                            ("stats", "scheduler counters"), ("health", "exit 0 when SERVING")]:
+        p = sub.add_parser(name, help=help_text)
+        add_client_args(p)
+        if name in ("generate", "chat"):
+            p.add_argument("message" if name == "chat" else "prompt")
+            if name == "chat":
+                p.add_argument("--system", default="", help="a system message first")
+            p.add_argument("--no-stream", action="store_true", help="one unary Generate call")
+            p.add_argument("--priority", type=int, default=0)
+            _add_sampling_args(p)
+        elif name == "tokenize":
+            p.add_argument("text")
+        elif name == "health":
+            p.add_argument("--service", default="", help='"" (the server) or nanoserve.v1.Generation')
+
+
 def _cmd_executor(argv: list[str]) -> int:
     # exec, so that this process (part of scheduler_svc) never imports torch itself
     os.execv(sys.executable, [sys.executable, "-m", "executor_svc", *argv])
@@ -94,11 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_args(gen)
     _add_sampling_args(gen)
+    serve = sub.add_parser("serve", help="serve gRPC with every role on this machine")
+    add_engine_args(serve)
+    add_server_args(serve, with_model=False)
+    serve.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    frontend = sub.add_parser("frontend", help="serve gRPC in front of a separately running scheduler")
+    frontend.add_argument("--scheduler-addr", default=os.environ.get("NANOSERVE_SCHEDULER_ADDR", "tcp://127.0.0.1:5559"),
+                          help="the scheduler's frontend socket (its --frontend-addr)")
+    add_server_args(frontend)
+    frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    _add_client_parsers(sub.add_parser("client", help="call a running server"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)
+    if args.command == "serve":
+        return _cmd_serve(args)
+    if args.command == "frontend":
+        return _cmd_frontend(args)
+    if args.command == "client":
+        from scheduler_svc.grpc_client import run_client
+
+        return run_client(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -10,6 +10,7 @@ from scheduler_svc.model_paths import default_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -30,6 +31,7 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0  # KV pool budget on the CPU
     enforce_eager: bool = False
     executor_timeout_s: float = 30.0  # no heartbeat for this long means the executor is lost
+    load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -58,6 +60,7 @@ class EngineConfig:
              f"--tensor-parallel-size must be positive, got {self.tensor_parallel_size}")
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
 
     def to_argv(self) -> list[str]:
@@ -97,6 +100,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
+                   help="dummy: random weights from config.json alone (benchmarks)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -35,6 +35,9 @@ class EngineProcesses:
     executors: list[subprocess.Popen]
     config: EngineConfig
     tmpdir: tempfile.TemporaryDirectory | None = None
+    executor_argvs: list[list[str]] = field(default_factory=list)  # to restart a rank with the same flags
+    env: dict | None = None
+    log_path: str | None = None
     _closed: bool = field(default=False, repr=False)
 
     def all(self) -> list[subprocess.Popen]:
@@ -44,6 +47,33 @@ class EngineProcesses:
         """(name, exit code) of every child that has exited."""
         names = ["scheduler"] + [f"executor rank {r}" for r in range(len(self.executors))]
         return [(n, p.returncode) for n, p in zip(names, self.all()) if p.poll() is not None]
+
+    def restart_dead_executors(self) -> list[int]:
+        """Start again every executor that exited, with the same flags; returns the restarted ranks.
+
+        With tensor parallelism the whole group restarts: a survivor is stuck in the old group's
+        collectives. Call it once the scheduler has declared the engine lost, so that it takes the
+        new handshakes as a fresh engine.
+        """
+        dead = [rank for rank, proc in enumerate(self.executors) if proc.poll() is not None]
+        if not dead or self._closed:
+            return []
+        ranks = dead
+        if len(self.executors) > 1:
+            ranks = list(range(len(self.executors)))
+            for proc in self.executors:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            dist_addr = f"127.0.0.1:{_free_port()}"
+            for argv in self.executor_argvs:
+                argv[argv.index("--dist-init-addr") + 1] = dist_addr
+        stdout = open(self.log_path, "ab") if self.log_path else None
+        for rank in ranks:
+            self.executors[rank] = _spawn(self.executor_argvs[rank], stdout, self.env or dict(os.environ))
+        if stdout:
+            stdout.close()
+        return ranks
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """SIGTERM the scheduler (it tells executors to exit), then make sure everyone is gone."""
@@ -93,15 +123,17 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
     scheduler = _spawn([sys.executable, "-m", "scheduler_svc.scheduler_process", "--watch-parent",
                         "--frontend-addr", frontend_addr, "--executor-addr", executor_addr, *flags], stdout, env)
     dist_addr = f"127.0.0.1:{dist_port or _free_port()}"
-    executors = [
-        _spawn([sys.executable, "-m", "executor_svc", "--watch-parent", "--rank", str(rank),
-                "--world-size", str(config.tensor_parallel_size), "--scheduler-addr", executor_addr,
-                "--dist-init-addr", dist_addr, *flags], stdout, env)
+    executor_argvs = [
+        [sys.executable, "-m", "executor_svc", "--watch-parent", "--rank", str(rank),
+         "--world-size", str(config.tensor_parallel_size), "--scheduler-addr", executor_addr,
+         "--dist-init-addr", dist_addr, *flags]
         for rank in range(config.tensor_parallel_size)
     ]
+    executors = [_spawn(argv, stdout, env) for argv in executor_argvs]
     if stdout:
         stdout.close()
-    procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, tmp)
+    procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, tmp,
+                            executor_argvs=executor_argvs, env=env, log_path=log_path)
     _live.add(procs)
     return procs
 

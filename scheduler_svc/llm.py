@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 from protos import engine_pb2
 from scheduler_svc.config import EngineConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine_client import EngineClient, EngineError
 from scheduler_svc.launcher import EngineProcesses, launch_engine
+from scheduler_svc.output_tracker import OutputTracker
 from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.stop_strings import StopStringMatcher
 from scheduler_svc.tokenizer import Tokenizer, has_tokenizer
 
 FINISH_REASONS = {
@@ -48,38 +47,32 @@ class GenerationResult:
 
 
 class _Tracker:
-    """Turns one sub-request's engine outputs into text, honouring stop strings."""
+    """Accumulates one sub-request's deltas (output_tracker.py) into its CompletionOutput."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, out: CompletionOutput):
         self.out = out
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None
-        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        self.done = False
-        self.num_cached_tokens = 0
+        self.tracker = OutputTracker(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.done
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.tracker.num_cached_tokens
 
     def apply(self, ro: engine_pb2.RequestOutput) -> bool:
         """Returns True when a stop string ended it here (the engine must be told to abort)."""
-        if self.done:
+        delta = self.tracker.apply(ro)
+        if delta is None:
             return False
-        self.num_cached_tokens = ro.num_cached_tokens
-        self.out.token_ids.extend(ro.new_token_ids)
-        self.out.logprobs.extend(ro.logprobs)
-        if self.detok is not None:
-            self.out.text += self.stops.feed(self.detok.add(list(ro.new_token_ids)))
-        if self.stops.matched is not None:
-            self.done = True
-            self.out.finish_reason, self.out.stop_reason = "stop", self.stops.matched
-            return True
-        if ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-            if self.detok is not None:
-                self.out.text += self.stops.feed(self.detok.flush())
-                self.out.text += self.stops.flush()
-            self.done = True
-            self.out.finish_reason = FINISH_REASONS[ro.finish_reason]
-            self.out.error = ro.error
-            if ro.stop_token_id >= 0:
-                self.out.stop_reason = ro.stop_token_id
-        return False
+        self.out.text += delta.text
+        self.out.token_ids.extend(delta.token_ids)
+        self.out.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.out.finish_reason = FINISH_REASONS[delta.finish_reason]
+            self.out.stop_reason, self.out.error = delta.stop_reason, delta.error
+        return delta.stopped_by_string
 
 
 class LLM:

@@ -64,7 +64,9 @@ class SchedulerProcess:
         self.step_id = 0
         self.stopping = False
         self.counters = {"num_finished": 0, "num_aborted": 0, "num_generated_tokens": 0, "num_steps": 0,
-                         "num_partial_prefill_chunks": 0, "num_mixed_steps": 0, "num_prefill_tokens": 0}
+                         "num_partial_prefill_chunks": 0, "num_mixed_steps": 0, "num_prefill_tokens": 0,
+                         "prefill_step_seconds": 0.0, "decode_step_seconds": 0.0, "executor_busy_seconds": 0.0,
+                         "executor_idle_seconds": 0.0}
 
     # ------------------------------------------------------------------ frontend side
 
@@ -254,13 +256,17 @@ class SchedulerProcess:
             time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
             return
         self.step_id += 1
-        self._count_step(out)
+        t0 = time.perf_counter()
+        has_prefill = self._count_step(out)
         plan = build_step_plan(self.step_id, out)
         msg = engine_pb2.SchedulerToExecutor(plan=plan)
         for rank in range(self.world_size):
             self._send_executor(rank, msg)
         result = self._wait_result(self.step_id)
         self.counters["num_steps"] += 1
+        self.counters["prefill_step_seconds" if has_prefill else "decode_step_seconds"] += time.perf_counter() - t0
+        self.counters["executor_busy_seconds"] += result.execute_seconds
+        self.counters["executor_idle_seconds"] += result.idle_seconds
         if result.error:
             log.error("step %d failed: %s", self.step_id, result.error)
             for item in out.scheduled:
@@ -271,7 +277,8 @@ class SchedulerProcess:
         updates = self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()})
         self._emit(updates, sampled)
 
-    def _count_step(self, out: SchedulerOutput) -> None:
+    def _count_step(self, out: SchedulerOutput) -> bool:
+        """Update step counters; True when the step computes prefill tokens."""
         decodes = prefills = 0
         for item in out.scheduled:
             seq = item.seq
@@ -284,6 +291,7 @@ class SchedulerProcess:
                 self.counters["num_prefill_tokens"] += item.num_new_tokens
         if decodes and prefills:
             self.counters["num_mixed_steps"] += 1
+        return prefills > 0
 
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:
         while True:

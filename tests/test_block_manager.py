@@ -312,5 +312,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+TestBlockManagerMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])

@@ -513,8 +513,8 @@ class SchedulerMachineWithoutPrefixCaching(SchedulerMachine):
     enable_prefix_caching = False
 
 
-_settings = settings(max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = _settings
 TestSchedulerMachineWithoutPrefixCaching = SchedulerMachineWithoutPrefixCaching.TestCase
-TestSchedulerMachineWithoutPrefixCaching.settings = settings(_settings, max_examples=30)
+TestSchedulerMachineWithoutPrefixCaching.settings = settings(_settings, max_examples=25)

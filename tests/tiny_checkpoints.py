@@ -64,7 +64,27 @@ def make_tiny_qwen3(path: str, seed: int = 2, **overrides) -> str:
     return _randomize_and_save(Qwen3ForCausalLM(config), path, seed)
 
 
-MAKERS = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "qwen3": make_tiny_qwen3}
+def make_tiny_llama3_biased(path: str) -> str:
+    """Llama with llama3 rope scaling (theta 1e5), every bias on, tied embeddings, vocab 251 (odd)."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 100000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,  # short, so test prompts reach the scaled band
+    }
+    return make_tiny_llama(
+        path, seed=3, vocab_size=251, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, rope_parameters=rope
+    )
+
+
+MAKERS = {
+    "llama": make_tiny_llama,
+    "qwen2": make_tiny_qwen2,
+    "qwen3": make_tiny_qwen3,
+    "llama3_biased": make_tiny_llama3_biased,
+}
 
 
 def tiny_checkpoint(kind: str, tmp_path_factory) -> str:

@@ -1,0 +1,242 @@
+"""Benchmarks of the Triton attention kernels; a benchmark, not a test.
+
+  python bench/kernels.py                      # H200: decode bandwidth, prefill TFLOP/s, store GB/s
+  python bench/kernels.py --sweep              # + decode tile / warps / stages / splits sweep
+  python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
+
+Decode is memory bound, so it is scored as effective bandwidth: K+V bytes of every context read
+once, divided by the kernel time, next to a plain device-to-device copy measured in the same run.
+Heads are Qwen3-0.6B's (16 q heads, 8 KV heads, D=128), bf16, block size 16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the
+# kernels package.
+sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+DECODE_SHAPES = [(b, c) for b in (64, 256) for c in (512, 1024, 4096)]  # (seqs, context)
+PREFILL_SHAPES = [(4, 1024, 0), (4, 1024, 3072), (1, 8192, 0)]  # (seqs, new tokens each, cached prefix)
+STORE_TOKENS = 8192
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
+    p.add_argument("--sweep", action="store_true", help="also sweep decode configs")
+    p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
+    import torch
+
+    bench = Bench(torch.device(args.device), tiny=args.tiny)
+    results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
+    print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
+    results["decode"] = bench.decode()
+    results["prefill"] = bench.prefill()
+    results["store_kvcache"] = bench.store()
+    if args.sweep:
+        results["decode_sweep"] = bench.decode_sweep()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+class Bench:
+    def __init__(self, device, tiny: bool):
+        import torch
+        import triton
+
+        from kernels import triton_attention as ta
+        from kernels.attention_backend import AttentionMetadata
+
+        self.torch, self.triton, self.ta, self.Meta = torch, triton, ta, AttentionMetadata
+        self.device = device
+        self.dtype = torch.bfloat16
+        self.heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
+        self.decode_shapes, self.prefill_shapes, self.store_tokens = DECODE_SHAPES, PREFILL_SHAPES, STORE_TOKENS
+        if tiny:
+            self.heads = (4, 2, 32)
+            self.decode_shapes, self.prefill_shapes, self.store_tokens = [(2, 40)], [(2, 20, 8)], 16
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    # -- timing ------------------------------------------------------------------------------
+
+    def time_us(self, fn, graph: bool = False) -> float:
+        """Median microseconds; on the GPU with an L2 flush per call (do_bench), or graph-replayed."""
+        if self.device.type != "cuda":
+            fn()  # the interpreter has no compile step, but keep the shape of a warm run
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e6
+        testing = self.triton.testing
+        if graph:  # no launch overhead, as decode runs in the server (CUDA graphs); no L2 flush
+            return testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+        return testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def randn(self, *shape):
+        return self.torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype)
+
+    def paged_batch(self, seqlens_q: list[int], seqlens_k: list[int]):
+        """q and a pool whose blocks are shuffled across sequences, as in a long-running server."""
+        torch = self.torch
+        hq, hkv, d = self.heads
+        blocks_each = [self.triton.cdiv(k, BLOCK_SIZE) for k in seqlens_k]
+        num_blocks = sum(blocks_each)
+        order = torch.randperm(num_blocks, generator=self.gen, device=self.device).to(torch.int32)
+        block_tables = torch.zeros(len(seqlens_k), max(blocks_each), dtype=torch.int32, device=self.device)
+        used = 0
+        for i, n in enumerate(blocks_each):
+            block_tables[i, :n] = order[used:used + n]
+            used += n
+        k_cache = self.randn(num_blocks, BLOCK_SIZE, hkv, d)
+        v_cache = self.randn(num_blocks, BLOCK_SIZE, hkv, d)
+        q = self.randn(sum(seqlens_q), hq, d)
+        cu = torch.tensor([0] + torch.tensor(seqlens_q).cumsum(0).tolist(), dtype=torch.int32, device=self.device)
+        meta = self.Meta(
+            slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=cu,
+            seqlens_k=torch.tensor(seqlens_k, dtype=torch.int32, device=self.device),
+            block_tables=block_tables,
+            max_seqlen_q=max(seqlens_q),
+            max_seqlen_k=max(seqlens_k),
+            block_size=BLOCK_SIZE,
+        )
+        return q, k_cache, v_cache, meta
+
+    # -- benchmarks --------------------------------------------------------------------------
+
+    def copy_bandwidth(self) -> dict:
+        nbytes = (2 << 30) if self.device.type == "cuda" else (1 << 20)
+        src = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+        dst = self.torch.empty_like(src)
+        us = self.time_us(lambda: dst.copy_(src))
+        return {"bytes": 2 * nbytes, "us": us, "tb_per_s": 2 * nbytes / us / 1e6}
+
+    def decode(self) -> list[dict]:
+        torch, ta = self.torch, self.ta
+        F = torch.nn.functional
+        hq, hkv, d = self.heads
+        rows = []
+        print("\ndecode attention (bf16, block 16)")
+        print(f"{'B':>5} {'C':>6} {'splits':>6} {'us':>8} {'TB/s':>6} {'graph us':>9} {'TB/s':>6}"
+              f" {'sdpa us':>8} {'TB/s':>6} {'rel err':>8}")
+        for num_seqs, context in self.decode_shapes:
+            q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
+            scale = d ** -0.5
+            kv_bytes = 2 * num_seqs * context * hkv * d * k_cache.element_size()
+            splits = ta.decode_num_splits(num_seqs, hkv, context, ta._num_sms(self.device),
+                                          ta.decode_config(ta._block_d(d)).block_n)
+            run = lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta, scale)  # noqa: E731
+            us = self.time_us(run)
+            graph_us = self.time_us(run, graph=True) if self.device.type == "cuda" else us
+
+            # Dense SDPA over the same contexts: a reference point and a correctness check.
+            blocks = meta.block_tables.long()
+            k_dense = k_cache[blocks].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+            v_dense = v_cache[blocks].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+            q_dense = q.unsqueeze(2)
+            sdpa = lambda: F.scaled_dot_product_attention(q_dense, k_dense, v_dense, scale=scale,  # noqa: E731
+                                                          enable_gqa=True)
+            ref = sdpa().squeeze(2).float()
+            err = ((run().float() - ref).norm() / ref.norm()).item()
+            sdpa_us = self.time_us(sdpa)
+            del k_dense, v_dense
+            row = {"num_seqs": num_seqs, "context": context, "splits": splits, "kv_bytes": kv_bytes,
+                   "us": us, "tb_per_s": kv_bytes / us / 1e6, "graph_us": graph_us,
+                   "graph_tb_per_s": kv_bytes / graph_us / 1e6, "sdpa_us": sdpa_us,
+                   "sdpa_tb_per_s": kv_bytes / sdpa_us / 1e6, "rel_err_vs_sdpa": err}
+            rows.append(row)
+            print(f"{num_seqs:>5} {context:>6} {splits:>6} {us:>8.1f} {row['tb_per_s']:>6.2f} {graph_us:>9.1f}"
+                  f" {row['graph_tb_per_s']:>6.2f} {sdpa_us:>8.1f} {row['sdpa_tb_per_s']:>6.2f} {err:>8.1e}")
+            del q, k_cache, v_cache
+            torch.cuda.empty_cache() if self.device.type == "cuda" else None
+        return rows
+
+    def prefill(self) -> list[dict]:
+        ta = self.ta
+        hq, hkv, d = self.heads
+        rows = []
+        print("\nprefill attention (bf16, causal, block 16)")
+        print(f"{'seqs':>5} {'new':>6} {'prefix':>6} {'us':>9} {'TFLOP/s':>8}")
+        for num_seqs, new, prefix in self.prefill_shapes:
+            q, k_cache, v_cache, meta = self.paged_batch([new] * num_seqs, [prefix + new] * num_seqs)
+            # Query i sees prefix + i + 1 keys; QK^T and PV are 2 flops per multiply-add each.
+            flops = num_seqs * 4 * d * hq * sum(prefix + i + 1 for i in range(new))
+            us = self.time_us(lambda: ta.paged_prefill_attention(q, k_cache, v_cache, meta, d ** -0.5))
+            row = {"num_seqs": num_seqs, "new_tokens": new, "prefix": prefix, "flops": flops, "us": us,
+                   "tflop_per_s": flops / us / 1e6}
+            rows.append(row)
+            print(f"{num_seqs:>5} {new:>6} {prefix:>6} {us:>9.1f} {row['tflop_per_s']:>8.1f}")
+        return rows
+
+    def store(self) -> dict:
+        torch, ta = self.torch, self.ta
+        _, hkv, d = self.heads
+        tokens = self.store_tokens
+        k_cache = self.randn(2 * tokens // BLOCK_SIZE, BLOCK_SIZE, hkv, d)
+        v_cache = self.randn(2 * tokens // BLOCK_SIZE, BLOCK_SIZE, hkv, d)
+        key, value = self.randn(tokens, hkv, d), self.randn(tokens, hkv, d)
+        slots = torch.randperm(2 * tokens, generator=self.gen, device=self.device)[:tokens]
+        us = self.time_us(lambda: ta.store_kvcache(key, value, k_cache, v_cache, slots))
+        nbytes = 2 * 2 * key.numel() * key.element_size()  # K and V, each read once and written once
+        row = {"tokens": tokens, "bytes": nbytes, "us": us, "gb_per_s": nbytes / us / 1e3}
+        print(f"\nstore_kvcache: {tokens} tokens, {us:.1f} us, {row['gb_per_s']:.0f} GB/s")
+        return row
+
+    def decode_sweep(self) -> list[dict]:
+        """Every decode config on a few shapes; pick the defaults in kernels/triton_attention.py from it."""
+        ta = self.ta
+        hq, hkv, d = self.heads
+        shapes = [(64, 512), (64, 4096), (256, 1024)] if self.device.type == "cuda" else self.decode_shapes
+        configs = [ta.DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        if self.device.type != "cuda":
+            configs = configs[:2]
+        rows = []
+        print("\ndecode sweep: best 5 per shape")
+        for num_seqs, context in shapes:
+            q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
+            kv_bytes = 2 * num_seqs * context * hkv * d * k_cache.element_size()
+            auto = ta.decode_num_splits(num_seqs, hkv, context, ta._num_sms(self.device), 64)
+            shape_rows = []
+            for cfg in configs:
+                for splits in sorted({1, auto, 2 * auto}):
+                    try:
+                        us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
+                            q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=cfg), graph=True)
+                    except Exception as e:  # out of shared memory or registers: skip the config
+                        print(f"  skip {cfg} splits={splits}: {type(e).__name__}")
+                        continue
+                    shape_rows.append({"num_seqs": num_seqs, "context": context, "block_n": cfg.block_n,
+                                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                       "splits": splits, "us": us, "tb_per_s": kv_bytes / us / 1e6})
+            shape_rows.sort(key=lambda r: r["us"])
+            for r in shape_rows[:5]:
+                print(f"  B={num_seqs:<4} C={context:<5} block_n={r['block_n']:<4} warps={r['num_warps']}"
+                      f" stages={r['num_stages']} splits={r['splits']:<3} {r['us']:8.1f} us"
+                      f" {r['tb_per_s']:5.2f} TB/s")
+            rows += shape_rows
+        return rows
+
+
+if __name__ == "__main__":
+    main()

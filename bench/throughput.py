@@ -1,0 +1,135 @@
+"""Offline throughput on nano-vLLM's bench workload, through the real scheduler and executor processes.
+
+Workload: Qwen3-0.6B architecture with random bf16 weights made in-process (no download), 256
+sequences, input lengths U[100, 1024] of random token ids, output lengths U[100, 1024], seed 0,
+temperature 0.6, ignore_eos, one warm-up request.
+
+    python bench/throughput.py [--num-seqs 256] [--model DIR] [--peer transformers] [engine flags]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scheduler_svc.config import add_engine_args, engine_config_from_args  # noqa: E402
+from scheduler_svc.llm import LLM  # noqa: E402
+from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
+
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
+
+def workload(num_seqs: int, max_input: int, max_output: int, seed: int):
+    """nano-vLLM's bench.py draws, in this order, so the token totals match (133,966 output at 256)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input))] for _ in range(num_seqs)]
+    max_tokens = [rng.randint(100, max_output) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def run_nanoserve(args, prompts, max_tokens) -> dict:
+    config = engine_config_from_args(args)
+    engine_args = {k: v for k, v in vars(config).items() if k != "model"}
+    with LLM(config.model, **engine_args) as llm:
+        llm.generate([list(range(1, 12))], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        before = llm.stats()
+        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        elapsed = time.perf_counter() - t0
+        after = llm.stats()
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    assert out_tokens == sum(max_tokens), f"generated {out_tokens} tokens, expected {sum(max_tokens)}"
+    delta = lambda name: getattr(after, name) - getattr(before, name)  # noqa: E731
+    return {
+        "engine": "nanoserve", "output_tokens": out_tokens, "seconds": elapsed,
+        "output_tok_per_s": out_tokens / elapsed, "steps": delta("num_steps"),
+        "prefill_seconds": delta("prefill_step_seconds"), "decode_seconds": delta("decode_step_seconds"),
+        "executor_busy_seconds": delta("executor_busy_seconds"),
+        "executor_idle_seconds": delta("executor_idle_seconds"), "preemptions": delta("num_preemptions"),
+        "kv_blocks": after.total_kv_blocks,
+    }
+
+
+def run_transformers_peer(model_dir: str, prompts, max_tokens, temperature: float) -> dict:
+    """transformers' own continuous batching on the same workload, in this process."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.generation import GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=temperature,
+                           eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=[list(range(1, 12))], generation_config=gen, progress_bar=False)  # warm-up
+    t0 = time.perf_counter()
+    out_tokens = 0
+    # the manager API takes a max_new_tokens per request, as the workload needs
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        manager.add_request(input_ids=p, request_id=str(i), max_new_tokens=m)
+    for _ in prompts:
+        result = manager.get_result(timeout=600)
+        out_tokens += len(result.generated_tokens)
+    manager.stop(block=True)
+    elapsed = time.perf_counter() - t0
+    return {"engine": "transformers", "output_tokens": out_tokens, "seconds": elapsed,
+            "output_tok_per_s": out_tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--peer", choices=["none", "transformers"], default="none")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--out", default="bench/results/throughput.json")
+    add_engine_args(parser)
+    parser.set_defaults(max_num_batched_tokens=16384, max_num_seqs=512)
+    args = parser.parse_args()
+    tmp = None
+    if not args.model:  # the Qwen3-0.6B architecture with random weights, made in-process
+        tmp = tempfile.TemporaryDirectory(prefix="qwen3-0.6b-random-")
+        with open(os.path.join(tmp.name, "config.json"), "w") as f:
+            json.dump(QWEN3_0_6B, f)
+        args.model = tmp.name
+        args.load_format = "dummy"
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.workload_seed)
+    rows = [run_nanoserve(args, prompts, max_tokens)]
+    if args.peer == "transformers":
+        rows.append(run_transformers_peer(args.model, prompts, max_tokens, args.temperature))
+    print(f"\nthroughput: {args.num_seqs} seqs, input U[100,{args.max_input_len}], output U[100,{args.max_output_len}]")
+    print(f"{'engine':>13} {'out tokens':>10} {'seconds':>8} {'tok/s':>9} {'steps':>6} {'prefill s':>9} "
+          f"{'decode s':>9} {'exec busy':>9} {'exec idle':>9}")
+    for r in rows:
+        print(f"{r['engine']:>13} {r['output_tokens']:>10} {r['seconds']:>8.2f} {r['output_tok_per_s']:>9.0f} "
+              f"{r.get('steps', 0):>6} {r.get('prefill_seconds', 0):>9.2f} {r.get('decode_seconds', 0):>9.2f} "
+              f"{r.get('executor_busy_seconds', 0):>9.2f} {r.get('executor_idle_seconds', 0):>9.2f}")
+    if len(rows) == 2:
+        print(f"ratio nanoserve / transformers: {rows[0]['output_tok_per_s'] / rows[1]['output_tok_per_s']:.1f}x")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"num_seqs": args.num_seqs, "rows": rows}, f, indent=2)
+    if tmp:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The gRPC front end's link to the scheduler, for asyncio (the sync twin is engine_client.py).
+
+One reader task receives everything the scheduler sends and routes it: RequestOutputs to the
+queue of the stream that owns the request id, stats replies to the caller waiting on that query
+id, and EngineReady / EngineLost to the `ready` state. A lost engine ends every open stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from protos import engine_pb2
+
+log = logging.getLogger("nanoserve.frontend")
+
+HELLO_INTERVAL_S = 1.0  # while not ready, say hello again so a restarted scheduler learns about us
+
+
+@dataclass
+class EngineLost:
+    """Put in every open stream's queue when the engine can no longer serve it."""
+    reason: str
+
+
+def _log_send_error(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("send to the scheduler failed: %s", future.exception())
+
+
+class AsyncEngineClient:
+    def __init__(self, scheduler_addr: str, name: str = "frontend") -> None:
+        self.name = name
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{name}-{uuid.uuid4().hex[:8]}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(scheduler_addr)
+        self.ready: engine_pb2.EngineReady | None = None
+        self.awaiting_scheduler_loss = False  # see mark_lost
+        self.scheduler_losses = 0  # EngineLost messages received; the supervisor waits on it
+        self.on_ready_change: list[Callable[[bool], None]] = []  # called with the new readiness
+        self._streams: dict[str, asyncio.Queue] = {}  # engine request id -> its stream's queue
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._hello_loop())]
+
+    # ------------------------------------------------------------------ requests
+
+    def open_stream(self, request_ids: list[str]) -> asyncio.Queue:
+        """One queue that receives the outputs of all these engine requests (n samples of a request)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for rid in request_ids:
+            self._streams[rid] = queue
+        return queue
+
+    def close_stream(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add(self, request: engine_pb2.AddRequest) -> None:
+        self._send(engine_pb2.FrontendToScheduler(add=request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(engine_pb2.FrontendToScheduler(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
+
+    async def stats(self, timeout_s: float = 5.0) -> engine_pb2.SchedulerStats:
+        """Ask the scheduler for its counters; TimeoutError if it does not answer."""
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters[query_id] = future
+        try:
+            self._send(engine_pb2.FrontendToScheduler(stats=engine_pb2.StatsQuery(query_id=query_id)))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._stats_waiters.pop(query_id, None)
+
+    def fail_streams(self, reason: str) -> None:
+        """End every open stream: each gets an EngineLost."""
+        for queue in {id(q): q for q in self._streams.values()}.values():
+            queue.put_nowait(EngineLost(reason))
+
+    def mark_lost(self, reason: str, await_scheduler: bool = False) -> None:
+        """The engine cannot serve: end every open stream and stop being ready.
+
+        await_scheduler: we saw the loss first (an executor process exited); ignore the scheduler's
+        `ready` until it reports the loss itself, since until then it still thinks it can serve.
+        """
+        was_ready = self.ready is not None
+        self.ready = None
+        self.awaiting_scheduler_loss = self.awaiting_scheduler_loss or await_scheduler
+        self.fail_streams(reason)
+        if was_ready:
+            log.error("engine lost: %s", reason)
+            self._notify(False)
+
+    # ------------------------------------------------------------------ the reader
+
+    def _send(self, msg: engine_pb2.FrontendToScheduler) -> None:
+        # A DEALER send does not block while the peer keeps up; the future is only for errors.
+        self.sock.send(msg.SerializeToString()).add_done_callback(_log_send_error)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = engine_pb2.SchedulerToFrontend.FromString(await self.sock.recv())
+            kind = msg.WhichOneof("kind")
+            if kind == "outputs":
+                for ro in msg.outputs.outputs:
+                    queue = self._streams.get(ro.request_id)
+                    if queue is not None:
+                        queue.put_nowait(ro)
+            elif kind == "stats":
+                future = self._stats_waiters.get(msg.stats.query_id)
+                if future is not None and not future.done():
+                    future.set_result(msg.stats)
+            elif kind == "ready" and not self.awaiting_scheduler_loss:
+                became_ready = self.ready is None
+                self.ready = msg.ready
+                if became_ready:
+                    log.info("engine ready: %s, max_model_len %d", msg.ready.model.model_name,
+                             msg.ready.max_model_len)
+                    self._notify(True)
+            elif kind == "lost":
+                self.awaiting_scheduler_loss = False
+                self.scheduler_losses += 1
+                self.mark_lost(msg.lost.reason)
+
+    async def _hello_loop(self) -> None:
+        hello = engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(frontend_name=self.name))
+        while True:
+            if self.ready is None:
+                self._send(hello)
+            await asyncio.sleep(HELLO_INTERVAL_S)
+
+    def _notify(self, ready: bool) -> None:
+        for callback in self.on_ready_change:
+            callback(ready)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close()
+        self.ctx.term()

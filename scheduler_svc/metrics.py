@@ -1,0 +1,85 @@
+"""Prometheus metrics of the front end: per-request latencies and tokens, and the scheduler's gauges.
+
+Latencies are measured here, where the client's time is spent; queue and cache figures come from
+the scheduler's counters, polled every second.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from protos import engine_pb2
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()  # one per server, so tests can run several
+        r = self.registry
+        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("nanoserve_time_per_output_token_seconds", "Mean time between output tokens",
+                              buckets=TOKEN_TIME_BUCKETS, registry=r)
+        self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Request arrival to its last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("nanoserve_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("nanoserve_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
+        self.running = Gauge("nanoserve_num_requests_running", "Sequences being generated", registry=r)
+        self.waiting = Gauge("nanoserve_num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.kv_usage = Gauge("nanoserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests", registry=r)
+        self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
+        self.preemptions = Counter("nanoserve_preemptions", "Sequences preempted", registry=r)
+        self._preemptions_seen = 0
+
+    def serve(self, host: str, port: int):
+        """Serve /metrics over HTTP; returns the server (call .shutdown() to stop it)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server
+
+    def update_from_stats(self, s: engine_pb2.SchedulerStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        if s.total_kv_blocks:
+            self.kv_usage.set(1.0 - s.free_kv_blocks / s.total_kv_blocks)
+        if s.prefix_cache_query_tokens:
+            self.prefix_hit_rate.set(s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens)
+        if s.num_preemptions < self._preemptions_seen:  # the scheduler restarted
+            self._preemptions_seen = 0
+        self.preemptions.inc(s.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = s.num_preemptions
+
+    def start_request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latencies of one client request (all n completions together)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.num_tokens = 0
+
+    def on_tokens(self, count: int) -> None:
+        if count and self.first_token is None:
+            self.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.first_token - self.start)
+        self.num_tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def finish(self, outcome: str, prompt_tokens: int) -> None:
+        """outcome: finished, cancelled, or the gRPC status that ended it (e.g. unavailable)."""
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        if outcome == "finished":
+            end = time.perf_counter()
+            m.e2e.observe(end - self.start)
+            m.prompt_tokens.inc(prompt_tokens)
+            if self.first_token is not None and self.num_tokens > 1:
+                m.tpot.observe((end - self.first_token) / (self.num_tokens - 1))

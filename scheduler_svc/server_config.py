@@ -1,0 +1,83 @@
+"""Front-end flags: where to listen, who may call, and the request limits. Safe defaults."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestLimits:
+    max_n: int = 16  # completions per request
+    max_logprobs: int = 20  # top candidates per token
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256  # characters
+    default_max_tokens: int = 256  # when the request leaves max_tokens unset
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0  # Prometheus /metrics; 0 turns it off
+    model: str = ""  # tokenizer and chat template directory; empty means the embedded model
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
+    max_pending_requests: int = 1024  # engine sequences in flight through this front end
+    max_receive_message_mb: int = 16
+    api_key: str | None = None  # required as `authorization: Bearer <key>` when set
+    tls_cert: str | None = None  # PEM server certificate chain; with tls_key, serve TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA bundle; when set, clients must present a certificate (mTLS)
+    drain_grace_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
+    scheduler_timeout_s: float = 10.0  # no stats reply for this long means the scheduler is lost
+
+    def validate(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        for name, value in [("max_pending_requests", self.max_pending_requests),
+                            ("max_receive_message_mb", self.max_receive_message_mb),
+                            ("max_n", self.limits.max_n), ("max_stop_string_length", self.limits.max_stop_string_length),
+                            ("default_max_tokens", self.limits.default_max_tokens)]:
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0:
+            raise ValueError("--max-logprobs and --max-stop-strings must be >= 0")
+
+
+def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    d, limits = ServerConfig(), RequestLimits()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=os.environ.get("NANOSERVE_HOST", d.host), help="address to bind")
+    g.add_argument("--port", type=int, default=int(os.environ.get("NANOSERVE_PORT", d.port)))
+    g.add_argument("--metrics-port", type=int, default=int(os.environ.get("NANOSERVE_METRICS_PORT", d.metrics_port)),
+                   help="serve Prometheus metrics on this port (0: off)")
+    if with_model:
+        g.add_argument("--model", default="", help="tokenizer directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                   help="require `authorization: Bearer <key>` (or set NANOSERVE_API_KEY)")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain; serve TLS")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, help="PEM CA bundle; require client certificates (mTLS)")
+    g.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s,
+                   help="on SIGTERM, let in-flight requests finish for this long")
+    g.add_argument("--scheduler-timeout-s", type=float, default=d.scheduler_timeout_s)
+    g = parser.add_argument_group("limits")
+    g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
+                   help="sequences in flight before new requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--max-receive-message-mb", type=int, default=d.max_receive_message_mb)
+    g.add_argument("--max-n", type=int, default=limits.max_n)
+    g.add_argument("--max-logprobs", type=int, default=limits.max_logprobs)
+    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    g.add_argument("--max-stop-string-length", type=int, default=limits.max_stop_string_length)
+    g.add_argument("--default-max-tokens", type=int, default=limits.default_max_tokens)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
+    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "limits"]
+    config = ServerConfig(limits=limits, **{n: getattr(args, n) for n in names if hasattr(args, n)})
+    config.validate()
+    return config
