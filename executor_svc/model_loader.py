@@ -62,9 +62,11 @@ def _facts(model_dir: str, config) -> ModelFacts:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, load_format: str = "auto"
 ) -> tuple[nn.Module, ModelFacts]:
-    """The model on `device` in `dtype`, weights loaded (this rank's shard), attention on `backend`."""
+    """The model on `device` in `dtype`, weights loaded (this rank's shard), attention on `backend`.
+
+    load_format "dummy" draws random weights from config.json alone (benchmarks, no checkpoint)."""
     config = AutoConfig.from_pretrained(model_dir)
     facts = _facts(model_dir, config)
     model_cls = MODEL_REGISTRY.get(facts.architecture)
@@ -74,11 +76,28 @@ def load_model(
         )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, model_dir)
     model.requires_grad_(False)
     for attn in model.attention_layers():
         attn.backend = backend
     return model, facts
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights at a scale that keeps activations finite: norms near 1, matrices ~N(0, 1/fan_in)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.zero_()
+        else:
+            noise = torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
+            param.copy_(noise / param.shape[-1] ** 0.5)
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:

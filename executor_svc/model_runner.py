@@ -11,7 +11,7 @@ import torch
 
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.model_loader import ModelFacts, load_model
-from executor_svc.sampler import Sampler, SamplingBatch
+from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
 from kernels.attention_backend import AttentionMetadata, get_backend
 from protos import engine_pb2
@@ -64,13 +64,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = get_backend(config.attention_backend, self.device)
-        self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend)
+        self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._pinned: dict[str, torch.Tensor] = {}
         self.num_blocks = self._size_kv_pool()
         self._allocate_kv_pool(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # the torch reference backend syncs the host inside store_kvcache, so it cannot be captured
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
                                        self.facts.hidden_size, self.dtype, self.device)
             self.graphs.capture()
@@ -116,13 +117,7 @@ class ModelRunner:
             next_block += nb
         self._allocate_kv_pool(next_block)
         inputs = self.prepare_inputs(chunks)
-        bucket = None
-        if self.graphs is not None and inputs.meta.is_decode:
-            bucket = self.graphs.bucket(len(chunks), inputs.meta.max_seqlen_k)
-        if bucket is not None:
-            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self.model.compute_logits(hidden[inputs.logits_indices])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -252,13 +247,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[engine_pb2.SampledToken]:
         seqs = [c.seq for c in chunks]
-        batch = SamplingBatch.build(
-            [s.sampling for s in seqs],
-            [s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            [s.token_ids[s.num_prompt_tokens:] for s in seqs],
-            self.facts.vocab_size,
-            self.device,
-        )
+        batch = build_for_sequences([s.sampling for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device)
         out = self.sampler(logits.float(), batch)
         token_ids = out.token_ids.tolist()
         want = [s.sampling.logprobs for s in seqs]

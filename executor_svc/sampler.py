@@ -101,6 +101,19 @@ class SamplingBatch:
         )
 
 
+def build_for_sequences(options: list[engine_pb2.SamplingOptions], token_ids: list[list[int]],
+                        num_prompt_tokens: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
+    """SamplingBatch.build from whole token lists, slicing prompt/output only when a row needs them
+    (penalties or a seed): copying every sequence's tokens each step would cost more than sampling."""
+    needs_prompt = any(o.repetition_penalty > 0 and o.repetition_penalty != 1 for o in options)
+    needs_output = needs_prompt or any(o.presence_penalty or o.frequency_penalty or o.HasField("seed")
+                                       for o in options)
+    empty: list[int] = []
+    prompts = [t[:n] for t, n in zip(token_ids, num_prompt_tokens)] if needs_prompt else [empty] * len(options)
+    outputs = [t[n:] for t, n in zip(token_ids, num_prompt_tokens)] if needs_output else [empty] * len(options)
+    return SamplingBatch.build(options, prompts, outputs, vocab_size, device)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                 # int64 [B]

@@ -61,19 +61,24 @@ class DecodeConfig:
     num_stages: int
 
 
-def prefill_config(block_d: int) -> PrefillConfig:
+def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     if INTERPRET:
         return PrefillConfig(16, 16, 4, 1)  # smallest tiles tl.dot allows on a GPU
+    if dtype == torch.float32:
+        return PrefillConfig(64, 32, 8, 2)  # exact fp32 dots run on CUDA cores: keep tiles small
     if block_d <= 128:
         return PrefillConfig(128, 64, 8, 3)
     return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
 
 
-def decode_config(block_d: int) -> DecodeConfig:
+def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     if INTERPRET:
         return DecodeConfig(16, 4, 1)
+    if dtype == torch.float32:
+        return DecodeConfig(32, 8, 3)
     if block_d <= 128:
-        # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step: enough bytes in flight per CTA.
+        # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
+        # shared). 3 stages let the pipeliner fetch the next step's block ids ahead of its K/V.
         return DecodeConfig(64, 4, 3)
     return DecodeConfig(32, 4, 3)
 
@@ -386,7 +391,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     _check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
-    cfg = config or prefill_config(block_d)
+    cfg = config or prefill_config(block_d, q.dtype)
     grid = (triton.cdiv(meta.max_seqlen_q, cfg.block_m), num_q_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seqlens_k, meta.cu_seqlens_q, scale * LOG2E,
@@ -416,7 +421,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     _check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
-    cfg = config or decode_config(block_d)
+    cfg = config or decode_config(block_d, q.dtype)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, _num_sms(q.device), cfg.block_n)
     if num_splits > 1:

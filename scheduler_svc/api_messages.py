@@ -1,8 +1,10 @@
 """Engine facts and tracker deltas written as the public nanoserve.v1 messages."""
 from __future__ import annotations
 
+from typing import Iterable
+
 from protos import engine_pb2, generation_pb2
-from scheduler_svc.output_tracker import Delta
+from scheduler_svc.output_tracker import Delta, OutputTracker
 
 FINISH_REASONS = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: generation_pb2.FINISH_REASON_UNSPECIFIED,
@@ -31,6 +33,14 @@ def completion_output(index: int, delta: Delta) -> generation_pb2.CompletionOutp
     return out
 
 
+def usage(num_prompt_tokens: int, trackers: Iterable[OutputTracker]) -> generation_pb2.Usage:
+    """Token counts of a request; the n completions share one prompt."""
+    trackers = list(trackers)
+    return generation_pb2.Usage(prompt_tokens=num_prompt_tokens,
+                                completion_tokens=sum(t.num_tokens for t in trackers),
+                                cached_prompt_tokens=max(t.num_cached_tokens for t in trackers))
+
+
 def merge_output(total: generation_pb2.CompletionOutput, part: generation_pb2.CompletionOutput) -> None:
     """Append a streamed delta to the whole completion (the unary Generate)."""
     total.text += part.text
@@ -53,5 +63,6 @@ def model_info(ready: engine_pb2.EngineReady) -> generation_pb2.ModelInfo:
 
 
 def stats(s: engine_pb2.SchedulerStats) -> generation_pb2.Stats:
-    names = set(generation_pb2.Stats.DESCRIPTOR.fields_by_name) & set(engine_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
+    names = set(generation_pb2.Stats.DESCRIPTOR.fields_by_name)
+    names &= set(engine_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
     return generation_pb2.Stats(**{name: getattr(s, name) for name in names})

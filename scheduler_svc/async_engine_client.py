@@ -25,7 +25,7 @@ HELLO_INTERVAL_S = 1.0  # while not ready, say hello again so a restarted schedu
 
 @dataclass
 class EngineLost:
-    """Put in every open stream's queue when the engine can no longer serve it."""
+    """Put in every open stream's queue when it cannot be served any more; the reason goes to the client."""
     reason: str
 
 
@@ -44,7 +44,6 @@ class AsyncEngineClient:
         self.sock.connect(scheduler_addr)
         self.ready: engine_pb2.EngineReady | None = None
         self.awaiting_scheduler_loss = False  # see mark_lost
-        self.scheduler_losses = 0  # EngineLost messages received; the supervisor waits on it
         self.on_ready_change: list[Callable[[bool], None]] = []  # called with the new readiness
         self._streams: dict[str, asyncio.Queue] = {}  # engine request id -> its stream's queue
         self._stats_waiters: dict[int, asyncio.Future] = {}
@@ -66,9 +65,6 @@ class AsyncEngineClient:
     def close_stream(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._streams.pop(rid, None)
-
-    def in_flight(self, request_id: str) -> bool:
-        return request_id in self._streams
 
     @property
     def num_in_flight(self) -> int:
@@ -106,7 +102,7 @@ class AsyncEngineClient:
         was_ready = self.ready is not None
         self.ready = None
         self.awaiting_scheduler_loss = self.awaiting_scheduler_loss or await_scheduler
-        self.fail_streams(reason)
+        self.fail_streams(f"engine lost: {reason}")
         if was_ready:
             log.error("engine lost: %s", reason)
             self._notify(False)
@@ -139,7 +135,6 @@ class AsyncEngineClient:
                     self._notify(True)
             elif kind == "lost":
                 self.awaiting_scheduler_loss = False
-                self.scheduler_losses += 1
                 self.mark_lost(msg.lost.reason)
 
     async def _hello_loop(self) -> None:

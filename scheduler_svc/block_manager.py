@@ -9,6 +9,8 @@ import xxhash
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.sequence import Sequence
 
+BlockIds = list[int] | tuple[int, ...]
+
 # A per-process seed, so colliding token blocks cannot be prepared offline. Lookups verify tokens anyway.
 _HASH_SEED = secrets.randbits(64)
 
@@ -62,21 +64,21 @@ class BlockManager:
             parent = block_hash
         return block_ids, len(block_ids) * bs
 
-    def _num_blocks_to_take(self, seq: Sequence, num_tokens: int, computed_blocks: list[int]) -> int:
+    def num_blocks_to_take(self, seq: Sequence, num_tokens: int, computed_blocks: BlockIds = ()) -> int:
+        """Free-pool blocks that growing seq to num_tokens tokens would use (revived hits included)."""
         fresh = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0)
+        revived = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_count == 0) if computed_blocks else 0
         return max(fresh, 0) + revived
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[int] | tuple[int, ...] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: BlockIds = ()) -> bool:
         """Whether seq's block table can grow to hold num_tokens tokens (after the computed blocks)."""
-        return self._num_blocks_to_take(seq, num_tokens, list(computed_blocks)) <= self.pool.num_free_blocks
+        return self.num_blocks_to_take(seq, num_tokens, computed_blocks) <= self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[int] | tuple[int, ...] = ()) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int, computed_blocks: BlockIds = ()) -> None:
         """Grow seq.block_table to ceil(num_tokens / block_size) blocks, prefix-cache hits first.
 
         computed_blocks come from get_computed_blocks() and only go to an empty table.
         """
-        computed_blocks = list(computed_blocks)
         if computed_blocks and seq.block_table:
             raise ValueError(f"seq {seq.seq_id}: cached blocks go only to an empty block table")
         if not self.can_allocate(seq, num_tokens, computed_blocks):
@@ -104,7 +106,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), num_computed_tokens // bs):
+        for i in range(len(seq.block_hashes), num_computed_tokens // bs):  # usually empty: cheap to call
             parent = seq.block_hashes[i - 1] if i else None
             block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block_hash = hash_block(parent, block_tokens)

@@ -87,7 +87,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_config.model = engine_config.model
     procs = launch_engine(engine_config)
     try:
-        return asyncio.run(run_frontend(server_config, procs.frontend_addr, supervise=functools.partial(supervise, procs)))
+        return asyncio.run(run_frontend(server_config, procs.frontend_addr,
+                                        supervise=functools.partial(supervise, procs)))
     finally:
         procs.shutdown()
 
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(serve, with_model=False)
     serve.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
     frontend = sub.add_parser("frontend", help="serve gRPC in front of a separately running scheduler")
-    frontend.add_argument("--scheduler-addr", default=os.environ.get("NANOSERVE_SCHEDULER_ADDR", "tcp://127.0.0.1:5559"),
+    frontend.add_argument("--scheduler-addr",
+                          default=os.environ.get("NANOSERVE_SCHEDULER_ADDR", "tcp://127.0.0.1:5559"),
                           help="the scheduler's frontend socket (its --frontend-addr)")
     add_server_args(frontend)
     frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))

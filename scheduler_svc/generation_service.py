@@ -100,9 +100,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     priority=request.priority, arrival_time=time.time()))
             while pending:
                 item = await self._next(queue, context)
+                if item is None:
+                    outcome = "deadline_exceeded"
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
                 if isinstance(item, EngineLost):
                     outcome = "unavailable"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine lost: {item.reason}")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, item.reason)
                 delta = trackers[item.request_id].apply(item)
                 if delta is None:
                     continue
@@ -118,15 +121,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 response = generation_pb2.GenerateResponse(
                     request_id=rid, outputs=[api_messages.completion_output(index[item.request_id], delta)])
                 if not pending:
-                    response.usage.CopyFrom(generation_pb2.Usage(
-                        prompt_tokens=len(valid.prompt_token_ids),
-                        completion_tokens=sum(t.num_tokens for t in trackers.values()),
-                        cached_prompt_tokens=max(t.num_cached_tokens for t in trackers.values())))
+                    response.usage.CopyFrom(api_messages.usage(len(valid.prompt_token_ids), trackers.values()))
                     outcome = "finished"
                 yield response
         finally:
-            unfinished = [eid for eid in engine_ids if eid in pending]
-            self.engine.abort(unfinished)
+            self.engine.abort([eid for eid in engine_ids if eid in pending])
             self.engine.close_stream(engine_ids)
             self.requests.pop(rid, None)
             timer.finish(outcome, len(valid.prompt_token_ids))
@@ -138,18 +137,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not ready: executors are starting or lost")
         return self.engine.ready
 
-    async def _next(self, queue: asyncio.Queue, context):
+    @staticmethod
+    async def _next(queue: asyncio.Queue, context):
+        """The next engine output or EngineLost; None once the call's deadline has passed."""
         remaining = context.time_remaining()
         if remaining is None or remaining > NO_DEADLINE_S:
             return await queue.get()
         try:
             return await asyncio.wait_for(queue.get(), max(remaining, 0.0))
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
-
-    def fail_all(self, reason: str) -> None:
-        """End every in-flight generation with UNAVAILABLE (shutdown after the drain)."""
-        self.engine.fail_streams(reason)
+            return None
 
     async def Abort(self, request, context):
         aborted = []

@@ -56,15 +56,19 @@ def _generate(stub, request: generation_pb2.GenerateRequest, args, metadata) -> 
             print(out.text)
             print(f"[{FINISH_NAMES[out.finish_reason]}, {len(out.token_ids)} tokens]", file=sys.stderr)
         return 0
+    texts, n = {}, request.sampling.n or 1
     for response in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
         for out in response.outputs:
-            prefix = f"[{out.index}] " if request.sampling.n > 1 else ""
-            if out.text:
-                sys.stdout.write(prefix + out.text if prefix else out.text)
+            if n == 1:  # one completion: print as it comes
+                sys.stdout.write(out.text)
                 sys.stdout.flush()
+            else:  # several: print each whole, when it ends
+                texts[out.index] = texts.get(out.index, "") + out.text
             if out.finish_reason:
-                print(file=sys.stdout)
-                print(f"{prefix}[{FINISH_NAMES[out.finish_reason]}]", file=sys.stderr)
+                if n > 1:
+                    print(f"=== [{out.index}]\n{texts[out.index]}", end="")
+                print()
+                print(f"[{FINISH_NAMES[out.finish_reason]}]", file=sys.stderr)
         if response.HasField("usage"):
             u = response.usage
             print(f"[prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {u.cached_prompt_tokens}]",

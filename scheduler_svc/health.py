@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2
 
 GENERATION_SERVICE = "nanoserve.v1.Generation"
 SERVICES = ("", GENERATION_SERVICE)
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Health:
@@ -33,5 +34,4 @@ class Health:
 
     async def _apply(self) -> None:
         for name in SERVICES:  # read self.serving each time, so the latest value wins however tasks interleave
-            status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            await self.servicer.set(name, status)
+            await self.servicer.set(name, SERVING if self.serving else NOT_SERVING)

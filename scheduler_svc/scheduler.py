@@ -7,7 +7,7 @@ recently admitted sequence is preempted by recompute.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos import engine_pb2
 from scheduler_svc.block_manager import BlockManager
@@ -29,6 +29,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
 
 @dataclass
 class ScheduledSeq:
@@ -41,7 +46,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted_seq_ids: list[int]  # dropped from the executors; they come back as new
-    finished_seq_ids: list[int]  # finished or aborted since the last schedule(), mirrored by executors
+    finished_seq_ids: list[int]  # finished or aborted since the last step that ran, mirrored by executors
     num_batched_tokens: int
 
 
@@ -50,6 +55,15 @@ class StepUpdate:
     seq: Sequence
     new_token_id: int | None  # None for a prefill chunk that did not reach the end
     finish_reason: int  # engine_pb2.FinishReason; UNSPECIFIED while running
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """A sequence's stop conditions, resolved once at add() so checking a token is cheap."""
+
+    token_ids: frozenset[int]  # EOS (unless ignore_eos) and the request's stop token ids
+    min_tokens: int  # outputs before which those tokens do not stop it
+    max_num_tokens: int  # total length at which it ends with LENGTH (max_tokens or the length limit)
 
 
 @dataclass
@@ -72,6 +86,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
+        self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
         self.counters = _Counters()
         self._next_arrival = 0
 
@@ -81,7 +96,8 @@ class Scheduler:
         if n <= 0 or n != seq.num_tokens:
             raise ValueError(f"seq {seq.seq_id}: prompt must be non-empty and hold every token, got {n}")
         if n >= cfg.max_model_len:
-            raise ValueError(f"prompt of {n} tokens leaves no room to generate within max_model_len={cfg.max_model_len}")
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room to generate within max_model_len={cfg.max_model_len}")
         if n >= cfg.num_blocks * cfg.block_size:
             raise ValueError(
                 f"prompt of {n} tokens leaves no room to generate within the KV pool: num_blocks={cfg.num_blocks}"
@@ -92,6 +108,7 @@ class Scheduler:
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
+        self.stop_rules[seq.seq_id] = self._stop_rule(seq)
         self._push_waiting(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -111,33 +128,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """This step's work. Build the plan from it right away: an abort changes the sequences it names."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[int] = []
+        num_preemptions = self.counters.num_preemptions
         bm = self.block_manager
 
+        bs = self.config.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new == 0:
                 i += 1
                 continue
             num_tokens = seq.num_computed_tokens + num_new
-            while not bm.can_allocate(seq, num_tokens):
-                victim = self.running[-1]  # the most recently admitted
-                self._preempt(victim, preempted)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: nothing after it can run either
-            bm.allocate(seq, num_tokens)
+            if num_tokens > len(seq.block_table) * bs:  # most decodes fit in the table they have
+                while not bm.can_allocate(seq, num_tokens):
+                    victim = self.running[-1]  # the most recently admitted
+                    self._preempt(victim, preempted)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: nothing after it can run either
+                bm.allocate(seq, num_tokens)
             scheduled.append(ScheduledSeq(seq, num_new, is_new=False))
             budget -= num_new
             i += 1
 
-        # Admit waiting sequences in order; stopping at the first that does not fit avoids starving it.
-        while not preempted and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        # Admit waiting sequences in order, unless memory is already short (something was preempted).
+        # Stopping at the first that does not fit keeps it from starving.
+        admit = self.counters.num_preemptions == num_preemptions
+        while admit and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             computed_blocks, num_hit = bm.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_hit, budget)
@@ -153,39 +176,47 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, is_new=True))
             budget -= num_new
 
-        for s in scheduled:
-            s.is_new = not s.seq.in_executor
+        for s in scheduled:  # running ones are already mirrored; admitted ones are sent in full now
             s.seq.in_executor = True
-        finished, self.finished_to_drop = self.finished_to_drop, []
+        # Drops ride on a step that runs. (Nothing scheduled means nothing ran, so nothing was preempted.)
+        finished = []
+        if scheduled:
+            finished, self.finished_to_drop = self.finished_to_drop, []
         return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget)
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
         """Apply a successful step: advance computed tokens, hash full blocks, append samples, check stops."""
-        live = [s for s in out.scheduled if not s.seq.is_finished]  # skip ones aborted while in flight
+        finished = SequenceStatus.FINISHED
+        live = [s for s in out.scheduled if s.seq.status is not finished]  # skip ones aborted while in flight
         for s in live:
-            reaches_end = s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
-            if reaches_end and s.seq.seq_id not in sampled:
-                raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
-        self.counters.num_steps += 1
+            seq = s.seq
+            if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids) and seq.seq_id not in sampled:
+                raise ValueError(f"seq {seq.seq_id} reached its end but no token was sampled for it")
+        bm, bs = self.block_manager, self.config.block_size
         updates: list[StepUpdate] = []
+        num_finished = 0
         for s in live:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.hash_full_blocks(seq, seq.num_computed_tokens)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):
+                bm.hash_full_blocks(seq, seq.num_computed_tokens)
+            if seq.num_computed_tokens < len(seq.token_ids):
                 updates.append(StepUpdate(seq, None, UNFINISHED))  # a prefill chunk
                 continue
             token = sampled[seq.seq_id]
             seq.token_ids.append(token)
             seq.last_token_unsent = True
-            self.counters.num_generated_tokens += 1
             reason = self._check_stop(seq, token)
             if reason != UNFINISHED:
                 self._finish(seq, reason)
-                self.counters.num_finished += 1
+                num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
-        if any(u.finish_reason != UNFINISHED for u in updates):
-            self.running = [seq for seq in self.running if not seq.is_finished]
+        c = self.counters
+        c.num_steps += 1
+        c.num_finished += num_finished
+        c.num_generated_tokens += sum(u.new_token_id is not None for u in updates)
+        if num_finished:
+            self.running = [seq for seq in self.running if seq.status is not finished]
         return updates
 
     def stats(self) -> dict:
@@ -201,15 +232,22 @@ class Scheduler:
             **vars(self.counters),
         )
 
-    def _check_stop(self, seq: Sequence, token: int) -> int:
+    def _stop_rule(self, seq: Sequence) -> StopRule:
         stopping = seq.stopping
-        if seq.num_output_tokens >= stopping.min_tokens:
-            is_eos = token in self.eos_token_ids and not stopping.ignore_eos
-            if is_eos or token in stopping.stop_token_ids:
-                seq.stop_token_id = token
-                return STOP
-        # max_tokens <= 0 means unset: only the length limit applies.
-        if 0 < stopping.max_tokens <= seq.num_output_tokens or seq.num_tokens >= self.max_seq_len:
+        token_ids = set(stopping.stop_token_ids)
+        if not stopping.ignore_eos:
+            token_ids |= self.eos_token_ids
+        max_num_tokens = self.max_seq_len
+        if stopping.max_tokens > 0:  # 0 means unset: only the length limit applies
+            max_num_tokens = min(max_num_tokens, seq.num_prompt_tokens + stopping.max_tokens)
+        return StopRule(frozenset(token_ids), stopping.min_tokens, max_num_tokens)
+
+    def _check_stop(self, seq: Sequence, token: int) -> int:
+        rule = self.stop_rules[seq.seq_id]
+        if token in rule.token_ids and len(seq.token_ids) - seq.num_prompt_tokens >= rule.min_tokens:
+            seq.stop_token_id = token
+            return STOP
+        if len(seq.token_ids) >= rule.max_num_tokens:
             return LENGTH
         return UNFINISHED
 
@@ -235,6 +273,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.requests[seq.request_id]
+        del self.stop_rules[seq.seq_id]
         if seq.in_executor:
             self.finished_to_drop.append(seq.seq_id)
         self._drop_mirror(seq)

@@ -91,7 +91,8 @@ def build_server(config: ServerConfig, service: GenerationService, health: Healt
         server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
-        port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca))
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        port = server.add_secure_port(address, credentials)
     else:
         port = server.add_insecure_port(address)
     return server, port
@@ -121,7 +122,16 @@ async def drain(service: GenerationService, health: Health, grace_s: float) -> N
         await asyncio.sleep(0.05)
     if service.requests:
         log.warning("aborting %d requests still in flight", len(service.requests))
-        service.fail_all("the server is shutting down")
+        service.engine.fail_streams("the server is shutting down")
+
+
+def _exit_code(supervisor: asyncio.Task | None) -> int:
+    if supervisor is None or not supervisor.done() or supervisor.cancelled():
+        return 0
+    if supervisor.exception() is not None:
+        log.error("the supervisor failed", exc_info=supervisor.exception())
+        return 1
+    return supervisor.result() or 0
 
 
 async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None,
@@ -147,22 +157,19 @@ async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None
     await engine.start()
     log.info("nanoserve.v1.Generation on %s:%d (%s), scheduler %s", config.host, port,
              "TLS" if config.tls_cert else "plaintext", scheduler_addr)
-    tasks = [asyncio.create_task(poll_stats(engine, metrics, config.scheduler_timeout_s))]
-    exit_code = 0
     supervisor = asyncio.create_task(supervise(engine, stop)) if supervise else None
+    background = [asyncio.create_task(poll_stats(engine, metrics, config.scheduler_timeout_s))]
+    background += [supervisor] if supervisor else []
     try:
         await stop.wait()
         log.info("shutting down")
         await drain(service, health, config.drain_grace_s)
         await server.stop(grace=5)
     finally:
-        if supervisor is not None:
-            if supervisor.done() and not supervisor.cancelled():
-                exit_code = 1 if supervisor.exception() else supervisor.result() or 0
-            supervisor.cancel()
-        for task in tasks:
+        exit_code = _exit_code(supervisor)
+        for task in background:
             task.cancel()
-        await asyncio.gather(*tasks, *(t for t in [supervisor] if t), return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)
         await engine.close()
         if metrics_server is not None:
             metrics_server.shutdown()

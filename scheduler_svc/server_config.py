@@ -37,10 +37,11 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        for name, value in [("max_pending_requests", self.max_pending_requests),
-                            ("max_receive_message_mb", self.max_receive_message_mb),
-                            ("max_n", self.limits.max_n), ("max_stop_string_length", self.limits.max_stop_string_length),
-                            ("default_max_tokens", self.limits.default_max_tokens)]:
+        at_least_one = {"max_pending_requests": self.max_pending_requests,
+                        "max_receive_message_mb": self.max_receive_message_mb, "max_n": self.limits.max_n,
+                        "max_stop_string_length": self.limits.max_stop_string_length,
+                        "default_max_tokens": self.limits.default_max_tokens}
+        for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0:

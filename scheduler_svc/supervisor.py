@@ -34,6 +34,7 @@ async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asy
         served = served or engine.ready is not None
         if procs.scheduler.poll() is not None:
             log.error("the scheduler exited with code %s", procs.scheduler.returncode)
+            engine.mark_lost("the scheduler exited")
             stop.set()
             return 1
         dead = [(name, code) for name, code in procs.dead() if name != "scheduler"]

@@ -54,7 +54,8 @@ def check_token_ids(ids, vocab_size: int, field: str) -> None:
         check(0 <= t < vocab_size, f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
-def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None,
+                     vocab_size: int) -> list[int]:
     kind = request.WhichOneof("input")
     check(kind is not None, "one input is required: prompt, prompt_token_ids or messages")
     if kind == "prompt":

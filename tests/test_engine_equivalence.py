@@ -85,7 +85,7 @@ def test_smollm2_equals_transformers_with_chunked_prefill_mixed_with_decodes(smo
 
 def test_smollm2_equals_transformers_with_shared_prefix_cache_hits(smol_dir):
     tokenizer = Tokenizer(smol_dir)
-    system = "You are a meticulous assistant. " * 12
+    system = "You are a meticulous assistant who double-checks every fact. " * 12
     prompts = [tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": t}])
                for t in TOPICS[:8]]
     ref = hf_greedy(smol_dir, prompts, NEW_TOKENS)
@@ -94,7 +94,10 @@ def test_smollm2_equals_transformers_with_shared_prefix_cache_hits(smol_dir):
         rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
         stats = llm.stats()
     assert stats.prefix_cache_hit_tokens > 0
-    assert all(r.num_cached_tokens >= 16 * 10 for r in rest), [r.num_cached_tokens for r in rest]
+    common = next(i for i, toks in enumerate(zip(*prompts)) if len(set(toks)) > 1)
+    assert common >= 128, "the shared system prompt should span several blocks"
+    # every later prompt hits every full block of the shared prefix that the first one computed
+    assert all(r.num_cached_tokens == common // 16 * 16 for r in rest), ([r.num_cached_tokens for r in rest], common)
     assert_greedy_matches([r.outputs[0] for r in first + rest], ref)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 
-from grpc_server import smol_dir, start_server
+from grpc_server import free_port, smol_dir, start_server
 from protos import generation_pb2 as pb
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -18,7 +19,10 @@ CAPITAL = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("grpc_api"), "--max-pending-requests", "8")
+    metrics_port = free_port()
+    s = start_server(tmp_path_factory.mktemp("grpc_api"), "--max-pending-requests", "8",
+                     "--metrics-port", str(metrics_port))
+    s.metrics_port = metrics_port
     yield s
     assert s.stop() == 0
 
@@ -311,3 +315,33 @@ def test_concurrent_streams_each_get_their_own_text(server):
     for t in threads:
         t.join()
     assert results == alone
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_prometheus_metrics_count_latencies_tokens_and_engine_gauges(server):
+    before = _scrape(server.metrics_port)
+    server.stub.Generate(chat("Hi", max_tokens=4, ignore_eos=True), timeout=60)
+    time.sleep(2.5)  # the scheduler's gauges are polled every second
+    after = _scrape(server.metrics_port)
+    grew = lambda name, by: after[name] - before.get(name, 0) == by  # noqa: E731
+    assert grew("nanoserve_time_to_first_token_seconds_count", 1)
+    assert grew("nanoserve_e2e_request_latency_seconds_count", 1)
+    assert grew("nanoserve_time_per_output_token_seconds_count", 1)
+    assert grew("nanoserve_generation_tokens_total", 4)
+    assert grew('nanoserve_requests_total{outcome="finished"}', 1)
+    assert after["nanoserve_num_requests_running"] == after["nanoserve_num_requests_waiting"] == 0
+    assert after["nanoserve_kv_cache_usage_ratio"] == 0
+    assert 0 < after["nanoserve_prefix_cache_hit_rate"] <= 1
+    assert "nanoserve_preemptions_total" in after

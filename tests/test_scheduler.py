@@ -215,7 +215,7 @@ def test_an_aborted_sequence_frees_its_blocks_immediately():
     assert a.finish_reason == ABORT and a.is_finished and a.block_table == []
     assert sched.stats()["free_kv_blocks"] == 32 and not sched.has_unfinished()
     assert sched.abort(a.request_id) is None and sched.abort("nope") is None
-    assert sched.schedule().finished_seq_ids == [a.seq_id]
+    assert sched.finished_to_drop == [a.seq_id]
 
 
 def test_aborting_a_sequence_in_flight_is_skipped_by_postprocess():
@@ -227,6 +227,18 @@ def test_aborting_a_sequence_in_flight_is_skipped_by_postprocess():
     sched.abort(a.request_id)
     updates = sched.postprocess(out, {a.seq_id: 7, b.seq_id: 8})
     assert [u.seq for u in updates] == [b] and a.token_ids == [1, 2, 3]
+    assert sched.schedule().finished_seq_ids == [a.seq_id]
+
+
+def test_finished_ids_wait_for_a_step_that_runs():
+    sched = make_scheduler()
+    a = make_seq([1, 2])
+    sched.add(a)
+    step(sched)
+    sched.abort(a.request_id)
+    empty = sched.schedule()
+    assert empty.scheduled == [] and empty.finished_seq_ids == []
+    sched.add(make_seq([3]))
     assert sched.schedule().finished_seq_ids == [a.seq_id]
 
 
@@ -286,7 +298,7 @@ def test_eos_stops_with_reason_stop_and_frees_blocks():
     sched, updates = run_to_end(a, [5, EOS, 6])
     assert a.output_token_ids == [5, EOS] and a.finish_reason == STOP and a.stop_token_id == EOS
     assert updates[-1].finish_reason == STOP and sched.stats()["free_kv_blocks"] == 32
-    assert sched.schedule().finished_seq_ids == [a.seq_id]
+    assert sched.finished_to_drop == [a.seq_id]  # the executors drop it with the next step
 
 
 def test_ignore_eos_keeps_going_until_max_tokens():
@@ -428,11 +440,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [u.seq for u in updates] == live
         for u in updates:
             assert u.new_token_id == sampled.get(u.seq.seq_id)
+            if u.new_token_id is not None:
+                assert u.finish_reason == self.expected_finish_reason(u.seq, u.new_token_id)
             if u.finish_reason:
                 self.record_terminal(u.seq)
-                if u.finish_reason == STOP:
-                    assert u.seq.num_output_tokens >= u.seq.stopping.min_tokens
-                    assert u.new_token_id in {EOS, *u.seq.stopping.stop_token_ids}
+
+    def expected_finish_reason(self, seq, token):
+        stopping, num_out = seq.stopping, seq.num_output_tokens
+        stops = {*stopping.stop_token_ids, *(() if stopping.ignore_eos else (EOS,))}
+        if num_out >= stopping.min_tokens and token in stops:
+            assert seq.stop_token_id == token
+            return STOP
+        if 0 < stopping.max_tokens <= num_out or seq.num_tokens >= self.config.max_model_len:
+            return LENGTH
+        return 0
 
     @precondition(lambda self: self.all_seqs)
     @rule(data=st.data())
@@ -445,24 +466,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert got.block_table == [] and got.finish_reason == ABORT
             self.record_terminal(got)
 
-    @rule()
-    def drain(self):
+    @rule(data=st.data())
+    def drain(self, data):
         """Everything eventually finishes: no request wedges the queue."""
         for _ in range(300):
             if self.out is None and not self.sched.has_unfinished():
                 break
             if self.out is None:
                 self.schedule()
-            self.postprocess_all_fives()
+            self.postprocess(data)
         assert not self.sched.has_unfinished()
-
-    def postprocess_all_fives(self):
-        out, self.out = self.out, None
-        sampled = {s.seq.seq_id: 5 for s in out.scheduled
-                   if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens}
-        for u in self.sched.postprocess(out, sampled):
-            if u.finish_reason:
-                self.record_terminal(u.seq)
 
     def record_terminal(self, seq):
         self.terminal_events[seq.seq_id] = self.terminal_events.get(seq.seq_id, 0) + 1
@@ -513,7 +526,8 @@ class SchedulerMachineWithoutPrefixCaching(SchedulerMachine):
     enable_prefix_caching = False
 
 
-_settings = settings(max_examples=50, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(max_examples=50, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = _settings
 TestSchedulerMachineWithoutPrefixCaching = SchedulerMachineWithoutPrefixCaching.TestCase

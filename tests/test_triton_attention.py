@@ -279,6 +279,19 @@ def test_gpu_decode_matches_reference_for_any_split_count(heads, num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_fp32_inputs_use_exact_dots_not_tf32():
+    q, k_cache, v_cache, meta = make_batch([300, 1], [700, 2000], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                                           block_size=16, device="cuda", seed=16)
+    out = ta.paged_prefill_attention(q, k_cache, v_cache, meta, 0.125)
+    assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, 0.125)) < 1e-4
+    q, k_cache, v_cache, meta = make_batch([1, 1], [700, 2000], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                                           block_size=16, device="cuda", seed=17)
+    out = ta.paged_decode_attention(q, k_cache, v_cache, meta, 0.125, num_splits=3)
+    assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, 0.125)) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_store_kvcache_writes_each_row_at_its_slot_and_skips_minus_one():
     gen = torch.Generator().manual_seed(13)
     num_blocks, block_size, hkv, d, num_tokens = 600, 16, 8, 128, 4096

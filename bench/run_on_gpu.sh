@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device-tool call on the GPU machine: install the carried wheels (.whl, made by
+# ../shared/gpu/wheels.sh), build the stubs, then run the steps named as arguments:
+#   tests        pytest -m gpu
+#   kernels      bench/kernels.py
+#   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags)
+#   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
+# Logs go to $OUT; the tables are printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/nanoserve-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+summary=()
+for step in "$@"; do
+  case "$step" in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+      summary+=("tests: $(tail -n 1 "$OUT/gpu_tests.log")") ;;
+    kernels)
+      python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
+    throughput)
+      python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} \
+        > "$OUT/throughput.log" 2>&1
+      grep -v " INFO " "$OUT/throughput.log" | tail -n 25 ;;
+    profile)
+      python3 bench/step_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/profile.log" | tail -n 45 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"
