@@ -53,6 +53,67 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+class StepLoop:
+    """Overlaps the host with the device: step N+1 is prepared and launched while step N still runs,
+    and step N's ids are sent back only then. With no next plan waiting, step N is answered as soon
+    as the device finishes it."""
+
+    def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int) -> None:
+        self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
+        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
+        self.last_reply: float | None = None
+
+    def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
+        """The next plan, or None once the pending step is done and no plan is waiting."""
+        while True:
+            if self.sock.poll(0 if self.pending else 1000):
+                return engine_pb2.SchedulerToExecutor.FromString(self.sock.recv())
+            if self.pending is not None and self.pending[1].done():
+                return None
+            if self.pending is not None:
+                self.sock.poll(0.2)  # ms: a short wait keeps both the socket and the device in view
+
+    def reply_pending(self) -> None:
+        if self.pending is None:
+            return
+        step_id, pending, execute_seconds, idle_seconds = self.pending
+        self.pending = None
+        result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
+        try:
+            result.sampled.extend(self.runner.finalize(pending))
+            for token in result.sampled:
+                self.mirrors.append_sampled(token.seq_id, token.token_id)
+        except Exception as exc:
+            log.error("rank %d step %d failed:\n%s", self.rank, step_id, traceback.format_exc())
+            del result.sampled[:]
+            result.error = f"{type(exc).__name__}: {exc}"
+        self._send(result)
+        self.last_reply = time.perf_counter()
+
+    def run_plan(self, plan: engine_pb2.StepPlan) -> None:
+        t0 = time.perf_counter()
+        idle = t0 - self.last_reply if self.last_reply is not None and self.pending is None else 0.0
+        try:
+            chunks = self.mirrors.apply(plan)
+            self.runner.copy_blocks(plan.block_copies)
+            inputs = self.runner.launch(chunks)
+            self.mirrors.commit(chunks)
+        except Exception as exc:  # the scheduler fails this step's requests; we keep serving
+            log.error("rank %d step %d failed:\n%s", self.rank, plan.step_id, traceback.format_exc())
+            self.reply_pending()
+            for seq_id in [n.seq_id for n in plan.new_seqs] + [c.seq_id for c in plan.cached_seqs]:
+                self.mirrors.seqs.pop(seq_id, None)
+            self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self.reply_pending()  # step N's ids go back while step N+1 runs on the device
+        pending = self.runner.sample(inputs)
+        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
+
+    def _send(self, result: engine_pb2.StepResult) -> None:
+        if self.rank == 0:
+            self.sock.send(engine_pb2.ExecutorToScheduler(result=result).SerializeToString())
+
+
 def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_addr: str,
                  dist_init_addr: str) -> int:
     from executor_svc.model_runner import ModelRunner, resolve_device
@@ -75,36 +136,17 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.send(engine_pb2.ExecutorToScheduler(handshake=runner.handshake()).SerializeToString())
 
     mirrors = SequenceMirrors()
-    last_reply = None
+    loop = StepLoop(runner, mirrors, sock, rank)
     try:
         while True:
-            msg = engine_pb2.SchedulerToExecutor.FromString(sock.recv())
+            msg = loop.next_message()
+            if msg is None:  # the device finished the pending step before the next plan came
+                loop.reply_pending()
+                continue
             if msg.WhichOneof("kind") == "shutdown":
                 log.info("rank %d shutting down: %s", rank, msg.shutdown.reason)
                 return 0
-            plan = msg.plan
-            t_step = time.perf_counter()
-            result = engine_pb2.StepResult(step_id=plan.step_id)
-            try:
-                chunks = mirrors.apply(plan)
-                runner.copy_blocks(plan.block_copies)
-                sampled = runner.execute(chunks)
-                mirrors.commit(chunks)
-                result.sampled.extend(sampled)
-            except Exception as exc:  # the scheduler fails the step's requests; we keep serving
-                log.error("rank %d step %d failed:\n%s", rank, plan.step_id, traceback.format_exc())
-                result.Clear()
-                result.step_id = plan.step_id
-                result.error = f"{type(exc).__name__}: {exc}"
-                for new in plan.new_seqs:
-                    mirrors.seqs.pop(new.seq_id, None)
-                for cached in plan.cached_seqs:
-                    mirrors.seqs.pop(cached.seq_id, None)
-            result.execute_seconds = time.perf_counter() - t_step
-            result.idle_seconds = t_step - last_reply if last_reply is not None else 0.0
-            last_reply = time.perf_counter()
-            if rank == 0:
-                sock.send(engine_pb2.ExecutorToScheduler(result=result).SerializeToString())
+            loop.run_plan(msg.plan)
     finally:
         stop.set()
         sock.close()

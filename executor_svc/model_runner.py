@@ -45,6 +45,20 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S]: the last token of each chunk that samples
     sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
+    logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
+
+
+@dataclass
+class PendingStep:
+    """A sampled step whose ids are on their way to the host."""
+
+    seqs: list[MirroredSeq]
+    token_ids: torch.Tensor | None  # on the host (pinned on CUDA) once the event fires
+    logprobs: tuple | None  # sampled logprob, rank, top ids, top logprobs
+    event: "torch.cuda.Event | None"
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 def slot_mapping(block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -67,6 +81,9 @@ class ModelRunner:
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._pinned: dict[str, torch.Tensor] = {}
+        self._step_parity = 0
+        self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
+        self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
         self.num_blocks = self._size_kv_pool()
         self._allocate_kv_pool(self.num_blocks)
         self.graphs: DecodeGraphs | None = None
@@ -161,11 +178,12 @@ class ModelRunner:
     def _upload(self, array: np.ndarray, slot: str) -> torch.Tensor:
         """Host array to the device; on CUDA through a reused pinned buffer and a non-blocking copy.
 
-        Reusing one pinned buffer per input is safe because every step ends with a host sync (the
-        sampled ids), so the previous step's copies have finished before this one writes."""
+        Two buffers per input, alternating by step: the executor waits for step N-1 before it
+        prepares step N+1, so the buffer it writes is never still being copied from."""
         if self.device.type != "cuda":
             return torch.from_numpy(array)
         flat = array.reshape(-1)
+        slot = f"{slot}{self._step_parity}"
         buf = self._pinned.get(slot)
         if buf is None or buf.numel() < flat.size or buf.dtype != torch.from_numpy(flat[:0]).dtype:
             buf = torch.empty(max(flat.size, 1024) * 2, dtype=torch.from_numpy(flat[:0]).dtype).pin_memory()
@@ -179,11 +197,18 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         starts, ends, tables, sampling, logits_idx = [], [], [], [], []
+        fill_at, fill_from = [], []  # inputs whose token the previous step sampled, still on the device
         for c in chunks:
             seq = c.seq
             if len(seq.block_table) * bs < c.end:
                 raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
             ids.extend(seq.token_ids[c.start:c.end])
+            if c.needs_pending_token:
+                if c.end != len(seq.token_ids) + 1 or seq.seq_id not in self.prev_rows:
+                    raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
+                fill_at.append(len(ids))
+                fill_from.append(self.prev_rows[seq.seq_id])
+                ids.append(0)
             starts.append(c.start)
             ends.append(c.end)
             tables.append(seq.block_table)
@@ -207,8 +232,13 @@ class ModelRunner:
             max_seqlen_k=int(k_lens.max()),
             block_size=bs,
         )
+        input_ids = self._upload(np.asarray(ids, dtype=np.int64), "input_ids")
+        if fill_at:
+            at = self._upload(np.asarray(fill_at, dtype=np.int64), "fill_at")
+            rows = self._upload(np.asarray(fill_from, dtype=np.int64), "fill_from")
+            input_ids[at] = self.prev_sampled[rows]
         return StepInputs(
-            input_ids=self._upload(np.asarray(ids, dtype=np.int64), "input_ids"),
+            input_ids=input_ids,
             positions=self._upload(positions, "positions"),
             meta=meta,
             logits_indices=self._upload(np.asarray(logits_idx, dtype=np.int64), "logits_indices"),
@@ -226,10 +256,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[engine_pb2.SampledToken]:
-        """Run one step. Every rank runs the forward; rank 0 samples and returns the tokens."""
+    def launch(self, chunks: list[ScheduledChunk]) -> StepInputs | None:
+        """Prepare the step and enqueue its forward and logits; returns before the device finishes."""
         if not chunks:
-            return []
+            return None
+        self._step_parity ^= 1  # alternate pinned buffers: the previous step's copies may be in flight
         inputs = self.prepare_inputs(chunks)
         bucket = None
         if self.graphs is not None and inputs.meta.is_decode:
@@ -238,34 +269,80 @@ class ModelRunner:
             hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sampling_chunks:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        if self.rank != 0:
-            return []
-        return self._sample(logits, inputs.sampling_chunks)
+        if inputs.sampling_chunks:
+            inputs.logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return inputs
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[engine_pb2.SampledToken]:
+    @torch.inference_mode()
+    def sample(self, inputs: StepInputs | None) -> PendingStep:
+        """Sample the launched step (rank 0; other ranks receive the ids) and start copying them to the host.
+
+        Call after the previous step's tokens were appended to the mirrors, so penalties and seeds see them."""
+        chunks = inputs.sampling_chunks if inputs is not None else []
+        if not chunks:
+            return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
-        batch = build_for_sequences([s.sampling for s in seqs], [s.token_ids for s in seqs],
-                                    [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device)
-        out = self.sampler(logits.float(), batch)
-        token_ids = out.token_ids.tolist()
-        want = [s.sampling.logprobs for s in seqs]
         lp = None
-        if any(want) and out.top_token_ids is not None:
-            lp = (out.sampled_logprobs.tolist(), out.sampled_ranks.tolist(),
-                  out.top_token_ids.tolist(), out.top_logprobs.tolist())
+        if self.rank == 0:
+            batch = build_for_sequences([s.sampling for s in seqs], [s.token_ids for s in seqs],
+                                        [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device)
+            out = self.sampler(inputs.logits.float(), batch)
+            token_ids = out.token_ids
+            if batch.max_logprobs > 0 and out.top_token_ids is not None:
+                lp = (out.sampled_logprobs, out.sampled_ranks, out.top_token_ids, out.top_logprobs)
+        else:
+            token_ids = torch.empty(len(chunks), dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(token_ids, src=0)  # every rank feeds them to its next step
+        # the next step reads these on the device for inputs it does not know yet
+        self.prev_sampled = token_ids
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        event = None
+        if self.device.type == "cuda":
+            host = self._pinned_tokens(len(chunks))
+            host.copy_(token_ids, non_blocking=True)
+            if lp is not None:
+                lp = tuple(t.to("cpu", non_blocking=True) for t in lp)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = token_ids
+        return PendingStep(seqs, host, lp, event)
+
+    def finalize(self, pending: PendingStep) -> list[engine_pb2.SampledToken]:
+        """Wait for a sampled step's ids on the host and turn them into the reply."""
+        if not pending.seqs:
+            return []
+        if pending.event is not None:
+            pending.event.synchronize()
+        token_ids = pending.token_ids.tolist()
+        lp = None
+        if pending.logprobs is not None:
+            lp = [t.tolist() for t in pending.logprobs]
         results = []
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(pending.seqs):
             sampled = engine_pb2.SampledToken(seq_id=seq.seq_id, token_id=token_ids[i])
-            if lp is not None and want[i] > 0:
-                n = want[i]
+            n = seq.sampling.logprobs
+            if lp is not None and n > 0:
                 sampled.logprobs.CopyFrom(engine_pb2.TokenLogprobs(
                     sampled_logprob=lp[0][i], sampled_rank=lp[1][i],
                     top_token_ids=lp[2][i][:n], top_logprobs=lp[3][i][:n]))
             results.append(sampled)
         return results
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[engine_pb2.SampledToken]:
+        """One step start to end (no overlap): launch, sample, wait for the ids."""
+        return self.finalize(self.sample(self.launch(chunks)))
+
+    def _pinned_tokens(self, n: int) -> torch.Tensor:
+        key = f"sampled{self._step_parity}"
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64).pin_memory()
+            self._pinned[key] = buf
+        return buf[:n]
 
     def handshake(self) -> engine_pb2.ExecutorHandshake:
         f: ModelFacts = self.facts

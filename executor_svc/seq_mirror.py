@@ -17,6 +17,7 @@ class MirroredSeq:
     block_table: list[int]
     num_computed_tokens: int
     sampling: engine_pb2.SamplingOptions
+    num_pending: int = 0  # tokens sampled by launched steps, not yet appended (on the device)
 
 
 @dataclass
@@ -29,7 +30,12 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.seq.token_ids)
+        return self.end == len(self.seq.token_ids) + self.seq.num_pending
+
+    @property
+    def needs_pending_token(self) -> bool:
+        """Its last input is the token the previous step sampled, still on the device."""
+        return self.end > len(self.seq.token_ids)
 
 
 class SequenceMirrors:
@@ -59,23 +65,33 @@ class SequenceMirrors:
             if seq is None:
                 raise RuntimeError(f"plan {plan.step_id} names seq {cached.seq_id} that this executor does not mirror")
             seq.block_table.extend(cached.new_block_ids)
-            if cached.HasField("last_token_id"):
-                seq.token_ids.append(cached.last_token_id)
+            if cached.HasField("last_token_id") and seq.token_ids[-1] != cached.last_token_id:
+                raise RuntimeError(f"seq {seq.seq_id}: the scheduler's last token {cached.last_token_id} is not "
+                                   f"the one this executor sampled ({seq.token_ids[-1]})")
             chunks.append(self._chunk(seq, cached.num_scheduled_tokens))
         return chunks
 
     @staticmethod
     def _chunk(seq: MirroredSeq, num_scheduled: int) -> ScheduledChunk:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_scheduled
-        if num_scheduled <= 0 or end > len(seq.token_ids):
+        if num_scheduled <= 0 or end > len(seq.token_ids) + seq.num_pending:
             raise RuntimeError(
                 f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
         return ScheduledChunk(seq, start, end)
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """The forward succeeded: the chunks' tokens now have K/V in the pool."""
+        """The forward is launched: the chunks' tokens have K/V in the pool; samples are pending."""
         for chunk in chunks:
+            samples = chunk.samples
             chunk.seq.num_computed_tokens = chunk.end
+            chunk.seq.num_pending += samples
+
+    def append_sampled(self, seq_id: int, token_id: int) -> None:
+        """A sampled token reached the host. The sequence may be gone (finished or preempted since)."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and seq.num_pending:
+            seq.token_ids.append(token_id)
+            seq.num_pending -= 1
 
     def clear(self) -> None:
         self.seqs.clear()

@@ -32,6 +32,7 @@ class EngineConfig:
     enforce_eager: bool = False
     executor_timeout_s: float = 30.0  # no heartbeat for this long means the executor is lost
     load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
+    async_scheduling: bool = True  # plan step N+1 while step N runs
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -100,6 +101,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d["async_scheduling"].default, help="plan the next step while the current one runs")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

@@ -3,6 +3,10 @@
 Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are admitted with
 chunked prefill, so decodes and several prefill chunks share one step. When blocks run out the most
 recently admitted sequence is preempted by recompute.
+
+schedule() may run again before the previous step's result is back (async scheduling): it advances
+num_computed_tokens at once and counts each sample still in flight as a placeholder token, which the
+executors fill in on their side; postprocess() later replaces the placeholder with the real token.
 """
 from __future__ import annotations
 
@@ -38,8 +42,10 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # compute tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    num_new_tokens: int  # compute tokens [start, start + num_new_tokens)
     is_new: bool  # the executors must receive it in full (first admission or after preemption)
+    start: int = 0  # num_computed_tokens before this step
+    samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
 
 
 @dataclass
@@ -139,9 +145,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if num_new == 0:
-                i += 1
+            total = len(seq.token_ids) + seq.num_placeholders
+            num_new = min(total - seq.num_computed_tokens, budget)
+            if num_new == 0 or (seq.num_placeholders and total >= self.stop_rules[seq.seq_id].max_num_tokens):
+                i += 1  # nothing to compute, or the samples in flight already reach its length limit
                 continue
             num_tokens = seq.num_computed_tokens + num_new
             if num_tokens > len(seq.block_table) * bs:  # most decodes fit in the table they have
@@ -153,7 +160,7 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     break  # it preempted itself: nothing after it can run either
                 bm.allocate(seq, num_tokens)
-            scheduled.append(ScheduledSeq(seq, num_new, is_new=False))
+            scheduled.append(self._advance(seq, num_new, is_new=False))
             budget -= num_new
             i += 1
 
@@ -162,6 +169,8 @@ class Scheduler:
         admit = self.counters.num_preemptions == num_preemptions
         while admit and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if seq.num_placeholders:
+                break  # preempted while a step was in flight: its token must arrive before it is resent
             computed_blocks, num_hit = bm.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_hit, budget)
             if not bm.can_allocate(seq, num_hit + num_new, computed_blocks):
@@ -173,7 +182,7 @@ class Scheduler:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new, is_new=True))
+            scheduled.append(self._advance(seq, num_new, is_new=True))
             budget -= num_new
 
         for s in scheduled:  # running ones are already mirrored; admitted ones are sent in full now
@@ -184,30 +193,40 @@ class Scheduler:
             finished, self.finished_to_drop = self.finished_to_drop, []
         return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget)
 
+    def _advance(self, seq: Sequence, num_new: int, is_new: bool) -> ScheduledSeq:
+        """Commit a chunk at schedule time; a chunk that reaches the end leaves a placeholder token."""
+        start = seq.num_computed_tokens
+        samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
+        seq.num_computed_tokens = start + num_new
+        seq.num_placeholders += samples
+        return ScheduledSeq(seq, num_new, is_new, start, samples)
+
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
-        """Apply a successful step: advance computed tokens, hash full blocks, append samples, check stops."""
+        """Apply a successful step: hash newly full blocks, append samples, check stops."""
         finished = SequenceStatus.FINISHED
         live = [s for s in out.scheduled if s.seq.status is not finished]  # skip ones aborted while in flight
         for s in live:
-            seq = s.seq
-            if seq.num_computed_tokens + s.num_new_tokens == len(seq.token_ids) and seq.seq_id not in sampled:
-                raise ValueError(f"seq {seq.seq_id} reached its end but no token was sampled for it")
+            if s.samples and s.seq.seq_id not in sampled:
+                raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
         bm, bs = self.block_manager, self.config.block_size
         updates: list[StepUpdate] = []
         num_finished = 0
         for s in live:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if seq.num_computed_tokens // bs > len(seq.block_hashes):
-                bm.hash_full_blocks(seq, seq.num_computed_tokens)
-            if seq.num_computed_tokens < len(seq.token_ids):
-                updates.append(StepUpdate(seq, None, UNFINISHED))  # a prefill chunk
-                continue
-            token = sampled[seq.seq_id]
-            seq.token_ids.append(token)
-            seq.last_token_unsent = True
-            reason = self._check_stop(seq, token)
+            token, reason = None, UNFINISHED
+            if s.samples:
+                token = sampled[seq.seq_id]
+                seq.num_placeholders -= 1
+                seq.token_ids.append(token)
+                seq.last_token_unsent = True
+                reason = self._check_stop(seq, token)
+            # blocks this step filled, with every token known, are now safe to share
+            computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
+            if seq.status is SequenceStatus.RUNNING and computed // bs > len(seq.block_hashes):
+                bm.hash_full_blocks(seq, computed)
             if reason != UNFINISHED:
+                if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent
+                    self.waiting.remove(seq)
                 self._finish(seq, reason)
                 num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
@@ -272,6 +291,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_placeholders = 0  # samples still in flight for it are discarded
         del self.requests[seq.request_id]
         del self.stop_rules[seq.seq_id]
         if seq.in_executor:

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -29,6 +30,14 @@ IDLE_POLL_MS = 50
 
 class EngineLostError(Exception):
     """An executor died or stopped answering."""
+
+
+@dataclass
+class InFlightStep:
+    step_id: int
+    out: SchedulerOutput
+    has_prefill: bool
+    launched_at: float
 
 
 @dataclass
@@ -63,6 +72,11 @@ class SchedulerProcess:
         self.arrivals = 0
         self.step_id = 0
         self.stopping = False
+        # async scheduling: plan step N+1 while step N runs (the executors fill in its sampled tokens)
+        self.pipeline_depth = 2 if config.async_scheduling else 1
+        self.in_flight: deque[InFlightStep] = deque()
+        self.results: dict[int, engine_pb2.StepResult] = {}
+        self.last_result_at = 0.0
         self.counters = {"num_finished": 0, "num_aborted": 0, "num_generated_tokens": 0, "num_steps": 0,
                          "num_partial_prefill_chunks": 0, "num_mixed_steps": 0, "num_prefill_tokens": 0,
                          "prefill_step_seconds": 0.0, "decode_step_seconds": 0.0, "executor_busy_seconds": 0.0,
@@ -139,7 +153,7 @@ class SchedulerProcess:
 
     # ------------------------------------------------------------------ executor side
 
-    def _handle_executor(self, identity: bytes, payload: bytes) -> engine_pb2.StepResult | None:
+    def _handle_executor(self, identity: bytes, payload: bytes) -> None:
         msg = engine_pb2.ExecutorToScheduler.FromString(payload)
         kind = msg.WhichOneof("kind")
         if kind == "heartbeat":
@@ -147,8 +161,7 @@ class SchedulerProcess:
         elif kind == "handshake":
             self._on_handshake(msg.handshake)
         elif kind == "result":
-            return msg.result
-        return None
+            self.results[msg.result.step_id] = msg.result
 
     def _on_handshake(self, hs: engine_pb2.ExecutorHandshake) -> None:
         log.info("executor rank %d/%d joined (pid %d): %d blocks of %d on %s, %s, backend %s", hs.rank,
@@ -213,8 +226,7 @@ class SchedulerProcess:
 
     # ------------------------------------------------------------------ the loop
 
-    def _poll(self, timeout_ms: int) -> engine_pb2.StepResult | None:
-        result = None
+    def _poll(self, timeout_ms: int) -> None:
         events = dict(self.poller.poll(timeout_ms))
         if self.frontend in events:
             while True:
@@ -229,19 +241,19 @@ class SchedulerProcess:
                     identity, payload = self.executors.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                result = self._handle_executor(identity, payload) or result
-        return result
+                self._handle_executor(identity, payload)
 
     def run(self) -> None:
         log.info("scheduler waiting for %d executor(s)", self.world_size)
         while not self.stopping:
-            busy = self.scheduler is not None and self.scheduler.has_unfinished()
+            busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
             self._poll(0 if busy else IDLE_POLL_MS)
             try:
                 self._check_liveness()
-                if self.scheduler is not None and self.scheduler.has_unfinished():
-                    self._step()
+                self._advance()
             except EngineLostError as exc:
+                self.in_flight.clear()
+                self.results.clear()
                 self._engine_lost(str(exc))
         for rank in list(self.handshakes):
             try:
@@ -249,26 +261,43 @@ class SchedulerProcess:
             except EngineLostError:
                 pass
 
-    def _step(self) -> None:
-        assert self.scheduler is not None
+    def _advance(self) -> None:
+        """Plan ahead while fewer than pipeline_depth steps are in flight, else apply the oldest result."""
+        if self.scheduler is None:
+            return
+        if len(self.in_flight) < self.pipeline_depth and self.scheduler.has_unfinished():
+            if self._launch_step():
+                return
+        if self.in_flight:
+            self._finish_step(self.in_flight.popleft())
+        elif self.scheduler.has_unfinished():
+            time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
+
+    def _launch_step(self) -> bool:
         out = self.scheduler.schedule()
         if not out.scheduled:
-            time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
-            return
+            return False
         self.step_id += 1
-        t0 = time.perf_counter()
         has_prefill = self._count_step(out)
-        plan = build_step_plan(self.step_id, out)
-        msg = engine_pb2.SchedulerToExecutor(plan=plan)
+        msg = engine_pb2.SchedulerToExecutor(plan=build_step_plan(self.step_id, out, self.pipeline_depth == 1))
         for rank in range(self.world_size):
             self._send_executor(rank, msg)
-        result = self._wait_result(self.step_id)
+        self.in_flight.append(InFlightStep(self.step_id, out, has_prefill, time.perf_counter()))
+        return True
+
+    def _finish_step(self, step: "InFlightStep") -> None:
+        result = self._wait_result(step.step_id)
+        now = time.perf_counter()
+        # steps overlap, so a step's share of the wall clock runs from the later of its launch and the last reply
+        self.counters["prefill_step_seconds" if step.has_prefill else "decode_step_seconds"] += \
+            now - max(step.launched_at, self.last_result_at)
+        self.last_result_at = now
         self.counters["num_steps"] += 1
-        self.counters["prefill_step_seconds" if has_prefill else "decode_step_seconds"] += time.perf_counter() - t0
         self.counters["executor_busy_seconds"] += result.execute_seconds
         self.counters["executor_idle_seconds"] += result.idle_seconds
+        out = step.out
         if result.error:
-            log.error("step %d failed: %s", self.step_id, result.error)
+            log.error("step %d failed: %s", step.step_id, result.error)
             for item in out.scheduled:
                 self._abort(item.seq.request_id, engine_pb2.FINISH_REASON_ERROR, error=f"executor: {result.error}")
             self.scheduler.postprocess(out, {})
@@ -281,10 +310,9 @@ class SchedulerProcess:
         """Update step counters; True when the step computes prefill tokens."""
         decodes = prefills = 0
         for item in out.scheduled:
-            seq = item.seq
-            if seq.num_computed_tokens + item.num_new_tokens < seq.num_tokens:
+            if not item.samples:
                 self.counters["num_partial_prefill_chunks"] += 1
-            if seq.num_computed_tokens >= seq.num_prompt_tokens and item.num_new_tokens == 1:
+            if item.start >= item.seq.num_prompt_tokens and item.num_new_tokens == 1:
                 decodes += 1
             else:
                 prefills += 1
@@ -294,11 +322,10 @@ class SchedulerProcess:
         return prefills > 0
 
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:
-        while True:
-            result = self._poll(IDLE_POLL_MS)
-            if result is not None and result.step_id == step_id:
-                return result
+        while step_id not in self.results:
+            self._poll(IDLE_POLL_MS)
             self._check_liveness()
+        return self.results.pop(step_id)
 
     def _emit(self, updates, sampled: dict[int, engine_pb2.SampledToken]) -> None:
         by_frontend: dict[bytes, engine_pb2.StepOutputs] = {}

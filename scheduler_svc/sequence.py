@@ -25,7 +25,8 @@ class Sequence:
     arrival_order: int = 0  # ties broken by arrival
     status: SequenceStatus = SequenceStatus.WAITING
 
-    num_computed_tokens: int = 0  # tokens whose K/V is in the pool
+    num_computed_tokens: int = 0  # tokens whose K/V is in the pool or being computed by a step in flight
+    num_placeholders: int = 0  # tokens sampled by steps in flight, not yet known here
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block

@@ -35,9 +35,13 @@ def make_scheduler(**overrides) -> Scheduler:
 def step(sched: Scheduler, token: int = 7):
     """One iteration where every sequence that reaches its end samples `token`."""
     out = sched.schedule()
-    sampled = {s.seq.seq_id: token for s in out.scheduled
-               if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens}
+    sampled = {s.seq.seq_id: token for s in out.scheduled if s.samples}
     return out, sched.postprocess(out, sampled)
+
+
+def item(out, seq):
+    """The ScheduledSeq of `seq` in a step."""
+    return next(s for s in out.scheduled if s.seq is seq)
 
 
 def chunks(out) -> dict[int, int]:
@@ -55,7 +59,7 @@ def test_a_prefix_hit_skips_the_cached_tokens():
     sched.add(b)
     out = sched.schedule()
     assert chunks(out)[b.seq_id] == 3
-    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert item(out, b).start == 8 and b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert sched.stats()["prefix_cache_hit_tokens"] == 8
 
@@ -67,7 +71,7 @@ def test_an_identical_prompt_still_computes_its_last_token():
     b = make_seq(range(1, 9))
     sched.add(b)
     out = sched.schedule()
-    assert b.num_computed_tokens == 4 and chunks(out)[b.seq_id] == 4
+    assert item(out, b).start == 4 and chunks(out)[b.seq_id] == 4
 
 
 def test_blocks_are_hashed_only_after_their_step_succeeded():
@@ -178,7 +182,7 @@ def test_a_preempted_sequence_resumes_in_full_with_the_same_tokens():
     out = sched.schedule()
     (resumed,) = out.scheduled
     assert resumed.seq is b and resumed.is_new and b.token_ids == tokens
-    assert b.num_computed_tokens + resumed.num_new_tokens == len(tokens)
+    assert resumed.start + resumed.num_new_tokens == len(tokens) and resumed.samples
     assert out.finished_seq_ids == [a.seq_id]
 
 
@@ -277,7 +281,7 @@ def test_a_missing_sample_is_an_error_and_changes_nothing():
     out = sched.schedule()
     with pytest.raises(ValueError, match="no token was sampled"):
         sched.postprocess(out, {})
-    assert a.num_computed_tokens == 0
+    assert a.token_ids == [1, 2] and a.num_placeholders == 1 and a.block_hashes == []
 
 
 # ---------------------------------------------------------------- stop conditions
@@ -392,15 +396,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not (out.preempted_seq_ids and any(s.is_new for s in out.scheduled)), "admitted while preempting"
         if out.preempted_seq_ids:
             event("preempted")
-        if any(s.is_new and s.seq.num_computed_tokens for s in out.scheduled):
+        if any(s.is_new and s.start for s in out.scheduled):
             event("admitted with a prefix hit")
         if any(s.is_new for s in out.scheduled) and any(not s.is_new for s in out.scheduled):
             event("prefill and decode mixed")
         for s in out.scheduled:
             seq = s.seq
             assert seq.status is SequenceStatus.RUNNING and s.num_new_tokens >= 1
-            assert seq.num_computed_tokens + s.num_new_tokens <= seq.num_tokens
-            assert len(seq.block_table) * BLOCK_SIZE >= seq.num_computed_tokens + s.num_new_tokens
+            assert seq.num_computed_tokens == s.start + s.num_new_tokens
+            if s.samples:  # its chunk reached the end: one placeholder token now stands for the sample
+                assert s.start + s.num_new_tokens == seq.num_tokens + seq.num_placeholders - 1
+            else:
+                assert s.start + s.num_new_tokens < seq.num_tokens
+            assert seq.num_placeholders == int(s.samples), "one step in flight at most in this machine"
+            assert len(seq.block_table) * BLOCK_SIZE >= s.start + s.num_new_tokens
         self.apply_plan(out)
         self.out = out
 
@@ -413,19 +422,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             if s.is_new:
                 assert seq.seq_id not in self.mirror
                 self.mirror[seq.seq_id] = dict(tokens=list(seq.token_ids), table=list(seq.block_table),
-                                               computed=seq.num_computed_tokens)
+                                               computed=s.start)
             else:
                 m = self.mirror[seq.seq_id]
                 assert seq.block_table[: len(m["table"])] == m["table"], "a mirrored block table only grows"
                 m["table"] = list(seq.block_table)
                 if seq.last_token_unsent:
                     m["tokens"].append(seq.token_ids[-1])
-                assert m["tokens"] == seq.token_ids and m["computed"] == seq.num_computed_tokens
+                assert m["tokens"] == seq.token_ids and m["computed"] == s.start
             seq.last_token_unsent = False  # the plan builder's job
             table = seq.block_table
-            for p in range(seq.num_computed_tokens):
+            for p in range(s.start):
                 assert self.kv[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] == tuple(seq.token_ids[: p + 1])
-            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens):
+            for p in range(s.start, s.start + s.num_new_tokens):
                 self.kv[(table[p // BLOCK_SIZE], p % BLOCK_SIZE)] = tuple(seq.token_ids[: p + 1])
             self.mirror[seq.seq_id]["computed"] += s.num_new_tokens
 
@@ -434,7 +443,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def postprocess(self, data):
         out, self.out = self.out, None
         sampled = {s.seq.seq_id: data.draw(st.integers(0, 5)) for s in out.scheduled
-                   if not s.seq.is_finished and s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens}
+                   if not s.seq.is_finished and s.samples}
         live = [s.seq for s in out.scheduled if not s.seq.is_finished]  # aborted in flight: skipped
         updates = self.sched.postprocess(out, sampled)
         assert [u.seq for u in updates] == live

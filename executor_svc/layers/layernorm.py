@@ -1,6 +1,14 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block.
+
+On CUDA with Triton, one kernel does the add and the norm (kernels/fused_ops.py); elsewhere, torch.
+"""
 import torch
 from torch import nn
+
+try:
+    from kernels import fused_ops
+except ImportError:  # no Triton: torch everywhere
+    fused_ops = None
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +27,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with `residual`, returns (norm(x + residual), x + residual)."""
+        """norm(x); with `residual`, returns (norm(x + residual), x + residual).
+
+        x is [T, hidden], or [T, H, D] for Qwen3's per-head q/k norm.
+        """
+        if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the activation dtype, as HF adds it

@@ -1,8 +1,16 @@
-"""Rotary position embedding (RoPE), neox layout: the head's two halves are the rotated pairs."""
+"""Rotary position embedding (RoPE), neox layout: the head's two halves are the rotated pairs.
+
+On CUDA with Triton, one kernel rotates q and k in place (kernels/fused_ops.py); elsewhere, torch.
+"""
 import math
 
 import torch
 from torch import nn
+
+try:
+    from kernels import fused_ops
+except ImportError:  # no Triton: torch everywhere
+    fused_ops = None
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -52,7 +60,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H_q, D] and k [T, H_kv, D] by each token's position [T]."""
+        """Rotate q [T, H_q, D] and k [T, H_kv, D] by each token's position [T].
+
+        On CUDA the rotation is in place (q and k are returned); the torch path returns new tensors.
+        """
+        if fused_ops is not None and q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return fused_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

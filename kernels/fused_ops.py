@@ -1,0 +1,222 @@
+"""Fused small ops of a decoder block in Triton: RMSNorm (with the residual add), SiLU-and-mul, RoPE.
+
+Eager torch runs each of these as a chain of elementwise kernels; here each is one pass over memory.
+The kernels round to the activation dtype where eager torch does (after the residual add, after
+normalising, after silu, after each RoPE product), so on a GPU they reproduce the torch layers,
+which match HF. Every load is upcast to fp32 at once: the CPU interpreter (TRITON_INTERPRET=1, set
+before this module is imported) computes bf16 wrongly. Blocks are powers of two and masked, so any
+hidden size or head_dim works. No wrapper syncs with the host or sizes anything by data, so all of
+them can be captured in a CUDA graph. Each op's torch reference sits beside it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+def _num_warps(tile: int) -> int:
+    # ~8 elements (16 bytes of bf16) per thread
+    return 1 if INTERPRET else max(1, min(16, tile // 256))
+
+
+def _heads_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """x as [T, H, head_dim] with unit stride in the last dim; a view whenever x allows one."""
+    if x.dim() == 1:
+        x = x[None]
+    if x.dim() != 3 or x.shape[-1] != head_dim:
+        x = x.reshape(-1, x.shape[-1]).unflatten(-1, (-1, head_dim))
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm, optionally after the residual add
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    num_rows, num_heads, dim, eps,
+    x_stride_t, x_stride_h, r_stride_t, r_stride_h,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Row r is head r % num_heads of token r // num_heads; a 2D input has one head.
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
+    t, h = (rows // num_heads).to(tl.int64), rows % num_heads
+    x = tl.load(x_ptr + (t * x_stride_t + h * x_stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    out_offs = rows.to(tl.int64)[:, None] * dim + cols[None, :]  # outputs are contiguous
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + (t * r_stride_t + h * r_stride_h)[:, None] + cols[None, :], mask=mask, other=0.0)
+        # The sum is rounded as eager torch adds it, and the rounded sum is what gets normalised.
+        x = (x + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + out_offs, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # cast back before the scale, as HF
+    w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, normed * w[None, :], mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x: [T, hidden], or per head [T, H, D] (any strides, e.g. views
+    of a fused qkv output). With `residual`, returns (norm(x + residual), x + residual)."""
+    dim = x.shape[-1]
+    xv = _heads_view(x, dim)
+    num_tokens, num_heads, _ = xv.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        rv = _heads_view(residual, dim)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        rv, residual_out = xv, out  # unused by the kernel
+    num_rows = num_tokens * num_heads
+    if num_rows > 0:
+        block_d = triton.next_power_of_2(dim)
+        block_rows = max(1, min(32, 2048 // block_d))
+        grid = (triton.cdiv(num_rows, block_rows),)
+        _rms_norm_kernel[grid](
+            xv, rv, weight, out, residual_out,
+            num_rows, num_heads, dim, eps,
+            xv.stride(0), xv.stride(1), rv.stride(0), rv.stride(1),
+            HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            num_warps=_num_warps(block_rows * block_d),
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch, as executor_svc/layers/layernorm.py computes it."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    out = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return out if residual is None else (out, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU-and-mul: SwiGLU's gate over the fused gate_up projection
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded, as F.silu
+    tl.store(out_ptr + row * inter + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], shape [..., I]."""
+    inter = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    if rows.shape[0] > 0 and inter > 0:
+        block = min(1024, triton.next_power_of_2(inter))
+        grid = (rows.shape[0], triton.cdiv(inter, block))
+        _silu_and_mul_kernel[grid](rows, out, inter, rows.stride(0), BLOCK=block, num_warps=_num_warps(block))
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Eager torch, as executor_svc/layers/activation.py computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding, neox layout (the two halves of a head are the rotated pairs), in place
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
+    """Rotate heads h of one token at `base`; products rounded as eager torch rounds them."""
+    dtype = base.dtype.element_ty
+    c = cos.to(dtype).to(tl.float32)[None, :]  # eager casts the fp32 cache to the activation dtype
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    mask = (h < num_heads)[:, None] & d_mask[None, :]
+    offs = h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + offs + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    tl.store(base + offs, o1, mask=mask)
+    tl.store(base + offs + half, o2, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+    num_q_heads, num_kv_heads, half,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, cache_stride,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Program (t, j) rotates heads [j * BLOCK_H, (j + 1) * BLOCK_H) of token t, in q and in k.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    cos = tl.load(cos_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * q_stride_t, h, num_q_heads, q_stride_h, half, cos, sin, d, d_mask)
+    _rotate_heads(k_ptr + t * k_stride_t, h, num_kv_heads, k_stride_h, half, cos, sin, d, d_mask)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H_q, D] and k [T, H_kv, D] (or [T, H*D]) in place by each token's position [T].
+
+    cos, sin: [max_position, D/2], the caches RotaryEmbedding builds (llama3 scaling is in them).
+    q and k may be strided views (of a fused qkv output); their last dim must have unit stride.
+    Returns q and k.
+    """
+    half = cos.shape[-1]
+    qv, kv = _heads_view(q, 2 * half), _heads_view(k, 2 * half)
+    assert qv.data_ptr() == q.data_ptr() and kv.data_ptr() == k.data_ptr(), "q, k need a unit last stride"
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1
+    num_tokens = positions.shape[0]
+    assert qv.shape[0] == num_tokens and kv.shape[0] == num_tokens
+    if num_tokens > 0:
+        block_half = triton.next_power_of_2(half)
+        max_heads = max(qv.shape[1], kv.shape[1])
+        block_h = min(triton.next_power_of_2(max_heads), max(1, 2048 // block_half))
+        grid = (num_tokens, triton.cdiv(max_heads, block_h))
+        _rotary_kernel[grid](
+            positions, qv, kv, cos, sin,
+            qv.shape[1], kv.shape[1], half,
+            qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), cos.stride(0),
+            BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=_num_warps(block_h * block_half),
+        )
+    return q, k
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch on [T, H, D], out of place, as executor_svc/layers/rotary.py computes it."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    return rotate(q), rotate(k)
