@@ -47,9 +47,12 @@ def run(num_seqs: int, context: int, steps: int, block_size: int) -> dict:
         wire = engine_pb2.SchedulerToExecutor(plan=plan).SerializeToString()
         t3 = time.perf_counter()
         chunks = mirrors.apply(engine_pb2.SchedulerToExecutor.FromString(wire).plan)
+        sampling = [c.seq.seq_id for c in chunks if c.samples]
         mirrors.commit(chunks)
         t4 = time.perf_counter()
-        sampled = {c.seq.seq_id: rng.randrange(50000) for c in chunks if c.samples}
+        sampled = {seq_id: rng.randrange(50000) for seq_id in sampling}
+        for seq_id, token in sampled.items():
+            mirrors.append_sampled(seq_id, token)
         sched.postprocess(out, sampled)
         t5 = time.perf_counter()
         one_step.step += 1

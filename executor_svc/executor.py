@@ -101,7 +101,7 @@ class StepLoop:
         except Exception as exc:  # the scheduler fails this step's requests; we keep serving
             log.error("rank %d step %d failed:\n%s", self.rank, plan.step_id, traceback.format_exc())
             self.reply_pending()
-            for seq_id in [n.seq_id for n in plan.new_seqs] + [c.seq_id for c in plan.cached_seqs]:
+            for seq_id in [n.seq_id for n in plan.new_seqs] + list(plan.cached.seq_ids):
                 self.mirrors.seqs.pop(seq_id, None)
             self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
             return

@@ -60,15 +60,21 @@ class SequenceMirrors:
             )
             self.seqs[seq.seq_id] = seq
             chunks.append(self._chunk(seq, new.num_scheduled_tokens))
-        for cached in plan.cached_seqs:
-            seq = self.seqs.get(cached.seq_id)
+        cached = plan.cached
+        new_blocks = list(cached.new_block_ids)
+        offset = 0
+        for seq_id, num_scheduled, num_new, last_token in zip(
+                cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids):
+            seq = self.seqs.get(seq_id)
             if seq is None:
-                raise RuntimeError(f"plan {plan.step_id} names seq {cached.seq_id} that this executor does not mirror")
-            seq.block_table.extend(cached.new_block_ids)
-            if cached.HasField("last_token_id") and seq.token_ids[-1] != cached.last_token_id:
-                raise RuntimeError(f"seq {seq.seq_id}: the scheduler's last token {cached.last_token_id} is not "
+                raise RuntimeError(f"plan {plan.step_id} names seq {seq_id} that this executor does not mirror")
+            if num_new:
+                seq.block_table += new_blocks[offset:offset + num_new]
+                offset += num_new
+            if last_token >= 0 and seq.token_ids[-1] != last_token:
+                raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
                                    f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, cached.num_scheduled_tokens))
+            chunks.append(self._chunk(seq, num_scheduled))
         return chunks
 
     @staticmethod

@@ -30,9 +30,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0  # KV pool budget on the CPU
     enforce_eager: bool = False
-    executor_timeout_s: float = 30.0  # no heartbeat for this long means the executor is lost
+    executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
     load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
     async_scheduling: bool = True  # plan step N+1 while step N runs
+    max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,6 +63,7 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
+        need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
 
     def to_argv(self) -> list[str]:
@@ -103,6 +105,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d["async_scheduling"].default, help="plan the next step while the current one runs")
+    g.add_argument("--max-steps-in-flight", type=int, default=d["max_steps_in_flight"].default,
+                   help="with async scheduling, how many planned steps may be unanswered")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

@@ -32,6 +32,14 @@ class EngineLostError(Exception):
     """An executor died or stopped answering."""
 
 
+class ExecutorReplaced(EngineLostError):
+    """A rank shook hands again from a new process: the old one is gone, with its KV pool."""
+
+    def __init__(self, handshake: engine_pb2.ExecutorHandshake) -> None:
+        super().__init__(f"executor rank {handshake.rank} restarted (now pid {handshake.pid})")
+        self.handshake = handshake
+
+
 @dataclass
 class InFlightStep:
     step_id: int
@@ -73,7 +81,7 @@ class SchedulerProcess:
         self.step_id = 0
         self.stopping = False
         # async scheduling: plan step N+1 while step N runs (the executors fill in its sampled tokens)
-        self.pipeline_depth = 2 if config.async_scheduling else 1
+        self.pipeline_depth = config.max_steps_in_flight if config.async_scheduling else 1
         self.in_flight: deque[InFlightStep] = deque()
         self.results: dict[int, engine_pb2.StepResult] = {}
         self.last_result_at = 0.0
@@ -169,6 +177,9 @@ class SchedulerProcess:
         if hs.world_size != self.world_size or hs.block_size != self.config.block_size:
             log.error("executor rank %d disagrees on world size or block size; ignored", hs.rank)
             return
+        old = self.handshakes.get(hs.rank)
+        if old is not None and old.pid != hs.pid and self.scheduler is not None:
+            raise ExecutorReplaced(hs)
         self.handshakes[hs.rank] = hs
         self.last_seen[hs.rank] = time.monotonic()
         if len(self.handshakes) == self.world_size and self.scheduler is None:
@@ -204,15 +215,22 @@ class SchedulerProcess:
             if now - self.last_seen.get(rank, now) > self.config.executor_timeout_s:
                 raise EngineLostError(f"executor rank {rank} sent no heartbeat for {self.config.executor_timeout_s:.0f}s")
 
-    def _engine_lost(self, reason: str) -> None:
-        """Fail every in-flight request, free every block, and wait for executors to shake hands again."""
+    def _engine_lost(self, reason: str, spare_rank: int | None = None) -> None:
+        """Fail every in-flight request, free every block, and wait for executors to shake hands again.
+        Surviving ranks are told to exit (a tensor-parallel group restarts whole), except spare_rank,
+        whose identity already belongs to a fresh process."""
         log.error("engine lost: %s", reason)
         for request_id in list(self.requests):
             self._abort(request_id, engine_pb2.FINISH_REASON_ERROR, error=f"engine lost: {reason}")
         for identity in self.frontends:
             self._send_frontend(identity, engine_pb2.SchedulerToFrontend(lost=engine_pb2.EngineLost(reason=reason)))
         for rank in list(self.handshakes):
-            self._send_executor(rank, engine_pb2.SchedulerToExecutor(shutdown=engine_pb2.Shutdown(reason=reason)))
+            if rank == spare_rank:
+                continue
+            try:
+                self._send_executor(rank, engine_pb2.SchedulerToExecutor(shutdown=engine_pb2.Shutdown(reason=reason)))
+            except EngineLostError:
+                pass  # already gone
         self.handshakes.clear()
         self.last_seen.clear()
         self.scheduler = None
@@ -247,14 +265,17 @@ class SchedulerProcess:
         log.info("scheduler waiting for %d executor(s)", self.world_size)
         while not self.stopping:
             busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
-            self._poll(0 if busy else IDLE_POLL_MS)
             try:
+                self._poll(0 if busy else IDLE_POLL_MS)
                 self._check_liveness()
                 self._advance()
             except EngineLostError as exc:
                 self.in_flight.clear()
                 self.results.clear()
-                self._engine_lost(str(exc))
+                fresh = exc.handshake if isinstance(exc, ExecutorReplaced) else None
+                self._engine_lost(str(exc), spare_rank=fresh.rank if fresh else None)
+                if fresh is not None:
+                    self._on_handshake(fresh)
         for rank in list(self.handshakes):
             try:
                 self._send_executor(rank, engine_pb2.SchedulerToExecutor(shutdown=engine_pb2.Shutdown(reason="stop")))

@@ -19,6 +19,7 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
         finished_seq_ids=out.finished_seq_ids,
         preempted_seq_ids=out.preempted_seq_ids,
     )
+    seq_ids, num_scheduled, num_new_blocks, new_block_ids, last_tokens = [], [], [], [], []
     for item in out.scheduled:
         seq = item.seq
         if item.is_new:
@@ -32,14 +33,16 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
                 sampling=seq.sampling,
             ))
         else:
-            cached = engine_pb2.CachedSequence(
-                seq_id=seq.seq_id,
-                new_block_ids=seq.block_table[seq.num_blocks_sent:],
-                num_scheduled_tokens=item.num_new_tokens,
-            )
-            if seq.last_token_unsent and send_last_token:
-                cached.last_token_id = seq.token_ids[-1]
-            plan.cached_seqs.append(cached)
+            seq_ids.append(seq.seq_id)
+            num_scheduled.append(item.num_new_tokens)
+            new = seq.block_table[seq.num_blocks_sent:]
+            num_new_blocks.append(len(new))
+            new_block_ids += new
+            last_tokens.append(seq.token_ids[-1] if seq.last_token_unsent and send_last_token else -1)
         seq.num_blocks_sent = len(seq.block_table)
         seq.last_token_unsent = False
+    if seq_ids:
+        plan.cached.CopyFrom(engine_pb2.CachedSequences(
+            seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,
+            new_block_ids=new_block_ids, last_token_ids=last_tokens))
     return plan
