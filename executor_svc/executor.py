@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import zmq
 
 from executor_svc.seq_mirror import SequenceMirrors
 from protos import engine_pb2
+from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
 
 log = logging.getLogger("nanoserve.executor")
@@ -43,14 +43,6 @@ def _heartbeat_loop(ctx: zmq.Context, addr: str, rank: int, stop: threading.Even
             pass
         stop.wait(HEARTBEAT_INTERVAL_S)
     sock.close()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the process that started us is gone (covers a SIGKILLed parent)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
 
 
 class StepLoop:
@@ -167,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s executor[{args.rank}] %(levelname)s %(message)s")
     if args.watch_parent:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown on Ctrl-C
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+        watch_parent()
     config = engine_config_from_args(args)
     config.tensor_parallel_size = args.world_size
     return run_executor(config, args.rank, args.world_size, args.scheduler_addr, args.dist_init_addr)

@@ -77,7 +77,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.backend = get_backend(config.attention_backend, self.device)
+        self.backend = get_backend(config.attention_backend, self.device, config.block_size)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._pinned: dict[str, torch.Tensor] = {}

@@ -68,20 +68,24 @@ class AttentionBackend(Protocol):
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick a backend by name; 'auto' prefers flash_attn, then triton on CUDA, else torch."""
+def get_backend(name: str, device: torch.device, block_size: int = 16) -> AttentionBackend:
+    """Pick a backend by name. 'auto': on CUDA flash_attn when it imports and the block size suits
+    its paged cache, else triton; on the CPU the torch reference."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKEND_NAMES}")
     if name == "auto":
+        name = "torch"
         if device.type == "cuda":
+            from kernels.flash_attention import supports_block_size
+
+            name = "triton"
             try:
                 import flash_attn  # noqa: F401
 
-                name = "flash_attn"
+                if supports_block_size(block_size):
+                    name = "flash_attn"
             except ImportError:
-                name = "triton"
-        else:
-            name = "torch"
+                pass
     if name == "torch":
         from kernels.torch_attention import TorchAttentionBackend
 

@@ -27,6 +27,23 @@ def _die_with_parent() -> None:
         pass  # not Linux: --watch-parent still covers it
 
 
+def watch_parent() -> None:
+    """In a child role: exit when the process that started us is gone (backs up PR_SET_PDEATHSIG),
+    and leave Ctrl-C to the parent, which owns shutdown."""
+    import threading
+    import time
+
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=watch, daemon=True, name="watch-parent").start()
+
+
 @dataclass(eq=False)
 class EngineProcesses:
     frontend_addr: str

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from protos import engine_pb2
+from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.sequence import Sequence
@@ -379,13 +379,6 @@ class SchedulerProcess:
         self.ctx.term()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser("nanoserve scheduler", description="the control-plane process")
     parser.add_argument("--frontend-addr", default=os.environ.get("NANOSERVE_FRONTEND_ADDR", "tcp://127.0.0.1:5559"),
@@ -398,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
     if args.watch_parent:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown on Ctrl-C
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+        watch_parent()
     process = SchedulerProcess(engine_config_from_args(args), args.frontend_addr, args.executor_addr)
 
     def on_term(signum, frame):

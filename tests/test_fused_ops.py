@@ -9,11 +9,9 @@ eager torch. The gpu tests run the compiled kernels at Qwen3-0.6B's shapes and i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreter_child import assert_module_passes_under_interpreter
 import torch
 
 pytest.importorskip("triton")
@@ -29,7 +27,6 @@ if INTERPRETING or HAS_CUDA:
 
 interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs CUDA and compiled kernels")
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
 
@@ -90,15 +87,7 @@ def qkv_views(num_tokens, num_q_heads, num_kv_heads, head_dim, *, gen, dtype, de
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the child process")
 def test_fused_ops_pass_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider",
-         "-k", "not test_fused_ops_pass_under_the_interpreter"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
-    summary = child.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, child.stdout[-2000:]
+    assert_module_passes_under_interpreter(__file__, "test_fused_ops_pass_under_the_interpreter", timeout=600)
 
 
 @interpreter

@@ -8,11 +8,9 @@ them one by one). The gpu tests run the compiled kernels at realistic shapes.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreter_child import assert_module_passes_under_interpreter
 import torch
 
 pytest.importorskip("triton")
@@ -27,7 +25,6 @@ if INTERPRETING or HAS_CUDA:
 
 interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs CUDA and compiled kernels")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -122,15 +119,7 @@ DECODE_CASES = {
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="this is the child process")
 def test_triton_kernels_pass_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider",
-         "-k", "not test_triton_kernels_pass_under_the_interpreter"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert child.returncode == 0, child.stdout[-8000:] + child.stderr[-4000:]
-    summary = child.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, child.stdout[-2000:]
+    assert_module_passes_under_interpreter(__file__, "test_triton_kernels_pass_under_the_interpreter", timeout=900)
 
 
 @interpreter
