@@ -203,9 +203,10 @@ def plot(runs: list[dict], path: str) -> None:
     rates = [r["request_rate"] for r in runs]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, names in zip(axes, (("ttft", "e2el"), ("tpot", "itl"))):
-        for name in names:
+        for name, color in zip(names, ("tab:blue", "tab:red")):
             for stat, style in (("median", "-o"), ("p99", "--x")):
-                ax.plot(rates, [r[f"{name}_ms"][stat] for r in runs], style, label=f"{name.upper()} {stat}")
+                ax.plot(rates, [r[f"{name}_ms"][stat] for r in runs], style, color=color,
+                        label=f"{name.upper()} {stat}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("latency (ms)")
         ax.grid(alpha=0.3)
@@ -269,9 +270,9 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 
 def benchmark(args, address: str) -> list[dict]:
     vocab = asyncio.run(vocab_size(address))
-    # one warm-up request, apart from the dataset's tokens
-    asyncio.run(run_load(address, random_dataset(1, 16, 4, 0, 0.0, vocab, seed=-1), math.inf, 1.0, None,
-                         True, args.request_timeout, 0))
+    # one warm-up request, apart from the dataset's tokens (Random(-s) equals Random(s): no negative seeds)
+    warmup = random_dataset(1, 16, 4, 0, 0.0, vocab, seed=2**32 + args.seed)
+    asyncio.run(run_load(address, warmup, math.inf, 1.0, None, True, args.request_timeout, 0))
     rates = args.request_rates or [args.request_rate]
     label = (f"{args.num_prompts} requests, input {args.input_len} (+{args.prefix_len} shared), output "
              f"{args.output_len}, concurrency {args.max_concurrency or 'unlimited'}")

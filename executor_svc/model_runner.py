@@ -211,7 +211,7 @@ class ModelRunner:
                 ids.append(0)
             starts.append(c.start)
             ends.append(c.end)
-            tables.append(seq.block_table)
+            tables.append(seq.block_array)
             if c.samples:
                 logits_idx.append(len(ids) - 1)
                 sampling.append(c)
@@ -246,7 +246,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _block_tables(tables: list[list[int]], num_blocks: np.ndarray) -> np.ndarray:
+    def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
         """Each sequence's blocks in use this step, padded with 0 to the longest."""
         out = np.zeros((len(tables), int(num_blocks.max())), dtype=np.int32)
         for i, (table, n) in enumerate(zip(tables, num_blocks.tolist())):

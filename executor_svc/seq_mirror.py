@@ -4,12 +4,14 @@ Executors never decide anything (invariant 1): they copy block ids and tokens th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from protos import engine_pb2
 
 
-@dataclass
+@dataclass(slots=True)
 class MirroredSeq:
     seq_id: int
     token_ids: list[int]
@@ -18,9 +20,24 @@ class MirroredSeq:
     num_computed_tokens: int
     sampling: engine_pb2.SamplingOptions
     num_pending: int = 0  # tokens sampled by launched steps, not yet appended (on the device)
+    # block_table as an int32 array with spare room, so building a step's block tables is a memcpy a row
+    block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+
+    def __post_init__(self) -> None:
+        self.block_array = np.zeros(max(16, 2 * len(self.block_table)), dtype=np.int32)
+        self.block_array[: len(self.block_table)] = self.block_table
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        start = len(self.block_table)
+        self.block_table += block_ids
+        if len(self.block_table) > len(self.block_array):
+            grown = np.zeros(2 * len(self.block_table), dtype=np.int32)
+            grown[:start] = self.block_array[:start]
+            self.block_array = grown
+        self.block_array[start: len(self.block_table)] = block_ids
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One sequence's work in a step: compute tokens [start, end) and sample if end is the last."""
 
@@ -69,7 +86,7 @@ class SequenceMirrors:
             if seq is None:
                 raise RuntimeError(f"plan {plan.step_id} names seq {seq_id} that this executor does not mirror")
             if num_new:
-                seq.block_table += new_blocks[offset:offset + num_new]
+                seq.add_blocks(new_blocks[offset:offset + num_new])
                 offset += num_new
             if last_token >= 0 and seq.token_ids[-1] != last_token:
                 raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "

@@ -39,7 +39,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # compute tokens [start, start + num_new_tokens)
@@ -56,7 +56,7 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class StepUpdate:
     seq: Sequence
     new_token_id: int | None  # None for a prefill chunk that did not reach the end
@@ -142,28 +142,35 @@ class Scheduler:
         bm = self.block_manager
 
         bs = self.config.block_size
+        running, stop_rules = self.running, self.stop_rules
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            total = len(seq.token_ids) + seq.num_placeholders
-            num_new = min(total - seq.num_computed_tokens, budget)
-            if num_new == 0 or (seq.num_placeholders and total >= self.stop_rules[seq.seq_id].max_num_tokens):
+        while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
+            seq = running[i]
+            start, placeholders = seq.num_computed_tokens, seq.num_placeholders
+            total = len(seq.token_ids) + placeholders
+            num_new = min(total - start, budget)
+            if num_new <= 0 or (placeholders and total >= stop_rules[seq.seq_id].max_num_tokens):
                 i += 1  # nothing to compute, or the samples in flight already reach its length limit
                 continue
-            num_tokens = seq.num_computed_tokens + num_new
-            if num_tokens > len(seq.block_table) * bs:  # most decodes fit in the table they have
-                while not bm.can_allocate(seq, num_tokens):
-                    victim = self.running[-1]  # the most recently admitted
+            end = start + num_new
+            if end > len(seq.block_table) * bs:  # most decodes fit in the table they have
+                while not bm.can_allocate(seq, end):
+                    victim = running[-1]  # the most recently admitted
                     self._preempt(victim, preempted)
                     if victim is seq:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     break  # it preempted itself: nothing after it can run either
-                bm.allocate(seq, num_tokens)
-            scheduled.append(self._advance(seq, num_new, is_new=False))
+                bm.allocate(seq, end)
+            samples = end == total
+            seq.num_computed_tokens = end
+            if samples:
+                seq.num_placeholders = placeholders + 1
+            scheduled.append(ScheduledSeq(seq, num_new, False, start, samples))
             budget -= num_new
             i += 1
 
+        num_running_scheduled = len(scheduled)
         # Admit waiting sequences in order, unless memory is already short (something was preempted).
         # Stopping at the first that does not fit keeps it from starving.
         admit = self.counters.num_preemptions == num_preemptions
@@ -185,7 +192,7 @@ class Scheduler:
             scheduled.append(self._advance(seq, num_new, is_new=True))
             budget -= num_new
 
-        for s in scheduled:  # running ones are already mirrored; admitted ones are sent in full now
+        for s in scheduled[num_running_scheduled:]:  # running ones are mirrored; admitted ones are sent in full now
             s.seq.in_executor = True
         # Drops ride on a step that runs. (Nothing scheduled means nothing ran, so nothing was preempted.)
         finished = []
@@ -211,6 +218,7 @@ class Scheduler:
         bm, bs = self.block_manager, self.config.block_size
         updates: list[StepUpdate] = []
         num_finished = 0
+        running_status = SequenceStatus.RUNNING
         for s in live:
             seq = s.seq
             token, reason = None, UNFINISHED
@@ -222,7 +230,7 @@ class Scheduler:
                 reason = self._check_stop(seq, token)
             # blocks this step filled, with every token known, are now safe to share
             computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
-            if seq.status is SequenceStatus.RUNNING and computed // bs > len(seq.block_hashes):
+            if computed // bs > len(seq.block_hashes) and seq.status is running_status:
                 bm.hash_full_blocks(seq, computed)
             if reason != UNFINISHED:
                 if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent

@@ -13,7 +13,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int  # unique for the scheduler's lifetime
     request_id: str  # the client's id
