@@ -28,9 +28,9 @@ def prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def run_nanoserve(model: str, batch: list[list[int]], new_tokens: int, dtype: str) -> float:
+def run_nanoserve(model: str, batch: list[list[int]], new_tokens: int, dtype: str, cpu_threads: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(model, dtype=dtype) as llm:
+    with LLM(model, dtype=dtype, cpu_threads=cpu_threads) as llm:
         llm.generate(batch[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         results = llm.generate(batch, params, use_tqdm=False)
@@ -62,15 +62,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--cpu-threads", type=int, default=0, help="executor torch threads (0: cores - 1)")
     parser.add_argument("--out", default="bench/results/cpu_generate.json")
     args = parser.parse_args()
     batch = prompts(Tokenizer(args.model), args.batch)
     rows = []
     for dtype in args.dtypes:
-        ours = run_nanoserve(args.model, batch, args.new_tokens, dtype)
+        ours = run_nanoserve(args.model, batch, args.new_tokens, dtype, args.cpu_threads)
         theirs = run_transformers(args.model, batch, args.new_tokens, dtype)
         rows.append({"dtype": dtype, "nanoserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs})
-    print(f"\nCPU generate, batch {args.batch}, {args.new_tokens} new tokens, {os.cpu_count()} cores")
+    print(f"\nCPU generate, batch {args.batch}, {args.new_tokens} new tokens, {os.cpu_count()} cores, "
+          f"executor threads {args.cpu_threads or 'auto'}")
     print(f"{'dtype':>9} {'nanoserve':>10} {'hf':>8} {'ratio':>6}")
     for r in rows:
         print(f"{r['dtype']:>9} {r['nanoserve_tok_s']:>10.1f} {r['transformers_tok_s']:>8.1f} {r['ratio']:>6.2f}")

@@ -236,7 +236,8 @@ def launch_server(server_args: list[str], log_path: str, timeout: float) -> tupl
             if proc.poll() is not None:
                 raise SystemExit(f"nanoserve serve exited with {proc.returncode}; see {log_path}")
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
                     return proc, address
             except grpc.RpcError:
                 pass

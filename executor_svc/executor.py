@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s executor[{args.rank}] %(levelname)s %(message)s")
     if args.watch_parent:
         watch_parent()
+    # SIGTERM (compose stop, a supervisor) ends the process cleanly: sockets closed, exit code 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     config = engine_config_from_args(args)
     config.tensor_parallel_size = args.world_size
     return run_executor(config, args.rank, args.world_size, args.scheduler_addr, args.dist_init_addr)

@@ -75,6 +75,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            # the scheduler and front end need a core too; a torch thread that waits for a descheduled
+            # peer at every op costs far more than the second thread gains on these memory-bound steps
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = get_backend(config.attention_backend, self.device, config.block_size)

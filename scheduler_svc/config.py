@@ -34,6 +34,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
+    cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -64,6 +65,7 @@ class EngineConfig:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
+        need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
 
     def to_argv(self) -> list[str]:
@@ -107,6 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d["async_scheduling"].default, help="plan the next step while the current one runs")
     g.add_argument("--max-steps-in-flight", type=int, default=d["max_steps_in_flight"].default,
                    help="with async scheduling, how many planned steps may be unanswered")
+    g.add_argument("--cpu-threads", type=int, default=d["cpu_threads"].default,
+                   help="torch threads of a CPU executor (0: cores - 1, at least 1)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -94,8 +95,6 @@ def test_compose_v2_rejects_a_broken_copy(tmp_path, breakage):
 
 
 def test_compose_v2_resolves_the_same_commands_this_file_reads(compose):
-    import json
-
     result = run_compose(COMPOSE_FILE, "config", "--format", "json")
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
@@ -237,7 +236,8 @@ def _wait_serving(channel, procs: dict, logs: dict, timeout: float) -> None:
             if proc.poll() is not None:
                 raise AssertionError(f"{role} exited with {proc.returncode}:\n{_tail(logs[role])}")
         try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
                 return
         except grpc.RpcError:
             pass
@@ -286,9 +286,10 @@ def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose,
                                     capture_output=True, text=True, timeout=60)
             assert result.returncode == 0 and result.stdout.strip() == "SERVING", result.stderr
 
+            question = pb.ChatMessage(role="user", content="What is the capital of France?")
             response = generation_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
-                messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")]),
-                sampling=pb.SamplingParams(temperature=0, max_tokens=12)), timeout=120)
+                messages=pb.ChatMessages(messages=[question]), sampling=pb.SamplingParams(temperature=0, max_tokens=12)),
+                timeout=120)
         out = response.outputs[0]
         assert out.token_ids and "Paris" in out.text, out.text
         assert response.usage.completion_tokens == len(out.token_ids)
