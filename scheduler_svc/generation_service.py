@@ -97,7 +97,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self.engine.add(engine_pb2.AddRequest(
                     request_id=eid, prompt_token_ids=valid.prompt_token_ids,
                     sampling=params.sampling_options(seed_offset=i), stopping=params.stopping_options(),
-                    priority=request.priority, arrival_time=time.time()))
+                    priority=request.priority, arrival_time=time.time(),
+                    group_id=engine_ids[0] if params.n > 1 else ""))
             while pending:
                 item = await self._next(queue, context)
                 if item is None:

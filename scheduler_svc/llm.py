@@ -138,7 +138,8 @@ class LLM:
                 trackers[rid] = (_Tracker(self.tokenizer, ids, params, out), result)
                 requests.append(engine_pb2.AddRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=params.sampling_options(seed_offset=j),
-                    stopping=params.stopping_options(), arrival_time=time.time()))
+                    stopping=params.stopping_options(), arrival_time=time.time(),
+                    group_id=result.request_id if params.n > 1 else ""))
         for request in requests:
             self.client.add(request)
         try:

@@ -93,6 +93,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
+        self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
         self.counters = _Counters()
         self._next_arrival = 0
 
@@ -115,6 +116,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.stop_rules[seq.seq_id] = self._stop_rule(seq)
+        if seq.group_id and self.config.enable_prefix_caching and seq.num_prompt_tokens >= self.config.block_size:
+            leader = self.group_leaders.setdefault(seq.group_id, seq)
+            if leader is not seq:
+                seq.leader = leader
         self._push_waiting(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -174,8 +179,12 @@ class Scheduler:
         # Admit waiting sequences in order, unless memory is already short (something was preempted).
         # Stopping at the first that does not fit keeps it from starving.
         admit = self.counters.num_preemptions == num_preemptions
-        while admit and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+        index = 0
+        while admit and index < len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[index]
+            if seq.leader is not None and self._waits_for_leader(seq):
+                index += 1  # a parallel sample waits for its first sibling to cache the prompt
+                continue
             if seq.num_placeholders:
                 break  # preempted while a step was in flight: its token must arrive before it is resent
             computed_blocks, num_hit = bm.get_computed_blocks(seq)
@@ -183,7 +192,7 @@ class Scheduler:
             if not bm.can_allocate(seq, num_hit + num_new, computed_blocks):
                 break
             bm.allocate(seq, num_hit + num_new, computed_blocks)
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             seq.num_computed_tokens = num_hit
             if not seq.admitted_once:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
@@ -278,6 +287,16 @@ class Scheduler:
             return LENGTH
         return UNFINISHED
 
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """Parallel samples share one prompt: rather than compute it n times in the same step, the later
+        samples wait until the first has hashed the prompt's full blocks, then hit them in the prefix cache."""
+        leader = seq.leader
+        full_blocks = seq.num_prompt_tokens // self.config.block_size
+        if leader.status is SequenceStatus.FINISHED or len(leader.block_hashes) >= full_blocks:
+            seq.leader = None
+            return False
+        return True
+
     def _push_waiting(self, seq: Sequence) -> None:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_order))
@@ -300,6 +319,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_placeholders = 0  # samples still in flight for it are discarded
+        seq.leader = None
+        if self.group_leaders.get(seq.group_id) is seq:
+            del self.group_leaders[seq.group_id]
         del self.requests[seq.request_id]
         del self.stop_rules[seq.seq_id]
         if seq.in_executor:

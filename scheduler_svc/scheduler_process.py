@@ -128,7 +128,7 @@ class SchedulerProcess:
         seq = Sequence(
             seq_id=self.next_seq_id, request_id=add.request_id, token_ids=list(add.prompt_token_ids),
             num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
-            priority=add.priority, arrival_order=self.arrivals,
+            priority=add.priority, arrival_order=self.arrivals, group_id=add.group_id,
         )
         try:
             self.scheduler.add(seq)

@@ -22,6 +22,8 @@ class Sequence:
     sampling: engine_pb2.SamplingOptions
     stopping: engine_pb2.StoppingOptions
     priority: int = 0  # lower first
+    group_id: str = ""  # shared by the parallel samples of one request
+    leader: "Sequence | None" = None  # the sibling whose cached prompt this one waits to reuse
     arrival_order: int = 0  # ties broken by arrival
     status: SequenceStatus = SequenceStatus.WAITING
 
