@@ -46,6 +46,7 @@ class ScheduledSeq:
     is_new: bool  # the executors must receive it in full (first admission or after preemption)
     start: int = 0  # num_computed_tokens before this step
     samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
+    epoch: int = 0  # seq.epoch when planned
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Scheduler:
             seq.num_computed_tokens = end
             if samples:
                 seq.num_placeholders = placeholders + 1
-            scheduled.append(ScheduledSeq(seq, num_new, False, start, samples))
+            scheduled.append(ScheduledSeq(seq, num_new, False, start, samples, seq.epoch))
             budget -= num_new
             i += 1
 
@@ -215,7 +216,7 @@ class Scheduler:
         samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
         seq.num_computed_tokens = start + num_new
         seq.num_placeholders += samples
-        return ScheduledSeq(seq, num_new, is_new, start, samples)
+        return ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch)
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
         """Apply a successful step: hash newly full blocks, append samples, check stops."""
@@ -239,7 +240,7 @@ class Scheduler:
                 reason = self._check_stop(seq, token)
             # blocks this step filled, with every token known, are now safe to share
             computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
-            if computed // bs > len(seq.block_hashes) and seq.status is running_status:
+            if computed // bs > len(seq.block_hashes) and seq.status is running_status and s.epoch == seq.epoch:
                 bm.hash_full_blocks(seq, computed)
             if reason != UNFINISHED:
                 if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent
@@ -306,6 +307,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.epoch += 1
         seq.status = SequenceStatus.WAITING
         if seq.in_executor:
             preempted.append(seq.seq_id)
