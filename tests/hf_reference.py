@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -14,16 +15,24 @@ def _load(model_dir: str):
     return model.eval()
 
 
+def _cache_keyword(model) -> str:
+    """transformers renamed past_key_values to cache (5.2x); accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuation of each prompt, one at a time (no padding), EOS ignored."""
     model = _load(model_dir)
+    cache_kw = _cache_keyword(model)
     outputs = []
     for ids in prompts:
         past, cur, out = None, torch.tensor([ids]), []
         for _ in range(max_new_tokens):
-            res = model(input_ids=cur, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=cur, use_cache=True, **{cache_kw: past})
+            past = getattr(res, cache_kw, None)
+            if past is None:
+                past = res.past_key_values
             token = int(res.logits[0, -1].argmax())
             out.append(token)
             cur = torch.tensor([[token]])
