@@ -336,10 +336,6 @@ class ModelRunner:
             results.append(sampled)
         return results
 
-    def execute(self, chunks: list[ScheduledChunk]) -> list[engine_pb2.SampledToken]:
-        """One step start to end (no overlap): launch, sample, wait for the ids."""
-        return self.finalize(self.sample(self.launch(chunks)))
-
     def _pinned_tokens(self, n: int) -> torch.Tensor:
         key = f"sampled{self._step_parity}"
         buf = self._pinned.get(key)

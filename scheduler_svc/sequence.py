@@ -56,7 +56,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_placeholders - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # this process is the child
+HAS_CUDA = torch.cuda.is_available()
+# kernels are imported only where they run: compiled-mode kernels would stick in sys.modules otherwise
+KERNELS_RUN_HERE = INTERPRETING or HAS_CUDA
+interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs CUDA and compiled kernels")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -4,19 +4,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 
-from scheduler_svc.model_paths import default_model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    path = default_model_dir()
-    if not os.path.exists(os.path.join(path, "config.json")):
-        pytest.fail(f"embedded model missing at {path}: run `make model`")
-    return path
 
 
 def nanoserve(*args: str) -> subprocess.CompletedProcess:
@@ -24,10 +14,10 @@ def nanoserve(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_generate_answers_a_chat_prompt_and_reads_a_prompts_file(model, tmp_path):
+def test_generate_answers_a_chat_prompt_and_reads_a_prompts_file(embedded_model, tmp_path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("Say hello.\n\nName a color.\n")
-    done = nanoserve("generate", "--model", model, "--chat", "--json", "--no-progress", "--max-tokens", "12",
+    done = nanoserve("generate", "--model", embedded_model, "--chat", "--json", "--no-progress", "--max-tokens", "12",
                      "--prompts-file", str(prompts_file), "What is the capital of France?")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -36,11 +26,11 @@ def test_generate_answers_a_chat_prompt_and_reads_a_prompts_file(model, tmp_path
     assert all(0 < len(r["token_ids"]) <= 12 and r["finish_reason"] in ("stop", "length") for r in rows)
 
 
-def test_generate_rejects_bad_sampling_flags_before_starting_the_engine(model):
-    done = nanoserve("generate", "--model", model, "--temperature", "-1", "hi")
+def test_generate_rejects_bad_sampling_flags_before_starting_the_engine(embedded_model):
+    done = nanoserve("generate", "--model", embedded_model, "--temperature", "-1", "hi")
     assert done.returncode == 2 and "temperature must be >= 0" in done.stderr
 
 
-def test_generate_without_prompts_says_how_to_give_them(model):
-    done = nanoserve("generate", "--model", model)
+def test_generate_without_prompts_says_how_to_give_them(embedded_model):
+    done = nanoserve("generate", "--model", embedded_model)
     assert done.returncode == 2 and "--prompts-file" in done.stderr

@@ -2,14 +2,12 @@
 (fp32, same weights), also when preemption, chunked prefill and prefix caching are forced."""
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from hf_reference import assert_greedy_matches, hf_greedy
 from scheduler_svc.llm import LLM
-from scheduler_svc.model_paths import default_model_dir
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from tiny_checkpoints import tiny_checkpoint
@@ -37,17 +35,9 @@ def smol_prompts(tokenizer: Tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smol_dir() -> str:
-    path = default_model_dir()
-    if not os.path.exists(os.path.join(path, "config.json")):
-        pytest.fail(f"embedded model missing at {path}: run `make model`")
-    return path
-
-
-@pytest.fixture(scope="module")
-def smol_case(smol_dir):
-    prompts = smol_prompts(Tokenizer(smol_dir))
-    return prompts, hf_greedy(smol_dir, prompts, NEW_TOKENS)
+def smol_case(embedded_model):
+    prompts = smol_prompts(Tokenizer(embedded_model))
+    return prompts, hf_greedy(embedded_model, prompts, NEW_TOKENS)
 
 
 def run_engine(model_dir: str, prompts: list[list[int]], **engine_args):
@@ -57,39 +47,39 @@ def run_engine(model_dir: str, prompts: list[list[int]], **engine_args):
     return [r.outputs[0] for r in results], stats
 
 
-def test_smollm2_greedy_batch_of_16_equals_transformers(smol_dir, smol_case):
+def test_smollm2_greedy_batch_of_16_equals_transformers(embedded_model, smol_case):
     prompts, ref = smol_case
     assert len({len(p) for p in prompts}) >= 8, "prompts should have mixed lengths"
-    outs, stats = run_engine(smol_dir, prompts)
+    outs, stats = run_engine(embedded_model, prompts)
     assert_greedy_matches(outs, ref)
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.free_kv_blocks == stats.total_kv_blocks
 
 
-def test_smollm2_equals_transformers_when_kv_pool_forces_preemption(smol_dir, smol_case):
+def test_smollm2_equals_transformers_when_kv_pool_forces_preemption(embedded_model, smol_case):
     prompts, ref = smol_case
     longest_blocks = -(-max(len(p) + NEW_TOKENS for p in prompts) // 16)
-    outs, stats = run_engine(smol_dir, prompts, num_gpu_blocks=longest_blocks + 8)
+    outs, stats = run_engine(embedded_model, prompts, num_gpu_blocks=longest_blocks + 8)
     assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
     assert_greedy_matches(outs, ref)
     assert stats.free_kv_blocks == stats.total_kv_blocks
 
 
-def test_smollm2_equals_transformers_with_chunked_prefill_mixed_with_decodes(smol_dir, smol_case):
+def test_smollm2_equals_transformers_with_chunked_prefill_mixed_with_decodes(embedded_model, smol_case):
     prompts, ref = smol_case
-    outs, stats = run_engine(smol_dir, prompts, max_num_batched_tokens=48)
+    outs, stats = run_engine(embedded_model, prompts, max_num_batched_tokens=48)
     assert stats.num_partial_prefill_chunks > 0, "prompts longer than the budget must be chunked"
     assert stats.num_mixed_steps > 0, "prefill chunks must share steps with decodes"
     assert_greedy_matches(outs, ref)
 
 
-def test_smollm2_equals_transformers_with_shared_prefix_cache_hits(smol_dir):
-    tokenizer = Tokenizer(smol_dir)
+def test_smollm2_equals_transformers_with_shared_prefix_cache_hits(embedded_model):
+    tokenizer = Tokenizer(embedded_model)
     system = "You are a meticulous assistant who double-checks every fact. " * 12
     prompts = [tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": t}])
                for t in TOPICS[:8]]
-    ref = hf_greedy(smol_dir, prompts, NEW_TOKENS)
-    with LLM(smol_dir) as llm:
+    ref = hf_greedy(embedded_model, prompts, NEW_TOKENS)
+    with LLM(embedded_model) as llm:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
         stats = llm.stats()

@@ -8,10 +8,10 @@ eager torch. The gpu tests run the compiled kernels at Qwen3-0.6B's shapes and i
 """
 from __future__ import annotations
 
-import os
 
 import pytest
-from interpreter_child import assert_module_passes_under_interpreter
+from interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
+                               interpreter, needs_cuda)
 import torch
 
 pytest.importorskip("triton")
@@ -20,13 +20,9 @@ from executor_svc.layers.activation import SiluAndMul  # noqa: E402
 from executor_svc.layers.layernorm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available()
-if INTERPRETING or HAS_CUDA:
+if KERNELS_RUN_HERE:
     from kernels import fused_ops as fo
 
-interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs CUDA and compiled kernels")
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
 

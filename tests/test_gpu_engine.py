@@ -58,7 +58,6 @@ def test_cuda_graph_decoding_equals_eager_and_torch_backend(qwen3_dir, prompts, 
 
 
 def test_cuda_engine_with_chunked_prefill_preemption_and_prefix_hits(qwen3_dir, prompts):
-    reference, _ = generate(qwen3_dir, prompts, dtype="float32", attention_backend="torch", enforce_eager=True)
     shared = prompts[0][:200]
     tricky = [shared + p[:50] for p in prompts[:8]] + prompts[8:]
     ref2, _ = generate(qwen3_dir, tricky, dtype="float32", attention_backend="torch", enforce_eager=True)
@@ -66,4 +65,3 @@ def test_cuda_engine_with_chunked_prefill_preemption_and_prefix_hits(qwen3_dir, 
                            num_gpu_blocks=60, max_num_batched_tokens=128)
     assert stats.num_preemptions > 0 and stats.num_partial_prefill_chunks > 0
     assert_greedy_matches(outs, [o.token_ids for o in ref2])
-    assert reference  # the plain run above also completed on CUDA

@@ -2,7 +2,6 @@
 the others are admitted once its blocks are hashed and reuse them through the prefix cache."""
 from __future__ import annotations
 
-import pytest
 
 from protos import engine_pb2
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig

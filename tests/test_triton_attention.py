@@ -7,24 +7,20 @@ them one by one). The gpu tests run the compiled kernels at realistic shapes.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
-from interpreter_child import assert_module_passes_under_interpreter
+from interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
+                               interpreter, needs_cuda)
 import torch
 
 pytest.importorskip("triton")
 
 from kernels.attention_backend import AttentionMetadata  # noqa: E402
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available()
-if INTERPRETING or HAS_CUDA:
+if KERNELS_RUN_HERE:
     # Not imported otherwise: compiled-mode kernels would stick in sys.modules for this process.
     from kernels import triton_attention as ta
 
-interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child process")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs CUDA and compiled kernels")
 
 
 def cdiv(a: int, b: int) -> int:
