@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device-tool call on the GPU machine: install the carried wheels (.whl, made by
 # ../shared/gpu/wheels.sh), build the stubs, then run the steps named as arguments:
-#   tests        pytest -m gpu
+#   tests        pytest -m gpu (TESTS names files)
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
+#   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
+#                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanoserve-out}
@@ -18,7 +20,7 @@ summary=()
 for step in "$@"; do
   case "$step" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+      python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
       summary+=("tests: $(tail -n 1 "$OUT/gpu_tests.log")") ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
@@ -26,6 +28,12 @@ for step in "$@"; do
       python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} \
         > "$OUT/throughput.log" 2>&1
       grep -v " INFO " "$OUT/throughput.log" | tail -n 25 ;;
+    timeline)
+      NANOSERVE_PROFILE_DIR="$OUT/prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
+        python3 bench/throughput.py --no-progress --out "$OUT/throughput_profiled.json" ${THROUGHPUT_ARGS:-} \
+        > "$OUT/timeline.log" 2>&1
+      grep -v " INFO " "$OUT/timeline.log" | tail -n 4
+      python3 -m executor_svc.step_profiler "$OUT/prof" ;;
     profile)
       python3 bench/step_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/profile.log" | tail -n 45 ;;
     *) echo "unknown step $step"; exit 2 ;;

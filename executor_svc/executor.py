@@ -14,6 +14,7 @@ import traceback
 import zmq
 
 from executor_svc.seq_mirror import SequenceMirrors
+from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
 from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
@@ -55,6 +56,7 @@ class StepLoop:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
         self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
         self.last_reply: float | None = None
+        self.profiler = StepProfiler.from_env(runner.device)
 
     def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
         """The next plan, or None once the pending step is done and no plan is waiting."""
@@ -86,6 +88,8 @@ class StepLoop:
     def run_plan(self, plan: engine_pb2.StepPlan) -> None:
         t0 = time.perf_counter()
         idle = t0 - self.last_reply if self.last_reply is not None and self.pending is None else 0.0
+        if self.profiler is not None:
+            self.profiler.before_step(len(plan.new_seqs) + len(plan.cached.seq_ids))
         try:
             chunks = self.mirrors.apply(plan)
             self.runner.copy_blocks(plan.block_copies)
@@ -101,6 +105,8 @@ class StepLoop:
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
         pending = self.runner.sample(inputs)
         self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
+        if self.profiler is not None:
+            self.profiler.after_step()
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:
