@@ -74,11 +74,12 @@ def main() -> None:
         logits = runner.model.compute_logits(hidden[inputs.logits_indices])
         sync()
         t3 = time.perf_counter()
-        batch = build_for_sequences([s.sampling for s in seqs], [s.token_ids for s in seqs],
-                                    [s.num_prompt_tokens for s in seqs], runner.facts.vocab_size, runner.device)
+        batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], runner.facts.vocab_size, runner.device,
+                                    runner._upload, runner._noise_rng)
         sync()
         t4 = time.perf_counter()
-        tokens = runner.sampler(logits.float(), batch).token_ids.tolist()
+        tokens = runner.sampler(logits, batch).token_ids.tolist()
         t5 = time.perf_counter()
         for s, t in zip(seqs, tokens):
             s.token_ids.append(t)

@@ -84,6 +84,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, config.block_size)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
+        self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
         self._pinned: dict[str, torch.Tensor] = {}
         self._step_parity = 0
         self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
@@ -173,8 +174,8 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks, in every layer, before the forward."""
         if not copies:
             return
-        src = torch.tensor([c.src_block_id for c in copies], device=self.device)
-        dst = torch.tensor([c.dst_block_id for c in copies], device=self.device)
+        src = self._upload(np.fromiter((c.src_block_id for c in copies), np.int64), "copy_src")
+        dst = self._upload(np.fromiter((c.dst_block_id for c in copies), np.int64), "copy_dst")
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # ------------------------------------------------------------------ inputs
@@ -288,9 +289,10 @@ class ModelRunner:
         seqs = [c.seq for c in chunks]
         lp = None
         if self.rank == 0:
-            batch = build_for_sequences([s.sampling for s in seqs], [s.token_ids for s in seqs],
-                                        [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device)
-            out = self.sampler(inputs.logits.float(), batch)
+            batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
+                                        [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device,
+                                        self._upload, self._noise_rng)
+            out = self.sampler(inputs.logits, batch)
             token_ids = out.token_ids
             if batch.max_logprobs > 0 and out.top_token_ids is not None:
                 lp = (out.sampled_logprobs, out.sampled_ranks, out.top_token_ids, out.top_logprobs)

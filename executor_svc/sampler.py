@@ -7,6 +7,7 @@ its neighbours, its batch position, or on being preempted and recomputed.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,12 +26,57 @@ def mix_seed(seed: int, step: int) -> int:
     return z ^ (z >> 31)
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Ragged token lists -> int64 [B, max_len] padded with `pad` (numpy fills rows fastest)."""
+Upload = Callable[[np.ndarray, str], torch.Tensor]
+
+
+def plain_upload(device: torch.device) -> Upload:
+    """Host array -> device tensor, blocking; the model runner passes its pinned, non-blocking one.
+    A copy from pageable memory waits for the whole stream, so the GPU step path never uses this."""
+    return lambda array, name: torch.from_numpy(array).to(device)
+
+
+def _pad(rows: list[list[int]], pad: int) -> np.ndarray:
+    """Ragged token lists -> int64 [B, max_len] padded with `pad`."""
     padded = np.full((len(rows), max(1, max(map(len, rows)))), pad, dtype=np.int64)
     for i, row in enumerate(rows):
         padded[i, :len(row)] = row
-    return torch.from_numpy(padded).to(device)
+    return padded
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One sequence's sampling options, read from the protobuf once rather than at every step."""
+
+    temperature: float
+    greedy: bool
+    top_k: int          # 0 where off
+    top_p: float        # 1.0 where off
+    min_p: float        # 0.0 where off
+    repetition_penalty: float  # 1.0 where off
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    logprobs: int
+
+    @staticmethod
+    def of(o: "engine_pb2.SamplingOptions | SamplingRow") -> "SamplingRow":
+        if isinstance(o, SamplingRow):
+            return o
+        greedy = o.temperature < GREEDY_EPS
+        return SamplingRow(
+            temperature=o.temperature, greedy=greedy, top_k=max(0, o.top_k),
+            top_p=o.top_p if 0 < o.top_p < 1 else 1.0, min_p=o.min_p if 0 < o.min_p <= 1 else 0.0,
+            repetition_penalty=o.repetition_penalty if o.repetition_penalty > 0 else 1.0,
+            presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+            seed=o.seed if o.HasField("seed") and not greedy else None, logprobs=o.logprobs)
+
+    @property
+    def needs_prompt(self) -> bool:
+        return self.repetition_penalty != 1
+
+    @property
+    def needs_output(self) -> bool:
+        return self.needs_prompt or bool(self.presence_penalty or self.frequency_penalty) or self.seed is not None
 
 
 @dataclass
@@ -38,7 +84,7 @@ class SamplingBatch:
     """Per-step sampling tensors; a feature's tensor is None when no row uses it."""
 
     greedy: torch.Tensor                # bool [B]
-    temperature: torch.Tensor           # float32 [B], 1.0 on greedy rows
+    temperature: torch.Tensor           # float32 [B], 0.0 on greedy rows
     top_k: torch.Tensor | None          # int64 [B], vocab_size where off
     top_p: torch.Tensor | None          # float32 [B], 1.0 where off
     min_p: torch.Tensor | None          # float32 [B], 0.0 where off
@@ -47,6 +93,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None  # float32 [B], 1.0 where off
     prompt_token_ids: torch.Tensor | None   # int64 [B, Lp], padded with vocab_size; repetition only
     output_token_ids: torch.Tensor | None   # int64 [B, Lo], padded with vocab_size
+    noise_seeds: torch.Tensor           # int64 [B]: each row's noise seed, mix_seed(seed, count) if seeded
     seeded_rows: torch.Tensor | None    # int64 [S], rows that own a seed
     generator_seeds: list[int]          # [S], mix_seed(seed, generated count) per seeded row
     all_greedy: bool
@@ -58,60 +105,76 @@ class SamplingBatch:
     def any_penalties(self) -> bool:
         return self.repetition_penalty is not None
 
+    @property
+    def any_filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
     @staticmethod
-    def build(options: list[engine_pb2.SamplingOptions], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], vocab_size: int,
-              device: torch.device) -> "SamplingBatch":
-        def floats(values):
-            return torch.tensor(values, dtype=torch.float32, device=device)
+    def build(options: "list[engine_pb2.SamplingOptions | SamplingRow]", prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], vocab_size: int, device: torch.device,
+              upload: Upload | None = None, rng: np.random.Generator | None = None) -> "SamplingBatch":
+        """`upload` moves host arrays to the device (default: a blocking copy); `rng` draws the noise
+        seeds of unseeded rows (default: a fresh OS-seeded generator)."""
+        upload = upload or plain_upload(device)
+        rng = rng or np.random.default_rng()
+        rows = [SamplingRow.of(o) for o in options]
+        n = len(rows)
 
-        greedy = [o.temperature < GREEDY_EPS for o in options]
-        top_k = [o.top_k if 0 < o.top_k < vocab_size else vocab_size for o in options]
-        top_p = [o.top_p if 0 < o.top_p < 1 else 1.0 for o in options]
-        min_p = [o.min_p if 0 < o.min_p <= 1 else 0.0 for o in options]
-        rep = [o.repetition_penalty if o.repetition_penalty > 0 else 1.0 for o in options]
-        pres = [o.presence_penalty for o in options]
-        freq = [o.frequency_penalty for o in options]
+        def column(dtype, values) -> np.ndarray:
+            return np.fromiter(values, dtype=dtype, count=n)
+
+        greedy = column(np.bool_, (r.greedy for r in rows))
+        rand = ~greedy
+        top_k = column(np.int64, (r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows))
+        top_p = column(np.float32, (r.top_p for r in rows))
+        min_p = column(np.float32, (r.min_p for r in rows))
+        rep = column(np.float32, (r.repetition_penalty for r in rows))
+        pres = column(np.float32, (r.presence_penalty for r in rows))
+        freq = column(np.float32, (r.frequency_penalty for r in rows))
         # Filters only matter on random rows; greedy rows ignore them.
-        rand = [not g for g in greedy]
-        any_top_k = any(k < vocab_size and r for k, r in zip(top_k, rand))
-        any_top_p = any(p < 1 and r for p, r in zip(top_p, rand))
-        any_min_p = any(p > 0 and r for p, r in zip(min_p, rand))
-        any_repetition = any(r != 1 for r in rep)
-        any_penalties = any_repetition or any(pres) or any(freq)
-        seeded = [i for i, o in enumerate(options) if o.HasField("seed") and rand[i]]
-
+        any_top_k = bool(((top_k < vocab_size) & rand).any())
+        any_top_p = bool(((top_p < 1) & rand).any())
+        any_min_p = bool(((min_p > 0) & rand).any())
+        any_repetition = bool((rep != 1).any())
+        any_penalties = any_repetition or bool(pres.any()) or bool(freq.any())
+        seeded = [i for i, r in enumerate(rows) if r.seed is not None]
+        generator_seeds = [mix_seed(rows[i].seed, len(output_token_ids[i])) for i in seeded]
+        noise_seeds = rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64)
+        for i, seed in zip(seeded, generator_seeds):
+            noise_seeds[i] = seed - (1 << 64) if seed >= 1 << 63 else seed  # as int64
+        temperature = column(np.float32, (0.0 if r.greedy else r.temperature for r in rows))
         return SamplingBatch(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=floats([1.0 if g else o.temperature for g, o in zip(greedy, options)]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if any_top_k else None,
-            top_p=floats(top_p) if any_top_p else None,
-            min_p=floats(min_p) if any_min_p else None,
-            presence_penalty=floats(pres) if any_penalties else None,
-            frequency_penalty=floats(freq) if any_penalties else None,
-            repetition_penalty=floats(rep) if any_penalties else None,
-            prompt_token_ids=_pad(prompt_token_ids, vocab_size, device) if any_repetition else None,
-            output_token_ids=_pad(output_token_ids, vocab_size, device) if any_penalties else None,
-            seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None,
-            generator_seeds=[mix_seed(options[i].seed, len(output_token_ids[i])) for i in seeded],
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            max_logprobs=min(vocab_size, max([0] + [o.logprobs for o in options])),
+            greedy=upload(greedy, "greedy"),
+            temperature=upload(temperature, "temperature"),
+            top_k=upload(top_k, "top_k") if any_top_k else None,
+            top_p=upload(top_p, "top_p") if any_top_p else None,
+            min_p=upload(min_p, "min_p") if any_min_p else None,
+            presence_penalty=upload(pres, "presence_penalty") if any_penalties else None,
+            frequency_penalty=upload(freq, "frequency_penalty") if any_penalties else None,
+            repetition_penalty=upload(rep, "repetition_penalty") if any_penalties else None,
+            prompt_token_ids=upload(_pad(prompt_token_ids, vocab_size), "prompt_ids") if any_repetition else None,
+            output_token_ids=upload(_pad(output_token_ids, vocab_size), "output_ids") if any_penalties else None,
+            noise_seeds=upload(noise_seeds, "noise_seeds"),
+            seeded_rows=upload(np.asarray(seeded, dtype=np.int64), "seeded_rows") if seeded else None,
+            generator_seeds=generator_seeds,
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            max_logprobs=min(vocab_size, max([0] + [r.logprobs for r in rows])),
             vocab_size=vocab_size,
         )
 
 
-def build_for_sequences(options: list[engine_pb2.SamplingOptions], token_ids: list[list[int]],
-                        num_prompt_tokens: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
+def build_for_sequences(rows: list[SamplingRow], token_ids: list[list[int]], num_prompt_tokens: list[int],
+                        vocab_size: int, device: torch.device, upload: Upload | None = None,
+                        rng: np.random.Generator | None = None) -> SamplingBatch:
     """SamplingBatch.build from whole token lists, slicing prompt/output only when a row needs them
     (penalties or a seed): copying every sequence's tokens each step would cost more than sampling."""
-    needs_prompt = any(o.repetition_penalty > 0 and o.repetition_penalty != 1 for o in options)
-    needs_output = needs_prompt or any(o.presence_penalty or o.frequency_penalty or o.HasField("seed")
-                                       for o in options)
+    needs_prompt = any(r.needs_prompt for r in rows)
+    needs_output = needs_prompt or any(r.needs_output for r in rows)
     empty: list[int] = []
-    prompts = [t[:n] for t, n in zip(token_ids, num_prompt_tokens)] if needs_prompt else [empty] * len(options)
-    outputs = [t[n:] for t, n in zip(token_ids, num_prompt_tokens)] if needs_output else [empty] * len(options)
-    return SamplingBatch.build(options, prompts, outputs, vocab_size, device)
+    prompts = [t[:n] for t, n in zip(token_ids, num_prompt_tokens)] if needs_prompt else [empty] * len(rows)
+    outputs = [t[n:] for t, n in zip(token_ids, num_prompt_tokens)] if needs_output else [empty] * len(rows)
+    return SamplingBatch.build(rows, prompts, outputs, vocab_size, device, upload, rng)
 
 
 @dataclass
@@ -172,8 +235,14 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_logprobs > 0 else None
+        if logits.is_cuda and not batch.any_penalties and not batch.any_filters:
+            # the common case in one pass over the logits: greedy or temperature (Gumbel-max, per-row seeds)
+            from kernels.sampling import sample_tokens
+
+            token_ids = sample_tokens(logits, batch.temperature, batch.noise_seeds)
+            return self._with_logprobs(token_ids, raw_logprobs, batch)
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs > 0 else None
         if batch.any_penalties:
             logits = apply_penalties(logits, batch)
         if batch.all_greedy:
@@ -182,6 +251,11 @@ class Sampler:
             token_ids = self._sample_random(logits, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+        return self._with_logprobs(token_ids, raw_logprobs, batch)
+
+    @staticmethod
+    def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                       batch: SamplingBatch) -> SamplerOutput:
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None, None)
 
@@ -191,7 +265,7 @@ class Sampler:
         return SamplerOutput(token_ids, chosen.squeeze(-1), rank, top_token_ids, top_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature[:, None]
+        logits = logits / batch.temperature.masked_fill(batch.greedy, 1.0)[:, None]
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
         if batch.top_k is not None or batch.top_p is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from executor_svc.sampler import SamplingRow
 from protos import engine_pb2
 
 
@@ -22,8 +23,10 @@ class MirroredSeq:
     num_pending: int = 0  # tokens sampled by launched steps, not yet appended (on the device)
     # block_table as an int32 array with spare room, so building a step's block tables is a memcpy a row
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    sampling_row: SamplingRow | None = None  # `sampling` read once, for the per-step sampling batch
 
     def __post_init__(self) -> None:
+        self.sampling_row = SamplingRow.of(self.sampling)
         self.block_array = np.zeros(max(16, 2 * len(self.block_table)), dtype=np.int32)
         self.block_array[: len(self.block_table)] = self.block_table
 

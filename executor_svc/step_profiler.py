@@ -3,9 +3,9 @@
     NANOSERVE_PROFILE_DIR=/tmp/prof NANOSERVE_PROFILE_STEPS=50:20,700:20 nanoserve serve ...
 
 Each window `first:count` traces `count` steps starting at the executor's step `first` (counted from
-its first plan, warm-up included) and writes, per window: the kernels' GPU time table, a chrome
-trace, and a summary of GPU busy time against wall time (the idle gap the overlap did not hide).
-Only device activity is recorded unless NANOSERVE_PROFILE_CPU=1: host tracing slows the host and
+its first plan, warm-up included) and writes, per window, GPU busy time against wall time (the idle
+gap the overlap did not hide) and the kernels by GPU time; a chrome trace with
+NANOSERVE_PROFILE_TRACE=1. Only device activity is recorded unless NANOSERVE_PROFILE_CPU=1: host tracing slows the host and
 would open gaps that do not exist otherwise. `python -m executor_svc.step_profiler DIR` prints the
 summaries.
 """
@@ -113,19 +113,19 @@ class StepProfiler:
         base = os.path.join(self.out_dir, name)
         with open(base + ".json", "w") as f:
             json.dump(summary, f, indent=1)
-        with open(base + ".txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-        try:
+        if self.trace_host:
+            with open(base + ".txt", "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        if os.environ.get("NANOSERVE_PROFILE_TRACE") == "1":
             prof.export_chrome_trace(base + ".trace.json")
-        except Exception as exc:  # a trace is a convenience; the summary above is what matters
-            log.warning("chrome trace export failed: %s", exc)
         log.info("profiled %s: %.2f ms/step wall, GPU busy %.2f ms/step, idle %.1f ms over the window (mean batch %.0f)",
                  name, summary["ms_per_step_wall"], summary["gpu_busy_ms_per_step"], summary["gpu_idle_ms"],
                  summary["batch_size_mean"])
 
 
 def print_summaries(out_dir: str, top: int = 12) -> None:
-    for path in sorted(glob.glob(os.path.join(out_dir, "steps_*.json")), key=lambda p: int(p.split("_")[-2])):
+    paths = [p for p in glob.glob(os.path.join(out_dir, "steps_*_*.json")) if not p.endswith(".trace.json")]
+    for path in sorted(paths, key=lambda p: int(os.path.basename(p).split("_")[1])):
         with open(path) as f:
             s = json.load(f)
         print(f"{os.path.basename(path)[:-5]}: batch {s['batch_size_mean']:.0f}, wall {s['ms_per_step_wall']:.2f} ms/step, "

@@ -36,7 +36,7 @@ def _heads_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant for every token count
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     num_rows, num_heads, dim, eps,

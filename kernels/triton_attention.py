@@ -198,7 +198,7 @@ def _attend_tile(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seqlens_k_ptr, cu_seqlens_q_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -258,7 +258,7 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seqlens_k_ptr, qk_scale,
@@ -318,7 +318,7 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
     NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

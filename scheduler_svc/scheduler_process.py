@@ -290,7 +290,11 @@ class SchedulerProcess:
             if self._launch_step():
                 return
         if self.in_flight:
-            self._finish_step(self.in_flight.popleft())
+            outputs = self._finish_step(self.in_flight.popleft())
+            # the executor may be waiting for a plan: send the next one before telling the frontends
+            if self.scheduler.has_unfinished() and len(self.in_flight) < self.pipeline_depth:
+                self._launch_step()
+            self._emit(*outputs)
         elif self.scheduler.has_unfinished():
             time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
 
@@ -306,7 +310,8 @@ class SchedulerProcess:
         self.in_flight.append(InFlightStep(self.step_id, out, has_prefill, time.perf_counter()))
         return True
 
-    def _finish_step(self, step: "InFlightStep") -> None:
+    def _finish_step(self, step: "InFlightStep") -> tuple[list, dict[int, engine_pb2.SampledToken]]:
+        """Apply a step's result to the scheduler; returns what _emit tells the frontends."""
         result = self._wait_result(step.step_id)
         now = time.perf_counter()
         # steps overlap, so a step's share of the wall clock runs from the later of its launch and the last reply
@@ -322,10 +327,9 @@ class SchedulerProcess:
             for item in out.scheduled:
                 self._abort(item.seq.request_id, engine_pb2.FINISH_REASON_ERROR, error=f"executor: {result.error}")
             self.scheduler.postprocess(out, {})
-            return
+            return [], {}
         sampled = {s.seq_id: s for s in result.sampled}
-        updates = self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()})
-        self._emit(updates, sampled)
+        return self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()}), sampled
 
     def _count_step(self, out: SchedulerOutput) -> bool:
         """Update step counters; True when the step computes prefill tokens."""

@@ -65,3 +65,33 @@ def test_cuda_engine_with_chunked_prefill_preemption_and_prefix_hits(qwen3_dir, 
                            num_gpu_blocks=60, max_num_batched_tokens=128)
     assert stats.num_preemptions > 0 and stats.num_partial_prefill_chunks > 0
     assert_greedy_matches(outs, [o.token_ids for o in ref2])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_decode_step_never_blocks_the_host_on_the_device(qwen3_dir, temperature):
+    """Step inputs and sampling tensors go up through pinned buffers: a copy from pageable memory
+    would wait for the whole stream, so the host could not prepare step N+1 while step N runs."""
+    from executor_svc.model_runner import ModelRunner
+    from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
+    from protos import engine_pb2
+    from scheduler_svc.config import EngineConfig
+
+    runner = ModelRunner(EngineConfig(model=qwen3_dir, device="cuda", num_gpu_blocks=256, max_num_seqs=16))
+    options = engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0)
+    seqs = [MirroredSeq(i, [(7 * i + t) % 1000 for t in range(40)], 20, list(range(4 * i, 4 * i + 4)), 39, options)
+            for i in range(5)]
+
+    def step():
+        chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
+        pending = runner.sample(runner.launch(chunks))
+        for s, t in zip(seqs, runner.finalize(pending)):
+            s.token_ids.append(t.token_id)
+            s.num_computed_tokens += 1
+
+    step()  # first-use allocations of the pinned buffers are allowed to block
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name]
+    assert any("Pinned -> Device" in name for name in copies)  # the profiler did see the uploads
+    assert not [name for name in copies if "Pageable" in name], copies

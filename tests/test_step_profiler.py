@@ -1,0 +1,38 @@
+"""The executor's profiling windows: the spec parser, the busy-time union, and a window's summary."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from executor_svc.step_profiler import StepProfiler, busy_time_us, parse_windows
+
+
+def test_windows_parse_in_order_and_bad_specs_say_what_is_wanted():
+    assert parse_windows("700:20, 50:5") == [(50, 5), (700, 20)]
+    for bad in ("50", "a:3", "5:0", "5:-1"):
+        with pytest.raises(ValueError, match="first:count"):
+            parse_windows(bad)
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 30)), max_size=12))
+def test_busy_time_is_the_length_of_the_union_of_kernel_intervals(spans):
+    intervals = [(float(a), float(a + d)) for a, d in spans]
+    covered = set()
+    for a, b in intervals:
+        covered.update(range(int(a), int(b)))  # unit cells: integer endpoints make this exact
+    assert busy_time_us(intervals) == len(covered)
+
+
+def test_a_window_writes_its_summary_after_its_last_step(tmp_path):
+    prof = StepProfiler(str(tmp_path), [(2, 3)], torch.device("cpu"))
+    x = torch.randn(64, 64)
+    for step in range(7):
+        prof.before_step(num_seqs=step + 1)
+        x = (x @ x).tanh()
+        prof.after_step()
+        written = list(tmp_path.glob("steps_2_3.json"))
+        assert bool(written) == (step >= 4)  # steps 2, 3 and 4 are traced
+    summary = json.loads(written[0].read_text())
+    assert summary["steps"] == 3 and summary["batch_size_mean"] == 4.0
+    assert summary["wall_ms"] > 0
