@@ -21,7 +21,16 @@ REPO = HERE.parent
 # Run as a script, this file's folder comes first on sys.path and its name would shadow kernels.
 sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 1024, 16, 8, 128, 3072, 1e-6
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, VOCAB = 1024, 16, 8, 128, 3072, 1e-6, 151936
+
+
+def sample_eager(logits, temperature):
+    """The torch chain the fused sampler replaces: fp32 copy, temperature, softmax, exponential race."""
+    import torch
+
+    probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / q).argmax(dim=-1)
 
 
 def main() -> None:
@@ -37,6 +46,7 @@ def main() -> None:
 
     from executor_svc.layers.rotary import RotaryEmbedding
     from kernels import fused_ops as fo
+    from kernels.sampling import sample_tokens
 
     device, dt = torch.device(args.device), torch.bfloat16
 
@@ -60,6 +70,9 @@ def main() -> None:
         q = qkv[:, :Q_HEADS * HEAD_DIM].unflatten(-1, (Q_HEADS, HEAD_DIM))
         k = qkv[:, Q_HEADS * HEAD_DIM:(Q_HEADS + KV_HEADS) * HEAD_DIM].unflatten(-1, (KV_HEADS, HEAD_DIM))
         pos = torch.randint(0, 40960, (num_tokens,), device=device)
+        logits = randn(num_tokens, 1000 if args.tiny else VOCAB)
+        temperature = torch.full((num_tokens,), 0.6, device=device)
+        seeds = torch.randint(-2**62, 2**62, (num_tokens,), device=device)
         e = x.element_size()
         qk = (Q_HEADS + KV_HEADS) * HEAD_DIM * num_tokens * e
         cases = {  # name: (fused, eager, bytes moved)
@@ -72,6 +85,8 @@ def main() -> None:
                              gate_up.numel() * e * 3 // 2),
             "rotary (q, k)": (lambda: fo.rotary_embedding(pos, q, k, rope.cos, rope.sin),
                               lambda: fo.rotary_embedding_ref(pos, q, k, rope.cos, rope.sin), 2 * qk),
+            "sample (T=0.6)": (lambda: sample_tokens(logits, temperature, seeds),
+                               lambda: sample_eager(logits, temperature), logits.numel() * e),
         }
         for name, (fused, eager, nbytes) in cases.items():
             fused_us, eager_us = time_us(fused), time_us(eager)

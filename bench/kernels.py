@@ -2,6 +2,7 @@
 
   python bench/kernels.py                      # H200: decode bandwidth, prefill TFLOP/s, store GB/s
   python bench/kernels.py --sweep              # + decode tile / warps / stages / splits sweep
+  python bench/kernels.py --ragged             # + decode at the throughput run's ragged contexts, by splits
   python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
 
 Decode is memory bound, so it is scored as effective bandwidth: K+V bytes of every context read
@@ -34,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
     p.add_argument("--sweep", action="store_true", help="also sweep decode configs")
+    p.add_argument("--ragged", action="store_true", help="also time decode over ragged contexts by split count")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -52,6 +54,8 @@ def main() -> None:
     results["store_kvcache"] = bench.store()
     if args.sweep:
         results["decode_sweep"] = bench.decode_sweep()
+    if args.ragged:
+        results["decode_ragged"] = bench.decode_ragged()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -236,6 +240,34 @@ class Bench:
                       f" stages={r['num_stages']} splits={r['splits']:<3} {r['us']:8.1f} us"
                       f" {r['tb_per_s']:5.2f} TB/s")
             rows += shape_rows
+        return rows
+
+    def decode_ragged(self) -> list[dict]:
+        """The batches the throughput workload decodes at a few points of its run (contexts U[100, 1024]
+        plus the tokens generated so far), timed in a graph at each split count: ragged contexts leave a
+        tail of long programs that a per-sequence split evens out."""
+        import random
+
+        ta = self.ta
+        hq, hkv, d = self.heads
+        rng = random.Random(0)
+        points = [(256, 80), (153, 400), (59, 800), (7, 1000)] if self.device.type == "cuda" else [(3, 8)]
+        rows = []
+        print("\ndecode over ragged contexts (graph replay): TB/s by split count")
+        for num_seqs, generated in points:
+            contexts = [rng.randint(100, 1024) + generated for _ in range(num_seqs)]
+            q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, contexts)
+            kv_bytes = 2 * sum(contexts) * hkv * d * k_cache.element_size()
+            auto = ta.decode_num_splits(num_seqs, hkv, max(contexts), ta._num_sms(self.device), 64)
+            line = []
+            for splits in (1, 2, 3, 4, 6, 8, 12, 16):
+                us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
+                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)
+                rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
+                             "us": us, "tb_per_s": kv_bytes / us / 1e6})
+                line.append(f"{splits}:{kv_bytes / us / 1e6:.2f}")
+            print(f"  B={num_seqs:<4} ctx~{sum(contexts) // num_seqs:<5} auto={auto:<3} " + " ".join(line))
+            del q, k_cache, v_cache
         return rows
 
 

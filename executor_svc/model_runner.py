@@ -97,6 +97,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
                                        self.facts.hidden_size, self.dtype, self.device)
             self.graphs.capture()
+        if self.device.type == "cuda" and self.rank == 0:
+            from kernels import sampling
+
+            sampling.warm_up(config.max_num_seqs, self.facts.vocab_size, self.dtype, self.device)
 
     # ------------------------------------------------------------------ KV pool
 

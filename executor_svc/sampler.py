@@ -1,9 +1,10 @@
-"""The sampler: penalties, temperature, min-p / top-k / top-p, and the exponential race.
+"""The sampler: penalties, temperature, min-p / top-k / top-p, then a random race.
 
-Everything runs as batched tensor ops on the logits' device: no per-token host sync.
-Logprobs come from the raw logits, as in vLLM. A seeded row draws its noise from a
-generator seeded with (seed, generated-token count), so its tokens do not depend on
-its neighbours, its batch position, or on being preempted and recomputed.
+Everything runs on the logits' device with no per-token host sync. On CUDA the race is the fused
+Gumbel-max kernel (kernels/sampling.py) keyed by a per-row noise seed; on the CPU it is the
+exponential race in torch. Both pick token i with probability p_i. Logprobs come from the raw
+logits, as in vLLM. A seeded row's noise comes from (seed, generated-token count) alone, so its
+tokens do not depend on its neighbours, its batch position, or on being preempted and recomputed.
 """
 
 from dataclasses import dataclass
@@ -236,12 +237,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_logprobs > 0 else None
-        if logits.is_cuda and not batch.any_penalties and not batch.any_filters:
-            # the common case in one pass over the logits: greedy or temperature (Gumbel-max, per-row seeds)
-            from kernels.sampling import sample_tokens
-
-            token_ids = sample_tokens(logits, batch.temperature, batch.noise_seeds)
-            return self._with_logprobs(token_ids, raw_logprobs, batch)
+        if logits.is_cuda:
+            return self._with_logprobs(self._sample_fused(logits, batch), raw_logprobs, batch)
         logits = logits.float()
         if batch.any_penalties:
             logits = apply_penalties(logits, batch)
@@ -252,6 +249,25 @@ class Sampler:
             if batch.any_greedy:
                 token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
         return self._with_logprobs(token_ids, raw_logprobs, batch)
+
+    @staticmethod
+    def _sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """On CUDA every row goes through one Gumbel-max kernel with its own noise seed, so a seeded
+        row's token never depends on which options its neighbours use."""
+        from kernels.sampling import sample_tokens
+
+        if not batch.any_penalties and not batch.any_filters:  # the common case: one pass, no fp32 copy
+            return sample_tokens(logits, batch.temperature, batch.noise_seeds)
+        x = logits.float()
+        if batch.any_penalties:
+            x = apply_penalties(x, batch)
+        # filters act on the tempered distribution; dropped tokens become -inf, which never wins
+        x = x / batch.temperature.masked_fill(batch.greedy, 1.0)[:, None]
+        if batch.min_p is not None:
+            x = apply_min_p(x, batch.min_p)
+        if batch.top_k is not None or batch.top_p is not None:
+            x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
+        return sample_tokens(x, (~batch.greedy).float(), batch.noise_seeds)  # already tempered: T = 1
 
     @staticmethod
     def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
