@@ -17,6 +17,7 @@ from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
 from scheduler_svc.launcher import watch_parent
+from scheduler_svc.py_profiler import PythonProfileWindow
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
 
 log = logging.getLogger("nanoserve.executor")
@@ -57,6 +58,7 @@ class StepLoop:
         self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
+        self.py_profile = PythonProfileWindow.from_env(f"executor{rank}")
 
     def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
         """The next plan, or None once the pending step is done and no plan is waiting."""
@@ -88,6 +90,8 @@ class StepLoop:
     def run_plan(self, plan: engine_pb2.StepPlan) -> None:
         t0 = time.perf_counter()
         idle = t0 - self.last_reply if self.last_reply is not None and self.pending is None else 0.0
+        if self.py_profile is not None:
+            self.py_profile.on_step()
         if self.profiler is not None:
             self.profiler.before_step(len(plan.new_seqs) + len(plan.cached.seq_ids))
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import zmq
 
 from protos import engine_pb2
+from scheduler_svc.py_profiler import PythonProfileWindow
 from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -89,6 +90,7 @@ class SchedulerProcess:
                          "num_partial_prefill_chunks": 0, "num_mixed_steps": 0, "num_prefill_tokens": 0,
                          "prefill_step_seconds": 0.0, "decode_step_seconds": 0.0, "executor_busy_seconds": 0.0,
                          "executor_idle_seconds": 0.0}
+        self.py_profile = PythonProfileWindow.from_env("scheduler")
 
     # ------------------------------------------------------------------ frontend side
 
@@ -303,6 +305,8 @@ class SchedulerProcess:
         if not out.scheduled:
             return False
         self.step_id += 1
+        if self.py_profile is not None:
+            self.py_profile.on_step()
         has_prefill = self._count_step(out)
         msg = engine_pb2.SchedulerToExecutor(plan=build_step_plan(self.step_id, out, self.pipeline_depth == 1))
         for rank in range(self.world_size):
