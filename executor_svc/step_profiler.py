@@ -20,18 +20,9 @@ import time
 
 import torch
 
+from scheduler_svc.py_profiler import parse_windows
+
 log = logging.getLogger("nanoserve.executor")
-
-
-def parse_windows(spec: str) -> list[tuple[int, int]]:
-    """'50:20,700:20' -> [(50, 20), (700, 20)]; a clear error for anything else."""
-    windows = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        first, sep, count = part.partition(":")
-        if not sep or not first.isdigit() or not count.isdigit() or int(count) == 0:
-            raise ValueError(f"NANOSERVE_PROFILE_STEPS wants first:count[,first:count...], got {spec!r}")
-        windows.append((int(first), int(count)))
-    return sorted(windows)
 
 
 def busy_time_us(intervals: list[tuple[float, float]]) -> float:
@@ -67,7 +58,8 @@ class StepProfiler:
         out_dir = os.environ.get("NANOSERVE_PROFILE_DIR")
         if not out_dir:
             return None
-        return cls(out_dir, parse_windows(os.environ.get("NANOSERVE_PROFILE_STEPS", "100:20")), device,
+        windows = parse_windows(os.environ.get("NANOSERVE_PROFILE_STEPS", "100:20"), "NANOSERVE_PROFILE_STEPS")
+        return cls(out_dir, windows, device,
                    os.environ.get("NANOSERVE_PROFILE_CPU") == "1")
 
     def before_step(self, num_seqs: int) -> None:

@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from executor_svc.step_profiler import StepProfiler, busy_time_us, parse_windows
+from executor_svc.step_profiler import StepProfiler, busy_time_us
+from scheduler_svc.py_profiler import PythonProfileWindow, parse_windows
 
 
 def test_windows_parse_in_order_and_bad_specs_say_what_is_wanted():
@@ -36,3 +37,13 @@ def test_a_window_writes_its_summary_after_its_last_step(tmp_path):
     summary = json.loads(written[0].read_text())
     assert summary["steps"] == 3 and summary["batch_size_mean"] == 4.0
     assert summary["wall_ms"] > 0
+
+
+def test_python_profile_windows_write_one_report_each(tmp_path):
+    window = PythonProfileWindow(str(tmp_path), "scheduler", [(1, 2), (5, 1)])
+    for _ in range(8):
+        window.on_step()
+        sum(i * i for i in range(1000))
+    reports = sorted(p.name for p in tmp_path.iterdir())
+    assert reports == ["scheduler_steps_1_2.txt", "scheduler_steps_5_1.txt"]
+    assert "ms per step" in (tmp_path / "scheduler_steps_1_2.txt").read_text()
