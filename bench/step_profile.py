@@ -76,7 +76,7 @@ def main() -> None:
         t3 = time.perf_counter()
         batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
                                     [s.num_prompt_tokens for s in seqs], runner.facts.vocab_size, runner.device,
-                                    runner._upload, runner._noise_rng)
+                                    lambda arrays: runner.staging.upload(arrays, "sampling"), runner._noise_rng)
         sync()
         t4 = time.perf_counter()
         tokens = runner.sampler(logits, batch).token_ids.tolist()

@@ -4,6 +4,11 @@ An eager decode step of a 28-layer model spends milliseconds on kernel launches 
 launches the whole forward at once. Graphs are captured largest bucket first so the smaller ones
 reuse its memory pool. A step whose batch is not a bucket runs in the next bucket up, the padding
 rows writing nowhere (slot -1) and reading one real block.
+
+On a single rank the graph also computes the logits and samples every row with the fused Gumbel-max
+kernel, from static temperature and noise-seed buffers. A step whose rows all sample plainly
+(temperature only) then launches nothing else; any other step samples eagerly from the graph's
+logits, and the in-graph tokens go unused.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, vocab_size: int | None = None) -> None:
+        """vocab_size: capture the logits and the sampling too (one rank holding the whole vocab)."""
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -41,6 +47,12 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.samples = vocab_size is not None
+        if self.samples:
+            self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
+            self.noise_seeds = torch.zeros(n, dtype=torch.int64, device=device)
+            self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
+            self.sampled = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
@@ -50,23 +62,29 @@ class DecodeGraphs:
             seqlens_k=self.seqlens_k[:bs], block_tables=self.block_tables[:bs], max_seqlen_q=1,
             max_seqlen_k=self.max_model_len, block_size=self.block_size)
 
+    def _forward(self, bs: int) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        if self.samples:
+            from kernels.sampling import sample_tokens
+
+            self.model.compute_logits(self.hidden[:bs], out=self.logits[:bs])
+            sample_tokens(self.logits[:bs], self.temperature[:bs], self.noise_seeds[:bs], out=self.sampled[:bs])
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         for bs in reversed(self.buckets):
-            meta = self._meta(bs)
-            # warm up outside the graph: Triton compiles and autotunes here
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+            self._forward(bs)  # warm up outside the graph: Triton compiles and autotunes here
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs", len(self.graphs), self.buckets[0],
-                 self.buckets[-1], time.perf_counter() - t0)
+        log.info("captured %d decode CUDA graphs (batch %d..%d%s) in %.1fs", len(self.graphs), self.buckets[0],
+                 self.buckets[-1], ", with logits and sampling" if self.samples else "", time.perf_counter() - t0)
 
     def bucket(self, num_seqs: int, max_seqlen_k: int) -> int | None:
         """The graph batch size for a decode step, or None when it must run eagerly."""
@@ -77,8 +95,12 @@ class DecodeGraphs:
                 return bs
         return None
 
-    def run(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy a decode step into the static buffers of bucket bs, replay, return [B, hidden]."""
+    def run(self, bs: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            temperature: torch.Tensor | None = None, noise_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy a decode step into the static buffers of bucket bs, replay, return [B, hidden].
+
+        With temperature and noise seeds, self.logits[:B] and self.sampled[:B] hold the step's logits
+        and tokens until the next replay."""
         b = input_ids.shape[0]
         nb = meta.block_tables.shape[1]
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
@@ -88,5 +110,8 @@ class DecodeGraphs:
         self.seqlens_k[:b].copy_(meta.seqlens_k, non_blocking=True)
         self.seqlens_k[b:bs].fill_(1)
         self.block_tables[:b, :nb].copy_(meta.block_tables, non_blocking=True)
+        if temperature is not None:
+            self.temperature[:b].copy_(temperature, non_blocking=True)
+            self.noise_seeds[:b].copy_(noise_seeds, non_blocking=True)
         self.graphs[bs].replay()
         return self.hidden[:b]

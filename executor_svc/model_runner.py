@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.model_loader import ModelFacts, load_model
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
@@ -46,6 +47,8 @@ class StepInputs:
     logits_indices: torch.Tensor  # int64 [S]: the last token of each chunk that samples
     sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
     logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
+    sampled: torch.Tensor | None = None  # [S] token ids when the decode graph sampled them
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # uploaded with the inputs, by name
 
 
 @dataclass
@@ -85,8 +88,8 @@ class ModelRunner:
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
-        self._pinned: dict[str, torch.Tensor] = {}
-        self._step_parity = 0
+        self.staging = PinnedStaging(self.device)
+        self._pinned_sampled: dict[int, torch.Tensor] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
         self.num_blocks = self._size_kv_pool()
@@ -95,7 +98,8 @@ class ModelRunner:
         # the torch reference backend syncs the host inside store_kvcache, so it cannot be captured
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
-                                       self.facts.hidden_size, self.dtype, self.device)
+                                       self.facts.hidden_size, self.dtype, self.device,
+                                       vocab_size=self.facts.vocab_size if world_size == 1 else None)
             self.graphs.capture()
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling
@@ -178,31 +182,16 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks, in every layer, before the forward."""
         if not copies:
             return
-        src = self._upload(np.fromiter((c.src_block_id for c in copies), np.int64), "copy_src")
-        dst = self._upload(np.fromiter((c.dst_block_id for c in copies), np.int64), "copy_dst")
+        dev = self.staging.upload({"src": np.fromiter((c.src_block_id for c in copies), np.int64),
+                                   "dst": np.fromiter((c.dst_block_id for c in copies), np.int64)}, "copies")
+        src, dst = dev["src"], dev["dst"]
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # ------------------------------------------------------------------ inputs
 
-    def _upload(self, array: np.ndarray, slot: str) -> torch.Tensor:
-        """Host array to the device; on CUDA through a reused pinned buffer and a non-blocking copy.
-
-        Two buffers per input, alternating by step: the executor waits for step N-1 before it
-        prepares step N+1, so the buffer it writes is never still being copied from."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(array)
-        flat = array.reshape(-1)
-        slot = f"{slot}{self._step_parity}"
-        buf = self._pinned.get(slot)
-        if buf is None or buf.numel() < flat.size or buf.dtype != torch.from_numpy(flat[:0]).dtype:
-            buf = torch.empty(max(flat.size, 1024) * 2, dtype=torch.from_numpy(flat[:0]).dtype).pin_memory()
-            self._pinned[slot] = buf
-        host = buf[: flat.size]
-        host.numpy()[:] = flat
-        return host.to(self.device, non_blocking=True).view(array.shape)
-
-    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Flatten the step's chunks into model inputs; one python pass, the rest vectorised."""
+    def prepare_inputs(self, chunks: list[ScheduledChunk], extra: dict[str, np.ndarray] | None = None) -> StepInputs:
+        """Flatten the step's chunks into model inputs; one python pass, the rest vectorised.
+        `extra` host arrays go up in the same copy and come back in StepInputs.extra."""
         bs = self.block_size
         ids: list[int] = []
         starts, ends, tables, sampling, logits_idx = [], [], [], [], []
@@ -232,27 +221,27 @@ class ModelRunner:
         row = np.repeat(np.arange(len(chunks)), q_lens)
         positions = k_lens[row] - q_lens[row] + np.arange(len(ids)) - cu_q[row]
         block_tables = self._block_tables(tables, -(-k_lens // bs))
+        host = {
+            "input_ids": np.asarray(ids, dtype=np.int64), "positions": positions,
+            "slot_mapping": slot_mapping(block_tables, row, positions, bs),
+            "cu_seqlens_q": cu_q.astype(np.int32), "seqlens_k": k_lens.astype(np.int32),
+            "block_tables": block_tables, "logits_indices": np.asarray(logits_idx, dtype=np.int64),
+        }
+        if fill_at:
+            host["fill_at"] = np.asarray(fill_at, dtype=np.int64)
+            host["fill_from"] = np.asarray(fill_from, dtype=np.int64)
+        dev = self.staging.upload({**host, **(extra or {})})
         meta = AttentionMetadata(
-            slot_mapping=self._upload(slot_mapping(block_tables, row, positions, bs), "slot_mapping"),
-            cu_seqlens_q=self._upload(cu_q.astype(np.int32), "cu_seqlens_q"),
-            seqlens_k=self._upload(k_lens.astype(np.int32), "seqlens_k"),
-            block_tables=self._upload(block_tables, "block_tables"),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(k_lens.max()),
+            slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
+            block_tables=dev["block_tables"], max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()),
             block_size=bs,
         )
-        input_ids = self._upload(np.asarray(ids, dtype=np.int64), "input_ids")
+        input_ids = dev["input_ids"]
         if fill_at:
-            at = self._upload(np.asarray(fill_at, dtype=np.int64), "fill_at")
-            rows = self._upload(np.asarray(fill_from, dtype=np.int64), "fill_from")
-            input_ids[at] = self.prev_sampled[rows]
-        return StepInputs(
-            input_ids=input_ids,
-            positions=self._upload(positions, "positions"),
-            meta=meta,
-            logits_indices=self._upload(np.asarray(logits_idx, dtype=np.int64), "logits_indices"),
-            sampling_chunks=sampling,
-        )
+            input_ids[dev["fill_at"]] = self.prev_sampled[dev["fill_from"]]
+        return StepInputs(input_ids=input_ids, positions=dev["positions"], meta=meta,
+                          logits_indices=dev["logits_indices"], sampling_chunks=sampling,
+                          extra={name: dev[name] for name in extra or {}})
 
     @staticmethod
     def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
@@ -269,18 +258,35 @@ class ModelRunner:
         """Prepare the step and enqueue its forward and logits; returns before the device finishes."""
         if not chunks:
             return None
-        self._step_parity ^= 1  # alternate pinned buffers: the previous step's copies may be in flight
-        inputs = self.prepare_inputs(chunks)
+        self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
         bucket = None
-        if self.graphs is not None and inputs.meta.is_decode:
-            bucket = self.graphs.bucket(len(chunks), inputs.meta.max_seqlen_k)
+        if self.graphs is not None and all(c.end - c.start == 1 for c in chunks):
+            bucket = self.graphs.bucket(len(chunks), max(c.end for c in chunks))
+        # a decode graph samples in place when every row samples plainly (temperature alone)
+        graph_samples = (bucket is not None and self.graphs.samples
+                         and all(c.samples and c.seq.sampling_row.plain for c in chunks))
+        extra = self._plain_sampling_arrays(chunks) if graph_samples else None
+        inputs = self.prepare_inputs(chunks, extra)
         if bucket is not None:
-            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta,
+                                     inputs.extra.get("temperature"), inputs.extra.get("noise_seeds"))
+            if self.graphs.samples:
+                inputs.logits = self.graphs.logits[: len(chunks)]
+            if graph_samples:
+                inputs.sampled = self.graphs.sampled[: len(chunks)]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if inputs.sampling_chunks:
+        if inputs.sampling_chunks and inputs.logits is None:
             inputs.logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs
+
+    def _plain_sampling_arrays(self, chunks: list[ScheduledChunk]) -> dict[str, np.ndarray]:
+        """What a decode graph needs to sample rows of temperature alone: the same as SamplingBatch."""
+        n = len(chunks)
+        temperature = np.fromiter((0.0 if c.seq.sampling_row.greedy else c.seq.sampling_row.temperature
+                                   for c in chunks), dtype=np.float32, count=n)
+        return {"temperature": temperature,
+                "noise_seeds": self._noise_rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64)}
 
     @torch.inference_mode()
     def sample(self, inputs: StepInputs | None) -> PendingStep:
@@ -292,10 +298,12 @@ class ModelRunner:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
         lp = None
-        if self.rank == 0:
+        if inputs.sampled is not None:  # sampled inside the decode graph
+            token_ids = inputs.sampled
+        elif self.rank == 0:
             batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
                                         [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device,
-                                        self._upload, self._noise_rng)
+                                        lambda arrays: self.staging.upload(arrays, "sampling"), self._noise_rng)
             out = self.sampler(inputs.logits, batch)
             token_ids = out.token_ids
             if batch.max_logprobs > 0 and out.top_token_ids is not None:
@@ -343,11 +351,10 @@ class ModelRunner:
         return results
 
     def _pinned_tokens(self, n: int) -> torch.Tensor:
-        key = f"sampled{self._step_parity}"
-        buf = self._pinned.get(key)
+        buf = self._pinned_sampled.get(self.staging.parity)
         if buf is None or buf.numel() < n:
             buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64).pin_memory()
-            self._pinned[key] = buf
+            self._pinned_sampled[self.staging.parity] = buf
         return buf[:n]
 
     def handshake(self) -> engine_pb2.ExecutorHandshake:

@@ -27,13 +27,13 @@ def mix_seed(seed: int, step: int) -> int:
     return z ^ (z >> 31)
 
 
-Upload = Callable[[np.ndarray, str], torch.Tensor]
+Upload = Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]]
 
 
 def plain_upload(device: torch.device) -> Upload:
-    """Host array -> device tensor, blocking; the model runner passes its pinned, non-blocking one.
+    """Host arrays -> device tensors, blocking; the model runner passes its pinned, one-copy one.
     A copy from pageable memory waits for the whole stream, so the GPU step path never uses this."""
-    return lambda array, name: torch.from_numpy(array).to(device)
+    return lambda arrays: {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
 
 
 def _pad(rows: list[list[int]], pad: int) -> np.ndarray:
@@ -58,6 +58,13 @@ class SamplingRow:
     frequency_penalty: float
     seed: int | None
     logprobs: int
+    plain: bool = False  # temperature (or greedy) alone: no filter, penalty, seed or logprobs
+
+    def __post_init__(self) -> None:
+        plain = (self.top_k == 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.repetition_penalty == 1
+                 and not self.presence_penalty and not self.frequency_penalty and self.seed is None
+                 and not self.logprobs)
+        object.__setattr__(self, "plain", plain)  # derived once: build() asks it of every row, every step
 
     @staticmethod
     def of(o: "engine_pb2.SamplingOptions | SamplingRow") -> "SamplingRow":
@@ -114,8 +121,8 @@ class SamplingBatch:
     def build(options: "list[engine_pb2.SamplingOptions | SamplingRow]", prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device: torch.device,
               upload: Upload | None = None, rng: np.random.Generator | None = None) -> "SamplingBatch":
-        """`upload` moves host arrays to the device (default: a blocking copy); `rng` draws the noise
-        seeds of unseeded rows (default: a fresh OS-seeded generator)."""
+        """`upload` moves the host arrays to the device in one go (default: blocking copies); `rng`
+        draws the noise seeds of unseeded rows (default: a fresh OS-seeded generator)."""
         upload = upload or plain_upload(device)
         rng = rng or np.random.default_rng()
         rows = [SamplingRow.of(o) for o in options]
@@ -124,44 +131,51 @@ class SamplingBatch:
         def column(dtype, values) -> np.ndarray:
             return np.fromiter(values, dtype=dtype, count=n)
 
-        greedy = column(np.bool_, (r.greedy for r in rows))
-        rand = ~greedy
-        top_k = column(np.int64, (r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows))
-        top_p = column(np.float32, (r.top_p for r in rows))
-        min_p = column(np.float32, (r.min_p for r in rows))
-        rep = column(np.float32, (r.repetition_penalty for r in rows))
-        pres = column(np.float32, (r.presence_penalty for r in rows))
-        freq = column(np.float32, (r.frequency_penalty for r in rows))
-        # Filters only matter on random rows; greedy rows ignore them.
-        any_top_k = bool(((top_k < vocab_size) & rand).any())
-        any_top_p = bool(((top_p < 1) & rand).any())
-        any_min_p = bool(((min_p > 0) & rand).any())
-        any_repetition = bool((rep != 1).any())
-        any_penalties = any_repetition or bool(pres.any()) or bool(freq.any())
-        seeded = [i for i, r in enumerate(rows) if r.seed is not None]
-        generator_seeds = [mix_seed(rows[i].seed, len(output_token_ids[i])) for i in seeded]
-        noise_seeds = rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64)
-        for i, seed in zip(seeded, generator_seeds):
-            noise_seeds[i] = seed - (1 << 64) if seed >= 1 << 63 else seed  # as int64
-        temperature = column(np.float32, (0.0 if r.greedy else r.temperature for r in rows))
+        host = {
+            "greedy": column(np.bool_, (r.greedy for r in rows)),
+            "temperature": column(np.float32, (0.0 if r.greedy else r.temperature for r in rows)),
+            "noise_seeds": rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64),
+        }
+        greedy = host["greedy"]
+        flags = dict.fromkeys(("top_k", "top_p", "min_p", "repetition", "penalties"), False)
+        seeded, generator_seeds = [], []
+        if not all(r.plain for r in rows):  # the per-step cost of the common case stays at three columns
+            rand = ~greedy
+            top_k = column(np.int64, (r.top_k if 0 < r.top_k < vocab_size else vocab_size for r in rows))
+            top_p = column(np.float32, (r.top_p for r in rows))
+            min_p = column(np.float32, (r.min_p for r in rows))
+            rep = column(np.float32, (r.repetition_penalty for r in rows))
+            pres = column(np.float32, (r.presence_penalty for r in rows))
+            freq = column(np.float32, (r.frequency_penalty for r in rows))
+            # Filters only matter on random rows; greedy rows ignore them.
+            flags["top_k"] = bool(((top_k < vocab_size) & rand).any())
+            flags["top_p"] = bool(((top_p < 1) & rand).any())
+            flags["min_p"] = bool(((min_p > 0) & rand).any())
+            flags["repetition"] = bool((rep != 1).any())
+            flags["penalties"] = flags["repetition"] or bool(pres.any()) or bool(freq.any())
+            for name, array in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+                if flags[name]:
+                    host[name] = array
+            if flags["penalties"]:
+                host.update(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
+                            output_token_ids=_pad(output_token_ids, vocab_size))
+            if flags["repetition"]:
+                host["prompt_token_ids"] = _pad(prompt_token_ids, vocab_size)
+            seeded = [i for i, r in enumerate(rows) if r.seed is not None]
+            generator_seeds = [mix_seed(rows[i].seed, len(output_token_ids[i])) for i in seeded]
+            for i, seed in zip(seeded, generator_seeds):
+                host["noise_seeds"][i] = seed - (1 << 64) if seed >= 1 << 63 else seed  # as int64
+            if seeded:
+                host["seeded_rows"] = np.asarray(seeded, dtype=np.int64)
+        dev = upload(host)
         return SamplingBatch(
-            greedy=upload(greedy, "greedy"),
-            temperature=upload(temperature, "temperature"),
-            top_k=upload(top_k, "top_k") if any_top_k else None,
-            top_p=upload(top_p, "top_p") if any_top_p else None,
-            min_p=upload(min_p, "min_p") if any_min_p else None,
-            presence_penalty=upload(pres, "presence_penalty") if any_penalties else None,
-            frequency_penalty=upload(freq, "frequency_penalty") if any_penalties else None,
-            repetition_penalty=upload(rep, "repetition_penalty") if any_penalties else None,
-            prompt_token_ids=upload(_pad(prompt_token_ids, vocab_size), "prompt_ids") if any_repetition else None,
-            output_token_ids=upload(_pad(output_token_ids, vocab_size), "output_ids") if any_penalties else None,
-            noise_seeds=upload(noise_seeds, "noise_seeds"),
-            seeded_rows=upload(np.asarray(seeded, dtype=np.int64), "seeded_rows") if seeded else None,
-            generator_seeds=generator_seeds,
-            all_greedy=bool(greedy.all()),
-            any_greedy=bool(greedy.any()),
-            max_logprobs=min(vocab_size, max([0] + [r.logprobs for r in rows])),
-            vocab_size=vocab_size,
+            greedy=dev["greedy"], temperature=dev["temperature"], top_k=dev.get("top_k"), top_p=dev.get("top_p"),
+            min_p=dev.get("min_p"), presence_penalty=dev.get("presence_penalty"),
+            frequency_penalty=dev.get("frequency_penalty"), repetition_penalty=dev.get("repetition_penalty"),
+            prompt_token_ids=dev.get("prompt_token_ids"), output_token_ids=dev.get("output_token_ids"),
+            noise_seeds=dev["noise_seeds"], seeded_rows=dev.get("seeded_rows"), generator_seeds=generator_seeds,
+            all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            max_logprobs=min(vocab_size, max([0] + [r.logprobs for r in rows])), vocab_size=vocab_size,
         )
 
 

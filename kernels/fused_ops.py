@@ -1,4 +1,5 @@
-"""Fused small ops of a decoder block in Triton: RMSNorm (with the residual add), SiLU-and-mul, RoPE.
+"""Fused small ops of a decoder block in Triton: RMSNorm (with the residual add), SiLU-and-mul, RoPE,
+and the attention prologue (q/k RMSNorm, RoPE and the KV-pool store) as one launch.
 
 Eager torch runs each of these as a chain of elementwise kernels; here each is one pass over memory.
 The kernels round to the activation dtype where eager torch does (after the residual add, after
@@ -220,3 +221,166 @@ def rotary_embedding_ref(
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention prologue in one kernel: q/k RMSNorm (Qwen3), RoPE, and the store into the KV pool
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_ptr):
+    """RMSNorm of heads h of one token at `base`, written back: _rms_norm_kernel's expressions, so
+    that on the same tile and warps each head's sum of squares adds in the same order."""
+    mask = (h < num_heads)[:, None] & (cols < dim)[None, :]
+    offs = h[:, None] * stride_h + cols[None, :]
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    normed = (x * rstd[:, None]).to(base.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    tl.store(base + offs, normed * w[None, :], mask=mask)  # rounded to the activation dtype, as rms_norm's out
+
+
+@triton.jit
+def _rotate_store_kv_heads(
+    k_base, v_base, k_cache_base, v_cache_base, h, num_heads,
+    k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store,
+):
+    """Rotate k heads h in place as _rotate_heads does, and write them and v's heads to the pool row
+    (`store` false for slot -1); the rotated values go to the pool from registers."""
+    dtype = k_base.dtype.element_ty
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    mask = (h < num_heads)[:, None] & d_mask[None, :]
+    offs = h[:, None] * k_stride_h + d[None, :]
+    x1 = tl.load(k_base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_base + offs + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(k_base + offs, o1, mask=mask)
+    tl.store(k_base + offs + half, o2, mask=mask)
+    cache_mask = mask & store
+    k_cache_offs = h[:, None] * kc_stride_h + d[None, :]
+    tl.store(k_cache_base + k_cache_offs, o1.to(k_cache_base.dtype.element_ty), mask=cache_mask)
+    tl.store(k_cache_base + k_cache_offs + half, o2.to(k_cache_base.dtype.element_ty), mask=cache_mask)
+    v_offs = h[:, None] * v_stride_h + d[None, :]
+    v1 = tl.load(v_base + v_offs, mask=cache_mask)
+    v2 = tl.load(v_base + v_offs + half, mask=cache_mask)
+    v_cache_offs = h[:, None] * vc_stride_h + d[None, :]
+    tl.store(v_cache_base + v_cache_offs, v1.to(v_cache_base.dtype.element_ty), mask=cache_mask)
+    tl.store(v_cache_base + v_cache_offs + half, v2.to(v_cache_base.dtype.element_ty), mask=cache_mask)
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_weight_ptr, k_weight_ptr,
+    dim, half, eps,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride,
+    kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    NORM_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: all its q and k heads, then its row of the pool. The grid is the only
+    # thing sized by the token count, so no argument changes from step to step.
+    t = tl.program_id(0).to(tl.int64)
+    q_base, k_base = q_ptr + t * q_stride_t, k_ptr + t * k_stride_t
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    cos = tl.load(cos_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        cols = tl.arange(0, BLOCK_D)
+        rows = tl.arange(0, NORM_ROWS)
+        for h0 in tl.static_range(0, NUM_Q_HEADS, NORM_ROWS):
+            _norm_heads_in_place(q_base, h0 + rows, NUM_Q_HEADS, q_stride_h, cols, dim, eps, q_weight_ptr)
+        for h0 in tl.static_range(0, NUM_KV_HEADS, NORM_ROWS):
+            _norm_heads_in_place(k_base, h0 + rows, NUM_KV_HEADS, k_stride_h, cols, dim, eps, k_weight_ptr)
+        # RoPE pairs elements that other threads normalised: their stores must land first.
+        tl.debug_barrier()
+    heads = tl.arange(0, ROPE_HEADS)
+    for h0 in tl.static_range(0, NUM_Q_HEADS, ROPE_HEADS):
+        _rotate_heads(q_base, h0 + heads, NUM_Q_HEADS, q_stride_h, half, cos, sin, d, d_mask)
+    store = slot >= 0  # -1: padding, or a prefix-cache hit already stored
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    k_cache_base = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
+    v_cache_base = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
+    for h0 in tl.static_range(0, NUM_KV_HEADS, ROPE_HEADS):
+        _rotate_store_kv_heads(
+            k_base, v_ptr + t * v_stride_t, k_cache_base, v_cache_base, h0 + heads, NUM_KV_HEADS,
+            k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store,
+        )
+
+
+def qk_norm_rope_store(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(q), rms_norm(k) (when the weights are given), RoPE on both, then store_kvcache(k, v):
+    one launch, bit for bit the four kernels' result.
+
+    q [T, H_q, D], k and v [T, H_kv, D] (or [T, H*D]): views of the fused qkv output with a unit
+    last stride. q and k are normalised and rotated in place; k and v are written to
+    k_cache/v_cache [N, block_size, H_kv, D] at slot_mapping [T] (-1: not stored). Returns q and k.
+    """
+    half = cos.shape[-1]
+    head_dim = 2 * half
+    qv, kv, vv = _heads_view(q, head_dim), _heads_view(k, head_dim), _heads_view(v, head_dim)
+    assert qv.data_ptr() == q.data_ptr() and kv.data_ptr() == k.data_ptr(), "q, k need a unit last stride"
+    assert kv.shape == vv.shape and q.dtype == k.dtype == v.dtype
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == kv.shape[1:]
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1
+    has_norm = q_norm_weight is not None
+    if has_norm != (k_norm_weight is not None):
+        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    if has_norm and not (q_norm_weight.dtype == k_norm_weight.dtype == q.dtype):
+        # rms_norm would return a wider tensor than q; in place the chain could not round alike.
+        raise ValueError(f"norm weights must have q's dtype {q.dtype}, got {q_norm_weight.dtype}")
+    num_tokens, num_q_heads, _ = qv.shape
+    num_kv_heads = kv.shape[1]
+    assert kv.shape[0] == num_tokens and positions.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens
+    if num_tokens == 0:
+        return q, k
+    # The norm runs on rms_norm's tile and warps: the same reduction order, hence the same bits.
+    block_d = triton.next_power_of_2(head_dim)
+    norm_rows = max(1, min(32, 2048 // block_d))
+    block_half = triton.next_power_of_2(half)
+    rope_heads = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 2048 // block_half))
+    num_warps = _num_warps(norm_rows * block_d) if has_norm else _num_warps(rope_heads * block_half)
+    weights = (q_norm_weight, k_norm_weight) if has_norm else (qv, kv)  # unused without the norm
+    _qk_norm_rope_store_kernel[(num_tokens,)](
+        positions, qv, kv, vv, cos, sin, k_cache, v_cache, slot_mapping, *weights,
+        head_dim, half, eps,
+        qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        NORM_ROWS=norm_rows, BLOCK_D=block_d, ROPE_HEADS=rope_heads, BLOCK_HALF=block_half,
+        num_warps=num_warps,
+    )
+    return q, k
+
+
+def qk_norm_rope_store_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager torch, the unfused chain from the *_ref functions, writing q, k and the pool in place
+    like qk_norm_rope_store. q, k, v are [T, H, D]."""
+    normed_q, normed_k = q, k
+    if q_norm_weight is not None:
+        normed_q, normed_k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
+    rotated_q, rotated_k = rotary_embedding_ref(positions, normed_q, normed_k, cos, sin)
+    q.copy_(rotated_q)
+    k.copy_(rotated_k)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim)[slots] = rotated_k[keep].to(k_cache.dtype)
+    v_cache.view(-1, heads, dim)[slots] = v.reshape(-1, heads, dim)[keep].to(v_cache.dtype)
+    return q, k

@@ -1,4 +1,5 @@
-"""The fused small ops (RMSNorm with the residual add, SiLU-and-mul, RoPE) match eager torch and float64.
+"""The fused small ops (RMSNorm with the residual add, SiLU-and-mul, RoPE, and the attention prologue
+q/k norm + RoPE + KV store in one kernel) match eager torch and float64.
 
 On the CPU the kernels run in Triton's interpreter, which has to be on before they are decorated.
 So unless TRITON_INTERPRET=1 is already set, one test re-runs this file in a fresh python with it
@@ -22,6 +23,7 @@ from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
 
 if KERNELS_RUN_HERE:
     from kernels import fused_ops as fo
+    from kernels import triton_attention as ta
 
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
@@ -205,6 +207,146 @@ def test_empty_batches_give_empty_outputs():
     assert q.shape == (0, 2, 16) and k.shape == (0, 1, 16)
 
 
+# The attention prologue: qk_norm_rope_store against the four kernels it replaces
+
+
+def prologue_inputs(num_tokens, num_q_heads, num_kv_heads, head_dim, *, gen, dtype, device="cpu", block_size=4):
+    """A fused qkv output, RoPE caches, q/k norm weights, a pool of random contents (never zeros)
+    with room to spare, and a slot mapping in which every third token is -1."""
+    num_blocks = (2 * num_tokens) // block_size + 2
+    rope = RotaryEmbedding(head_dim, 40960, 1000000.0)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[1::3] = -1
+    pool = [randn(num_blocks, block_size, num_kv_heads, head_dim, gen=gen, dtype=dtype) for _ in range(2)]
+    inputs = {
+        "qkv": randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, gen=gen, dtype=dtype),
+        "positions": torch.randint(0, 40960, (num_tokens,), generator=gen),
+        "cos": rope.cos, "sin": rope.sin, "k_cache": pool[0], "v_cache": pool[1], "slot_mapping": slots,
+        "q_norm_weight": randn(head_dim, gen=gen, dtype=dtype), "k_norm_weight": randn(head_dim, gen=gen, dtype=dtype),
+    }
+    return {name: tensor.to(device) for name, tensor in inputs.items()}
+
+
+def split_heads(qkv, num_q_heads, num_kv_heads, head_dim):
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.unflatten(-1, (num_q_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim)),
+            v.unflatten(-1, (num_kv_heads, head_dim)))
+
+
+def run_prologue(fn, inputs, heads, norm):
+    """fn(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w) on copies of the
+    inputs; returns (q, k) as fn leaves them, the whole qkv buffer, and the two caches."""
+    x = {name: tensor.clone() for name, tensor in inputs.items()}
+    q, k, v = split_heads(x["qkv"], *heads)
+    weights = (x["q_norm_weight"], x["k_norm_weight"]) if norm else (None, None)
+    q, k = fn(x["positions"], q, k, v, x["cos"], x["sin"], x["k_cache"], x["v_cache"], x["slot_mapping"], *weights)
+    return q, k, x["qkv"], x["k_cache"], x["v_cache"]
+
+
+def fused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w):
+    return fo.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, EPS)
+
+
+def unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w):
+    """The four launches the fused kernel replaces, as the model ran them."""
+    if q_w is not None:
+        q, k = fo.rms_norm(q, q_w, EPS), fo.rms_norm(k, k_w, EPS)
+    fo.rotary_embedding(positions, q, k, cos, sin)
+    ta.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def eager_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w):
+    return fo.qk_norm_rope_store_ref(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, EPS)
+
+
+def expected_pool(pool_before, rows, slot_mapping):
+    """The pool with each stored token's row at its slot, every other slot as it was."""
+    written = slot_mapping >= 0
+    pool = pool_before.clone().flatten(0, 1)
+    pool[slot_mapping[written]] = rows[written].to(pool.dtype)
+    return pool.view_as(pool_before)
+
+
+def prologue_max_rel(dtype: torch.dtype) -> float:
+    """bf16 is rounded five times in a row (norm, weight, two products, their sum). The interpreter
+    truncates each time, a bias that adds up, so it gets twice the bound a GPU meets."""
+    return max_rel(dtype) * (2 if INTERPRETING and dtype == torch.bfloat16 else 1)
+
+
+PROLOGUE_SHAPES = [(5, 4, 2, 64), (5, 4, 2, 48)]  # (T, H_q, H_kv, D); D=48 masks the head and its halves
+PROLOGUE_CASES = [(dtype, norm, shape) for dtype in DTYPES for norm in (True, False) for shape in PROLOGUE_SHAPES]
+
+
+def prologue_id(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, bool):
+        return "qk_norm" if value else "no_norm"
+    return "T{}-Hq{}-Hkv{}-D{}".format(*value)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "dtype, norm, shape",
+    PROLOGUE_CASES + [(torch.bfloat16, True, (3, 20, 5, 256))],  # 20 heads of 256: several head blocks per token
+    ids=prologue_id,
+)
+def test_fused_prologue_equals_the_unfused_norm_rope_and_store_chain(dtype, norm, shape):
+    num_tokens, *heads = shape
+    inputs = prologue_inputs(num_tokens, *heads, gen=torch.Generator().manual_seed(sum(shape)), dtype=dtype)
+    q, k, qkv, k_cache, v_cache = run_prologue(fused_prologue, inputs, heads, norm)
+    chain_q, chain_k, _, chain_k_cache, chain_v_cache = run_prologue(unfused_prologue, inputs, heads, norm)
+    q_view, k_view, v_view = split_heads(qkv, *heads)
+    assert q.data_ptr() == q_view.data_ptr() and k.data_ptr() == k_view.data_ptr(), "q and k are done in place"
+    assert torch.equal(q, chain_q) and torch.equal(k, chain_k)
+    assert torch.equal(v_view, split_heads(inputs["qkv"], *heads)[2]), "v is read, not written"
+    # The pool holds the rotated k and the untouched v at the stored slots; slot -1 rows and every
+    # other slot keep what they had.
+    assert torch.equal(k_cache, expected_pool(inputs["k_cache"], chain_k, inputs["slot_mapping"]))
+    assert torch.equal(v_cache, expected_pool(inputs["v_cache"], v_view, inputs["slot_mapping"]))
+    assert torch.equal(k_cache, chain_k_cache) and torch.equal(v_cache, chain_v_cache)
+    # Eager torch rounds to nearest where the interpreter truncates: compare head-wide, not elementwise
+    # (the sum of two rounded products can cancel to a value much smaller than its error).
+    eager_q, eager_k, _, eager_k_cache, _ = run_prologue(eager_prologue, inputs, heads, norm)
+    for got, want in ((q, eager_q), (k, eager_k), (k_cache, eager_k_cache)):
+        assert got.dtype == want.dtype and rel_error(got, want.double()) < prologue_max_rel(dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype, norm, shape", PROLOGUE_CASES, ids=prologue_id)
+def test_fused_prologue_matches_float64(dtype, norm, shape):
+    num_tokens, *heads = shape
+    inputs = prologue_inputs(num_tokens, *heads, gen=torch.Generator().manual_seed(7 + sum(shape)), dtype=dtype)
+    q, k, _, k_cache, v_cache = run_prologue(fused_prologue, inputs, heads, norm)
+    q0, k0, v0 = split_heads(inputs["qkv"], *heads)
+    if norm:
+        q0, k0 = rms_norm64(q0, inputs["q_norm_weight"]), rms_norm64(k0, inputs["k_norm_weight"])
+    q64 = rotate64(q0, inputs["positions"], inputs["cos"], inputs["sin"])
+    k64 = rotate64(k0, inputs["positions"], inputs["cos"], inputs["sin"])
+    assert rel_error(q, q64) < prologue_max_rel(dtype)
+    assert rel_error(k, k64) < prologue_max_rel(dtype)
+    slots = inputs["slot_mapping"]
+    written = slots >= 0
+    assert rel_error(k_cache.flatten(0, 1)[slots[written]], k64[written]) < prologue_max_rel(dtype)
+    assert torch.equal(v_cache.flatten(0, 1)[slots[written]], v0[written]), "v is copied exactly"
+
+
+@interpreter
+def test_fused_prologue_refuses_one_norm_weight_without_the_other_and_accepts_an_empty_batch():
+    gen = torch.Generator().manual_seed(8)
+    inputs = prologue_inputs(2, 2, 1, 16, gen=gen, dtype=torch.float32)
+    q, k, v = split_heads(inputs["qkv"], 2, 1, 16)
+    pool = inputs["cos"], inputs["sin"], inputs["k_cache"], inputs["v_cache"], inputs["slot_mapping"]
+    with pytest.raises(ValueError, match="both"):
+        fo.qk_norm_rope_store(inputs["positions"], q, k, v, *pool, inputs["q_norm_weight"], None)
+    before = [t.clone() for t in (inputs["k_cache"], inputs["v_cache"])]
+    out_q, out_k = fo.qk_norm_rope_store(inputs["positions"][:0], q[:0], k[:0], v[:0], *pool[:4],
+                                         inputs["slot_mapping"][:0])
+    assert out_q.shape == (0, 2, 16) and out_k.shape == (0, 1, 16)
+    assert torch.equal(inputs["k_cache"], before[0]) and torch.equal(inputs["v_cache"], before[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: compiled kernels at Qwen3-0.6B's shapes (hidden 1024, 16 q / 8 kv heads, D=128, I=3072)
 # ---------------------------------------------------------------------------------------------
@@ -334,3 +476,58 @@ def test_gpu_fused_ops_replayed_from_a_cuda_graph_follow_new_inputs():
         torch.cuda.synchronize()
         for got, want in zip(outputs, step(new)):  # eager launches of the same kernels on the new inputs
             assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("num_tokens", [1, 256, 3000])
+def test_gpu_fused_prologue_is_bit_equal_to_the_unfused_chain(dtype, norm, num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
+    inputs = prologue_inputs(num_tokens, *heads, gen=gen, dtype=dtype, device="cuda", block_size=16)
+    fused = run_prologue(fused_prologue, inputs, heads, norm)
+    chain = run_prologue(unfused_prologue, inputs, heads, norm)
+    q, k, qkv, k_cache, v_cache = fused
+    chain_q, chain_k, _, chain_k_cache, chain_v_cache = chain
+    if dtype == torch.bfloat16:  # the same roundings and the same reduction order: the same bits
+        assert torch.equal(q, chain_q) and torch.equal(k, chain_k)
+        assert torch.equal(k_cache, chain_k_cache) and torch.equal(v_cache, chain_v_cache)
+    else:
+        for got, want in zip((q, k, k_cache, v_cache), (chain_q, chain_k, chain_k_cache, chain_v_cache)):
+            close_to_eager(got, want)
+    assert torch.equal(split_heads(qkv, *heads)[2], split_heads(inputs["qkv"], *heads)[2])
+    assert torch.equal(v_cache, expected_pool(inputs["v_cache"], split_heads(inputs["qkv"], *heads)[2],
+                                              inputs["slot_mapping"]))
+    q0, k0, _ = split_heads(inputs["qkv"], *heads)
+    if norm:
+        q0 = rms_norm64(q0, inputs["q_norm_weight"])
+    assert rel_error(q, rotate64(q0, inputs["positions"], inputs["cos"], inputs["sin"])) < prologue_max_rel(dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_prologue_replayed_from_a_cuda_graph_equals_the_unfused_chain_on_new_inputs():
+    gen = torch.Generator().manual_seed(9)
+    heads, num_tokens = (Q_HEADS, KV_HEADS, HEAD_DIM), 256
+    static = prologue_inputs(num_tokens, *heads, gen=gen, dtype=torch.bfloat16, device="cuda", block_size=16)
+    q, k, v = split_heads(static["qkv"], *heads)
+    args = (static["positions"], q, k, v, static["cos"], static["sin"], static["k_cache"], static["v_cache"],
+            static["slot_mapping"], static["q_norm_weight"], static["k_norm_weight"])
+    fused_prologue(*args)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_prologue(*args)
+    for _ in range(2):
+        new = prologue_inputs(num_tokens, *heads, gen=gen, dtype=torch.bfloat16, device="cuda", block_size=16)
+        new["slot_mapping"][0] = -1  # a padded decode slot
+        for name in ("qkv", "positions", "slot_mapping", "k_cache", "v_cache"):
+            static[name].copy_(new[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        new["q_norm_weight"], new["k_norm_weight"] = static["q_norm_weight"], static["k_norm_weight"]
+        chain_q, chain_k, _, chain_k_cache, chain_v_cache = run_prologue(unfused_prologue, new, heads, norm=True)
+        assert torch.equal(q, chain_q) and torch.equal(k, chain_k)
+        assert torch.equal(static["k_cache"], chain_k_cache) and torch.equal(static["v_cache"], chain_v_cache)

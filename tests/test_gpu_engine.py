@@ -33,12 +33,12 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(1024) for _ in range(rng.randint(1, 300))] for _ in range(24)]
 
 
-def generate(model: str, prompts, **engine_args):
+def generate(model: str, prompts, params: SamplingParams = GREEDY, **engine_args):
     from scheduler_svc.llm import LLM
 
     engine_args.setdefault("num_gpu_blocks", 4096)  # skip sizing the pool to the whole GPU
     with LLM(model, device="cuda", **engine_args) as llm:
-        results = llm.generate(prompts, GREEDY, use_tqdm=False)
+        results = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
     return [r.outputs[0] for r in results], stats
 
@@ -67,31 +67,68 @@ def test_cuda_engine_with_chunked_prefill_preemption_and_prefix_hits(qwen3_dir, 
     assert_greedy_matches(outs, [o.token_ids for o in ref2])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_a_decode_step_never_blocks_the_host_on_the_device(qwen3_dir, temperature):
-    """Step inputs and sampling tensors go up through pinned buffers: a copy from pageable memory
-    would wait for the whole stream, so the host could not prepare step N+1 while step N runs."""
+def test_greedy_sampled_inside_the_cuda_graph_equals_eager(qwen3_dir, prompts):
+    """Without logprobs, greedy rows are sampled by the decode graph itself (logits and kernel captured)."""
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    graphs, _ = generate(qwen3_dir, prompts, params=plain, dtype="float32", attention_backend="triton",
+                         max_num_seqs=32)
+    eager, _ = generate(qwen3_dir, prompts, dtype="float32", attention_backend="triton", enforce_eager=True)
+    assert_greedy_matches(eager, [o.token_ids for o in graphs])
+
+
+@pytest.fixture(scope="module")
+def runner(qwen3_dir):
     from executor_svc.model_runner import ModelRunner
-    from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-    from protos import engine_pb2
     from scheduler_svc.config import EngineConfig
 
-    runner = ModelRunner(EngineConfig(model=qwen3_dir, device="cuda", num_gpu_blocks=256, max_num_seqs=16))
-    options = engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0)
-    seqs = [MirroredSeq(i, [(7 * i + t) % 1000 for t in range(40)], 20, list(range(4 * i, 4 * i + 4)), 39, options)
+    return ModelRunner(EngineConfig(model=qwen3_dir, device="cuda", num_gpu_blocks=256, max_num_seqs=16))
+
+
+def decode_batch(temperature: float, logprobs: int = 0):
+    from executor_svc.seq_mirror import MirroredSeq
+    from protos import engine_pb2
+
+    options = engine_pb2.SamplingOptions(temperature=temperature, top_p=1.0, logprobs=logprobs)
+    return [MirroredSeq(i, [(7 * i + t) % 1000 for t in range(40)], 20, list(range(4 * i, 4 * i + 4)), 39, options)
             for i in range(5)]
 
-    def step():
-        chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
-        pending = runner.sample(runner.launch(chunks))
-        for s, t in zip(seqs, runner.finalize(pending)):
-            s.token_ids.append(t.token_id)
-            s.num_computed_tokens += 1
 
-    step()  # first-use allocations of the pinned buffers are allowed to block
+def decode_step(runner, seqs) -> list[int]:
+    from executor_svc.seq_mirror import ScheduledChunk
+
+    chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
+    pending = runner.sample(runner.launch(chunks))
+    tokens = [t.token_id for t in runner.finalize(pending)]
+    for s, t in zip(seqs, tokens):
+        s.token_ids.append(t)
+        s.num_computed_tokens += 1
+    return tokens
+
+
+def test_a_plain_decode_step_samples_inside_its_cuda_graph(runner):
+    from executor_svc.seq_mirror import ScheduledChunk
+
+    seqs = decode_batch(0.0)
+    chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
+    inputs = runner.launch(chunks)
+    assert inputs.sampled is not None, "greedy rows without logprobs sample in the graph"
+    assert torch.equal(inputs.sampled, inputs.logits.float().argmax(dim=-1))
+    runner.finalize(runner.sample(inputs))
+    with_logprobs = runner.launch([ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids))
+                                   for s in decode_batch(0.0, logprobs=2)])
+    assert with_logprobs.sampled is None, "logprobs take the eager sampler, from the graph's logits"
+    runner.finalize(runner.sample(with_logprobs))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_decode_step_never_blocks_the_host_on_the_device(runner, temperature):
+    """Step inputs and sampling tensors go up through pinned buffers: a copy from pageable memory
+    would wait for the whole stream, so the host could not prepare step N+1 while step N runs."""
+    seqs = decode_batch(temperature)
+    decode_step(runner, seqs)  # first-use allocations of the pinned buffers are allowed to block
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            step()
+            decode_step(runner, seqs)
     copies = [e.name for e in prof.events() if "Memcpy" in e.name]
     assert any("Pinned -> Device" in name for name in copies)  # the profiler did see the uploads
     assert not [name for name in copies if "Pageable" in name], copies

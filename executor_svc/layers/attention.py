@@ -1,7 +1,8 @@
 """The attention layer: write this step's K/V into the paged pool, then attend over it.
 
 The math lives in a kernels/ backend; this layer only owns its slice of the KV pool, which the
-model runner assigns after allocating the pool.
+model runner assigns after allocating the pool. On CUDA with the Triton backend the K/V store is
+fused into the q/k norm + RoPE kernel before this layer (kernels/fused_ops.qk_norm_rope_store).
 """
 import torch
 from torch import nn
@@ -21,8 +22,9 @@ class Attention(nn.Module):
         self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None  # set by the model loader
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H*D], k/v [T, H_kv*D] -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q [T, H*D], k/v [T, H_kv*D] -> [T, H*D]. kv_stored: a fused kernel already wrote k/v to the pool."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention layer has no KV cache: the model runner must assign k_cache/v_cache")
         if self.backend is None:
@@ -30,6 +32,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not kv_stored:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -38,8 +38,11 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden @ W_vocab^T; with tied embeddings the model shares embed_tokens' weight with it."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [B, vocab] on rank 0; None on the other ranks."""
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [B, vocab] on rank 0; None on the other ranks. `out` (one rank only) receives them."""
+        if out is not None:
+            assert tp_size() == 1, "logits into a given buffer need the whole vocab on this rank"
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
         if tp_size() > 1:
             parts = [torch.empty_like(logits) for _ in range(tp_size())] if tp_rank() == 0 else None
