@@ -248,7 +248,7 @@ class Bench:
         tail of long programs that a per-sequence split evens out."""
         import random
 
-        ta = self.ta
+        torch, ta = self.torch, self.ta
         hq, hkv, d = self.heads
         rng = random.Random(0)
         points = [(256, 80), (153, 400), (59, 800), (7, 1000)] if self.device.type == "cuda" else [(3, 8)]
@@ -260,6 +260,15 @@ class Bench:
             kv_bytes = 2 * sum(contexts) * hkv * d * k_cache.element_size()
             auto = ta.decode_num_splits(num_seqs, hkv, max(contexts), ta._num_sms(self.device), 64)
             line = []
+            order = torch.argsort(meta.seqlens_k, descending=True, stable=True).to(torch.int32)
+            for splits in (1, 2):  # longest contexts first (as the server runs decode)
+                meta.decode_order = order
+                us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
+                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)
+                rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
+                             "longest_first": True, "us": us, "tb_per_s": kv_bytes / us / 1e6})
+                line.append(f"lpt{splits}:{kv_bytes / us / 1e6:.2f}")
+            meta.decode_order = None
             for splits in (1, 2, 3, 4, 6, 8, 12, 16):
                 us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
                     q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)

@@ -46,6 +46,8 @@ class DecodeGraphs:
         self.seqlens_k = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.int32, device=device)
+        self.decode_order = self.rows.clone()
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.samples = vocab_size is not None
         if self.samples:
@@ -60,7 +62,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             seqlens_k=self.seqlens_k[:bs], block_tables=self.block_tables[:bs], max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len, block_size=self.block_size)
+            max_seqlen_k=self.max_model_len, block_size=self.block_size, decode_order=self.decode_order[:bs])
 
     def _forward(self, bs: int) -> None:
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
@@ -110,6 +112,9 @@ class DecodeGraphs:
         self.seqlens_k[:b].copy_(meta.seqlens_k, non_blocking=True)
         self.seqlens_k[b:bs].fill_(1)
         self.block_tables[:b, :nb].copy_(meta.block_tables, non_blocking=True)
+        # a permutation of 0..bs-1: the step's order for its rows, then the padding rows in place
+        self.decode_order[:b].copy_(meta.decode_order if meta.decode_order is not None else self.rows[:b])
+        self.decode_order[b:bs].copy_(self.rows[b:bs])
         if temperature is not None:
             self.temperature[:b].copy_(temperature, non_blocking=True)
             self.noise_seeds[:b].copy_(noise_seeds, non_blocking=True)

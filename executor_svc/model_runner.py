@@ -227,6 +227,9 @@ class ModelRunner:
             "cu_seqlens_q": cu_q.astype(np.int32), "seqlens_k": k_lens.astype(np.int32),
             "block_tables": block_tables, "logits_indices": np.asarray(logits_idx, dtype=np.int64),
         }
+        decode = len(ids) == len(chunks)
+        if decode:  # the decode kernel takes the longest contexts first
+            host["decode_order"] = np.argsort(-k_lens, kind="stable").astype(np.int32)
         if fill_at:
             host["fill_at"] = np.asarray(fill_at, dtype=np.int64)
             host["fill_from"] = np.asarray(fill_from, dtype=np.int64)
@@ -234,7 +237,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
             block_tables=dev["block_tables"], max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()),
-            block_size=bs,
+            block_size=bs, decode_order=dev.get("decode_order"),
         )
         input_ids = dev["input_ids"]
         if fill_at:

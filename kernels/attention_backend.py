@@ -30,6 +30,9 @@ class AttentionMetadata:
     max_seqlen_q: int  # max query length in the step (host int)
     max_seqlen_k: int  # max context length in the step (host int)
     block_size: int  # tokens per block
+    # int32 [B], decode only: the order in which decode programs take sequences, longest context
+    # first, so a ragged batch does not end on a tail of long programs; None is batch order
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

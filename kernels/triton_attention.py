@@ -265,16 +265,19 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seqlens_k_ptr, qk_scale,
+    block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
+    if HAS_ORDER:  # CTAs start in grid order: the longest contexts go first (LPT), leaving short ones last
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seqlen_k = tl.load(seqlens_k_ptr + seq)
@@ -436,14 +439,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_m = part_l = out  # not touched when SPLIT is False
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k, scale * LOG2E,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
+        meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        SPLIT=num_splits > 1, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, num_seqs)](

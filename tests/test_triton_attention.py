@@ -167,6 +167,20 @@ def test_decode_matches_dense_reference_for_any_split_count(case, num_splits):
 
 
 @interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_visiting_sequences_longest_first_changes_nothing_but_the_order(num_splits):
+    seqlens_k, hq, hkv, d, bs = DECODE_CASES[list(DECODE_CASES)[0]]
+    q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, block_size=bs, seed=5 + num_splits)
+    plain = ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5, num_splits=num_splits)
+    meta.decode_order = torch.argsort(meta.seqlens_k, descending=True, stable=True).to(torch.int32)
+    assert meta.decode_order.tolist() != list(range(len(seqlens_k)))  # the case is ragged
+    ordered = ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5, num_splits=num_splits)
+    assert torch.equal(ordered, plain)
+    assert rel_error(ordered, reference_attention(q, k_cache, v_cache, meta, d ** -0.5)) < 1e-3
+
+
+@interpreter
 def test_bf16_prefill_and_decode_match_the_reference_within_bf16_rounding():
     q, k_cache, v_cache, meta = make_batch([6, 1], [21, 9], num_q_heads=4, num_kv_heads=2, head_dim=16,
                                            block_size=4, dtype=torch.bfloat16, seed=3)
