@@ -93,19 +93,16 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
     """Flash-decoding split count: split the context only when (seq, kv head) programs are too few.
 
-    About 4 programs per SM keeps enough loads in flight and evens out the last wave; each split
-    keeps at least 2 tiles so the partial results stay small next to the K/V it read. Between 4 and
-    12 programs per SM, ragged contexts still leave a tail of long programs that halving evens out
-    (bench/kernels.py --ragged on the H200: B=153 3.79 -> 3.90 TB/s, B=256 best unsplit).
+    With the programs visiting sequences longest first (decode_order), two per SM already keep the
+    device busy to the end: on the H200's ragged throughput batches (bench/kernels.py --ragged) one
+    split beat two at B = 59, 153 and 256. Below that, splits aim at ~4 programs per SM; each keeps
+    at least 2 tiles so the partial results stay small next to the K/V it read.
     """
     programs = num_seqs * num_kv_heads
-    target = 4 * num_sms
-    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    if programs >= 3 * target:
+    if programs >= 2 * num_sms:
         return 1
-    if programs >= target:
-        return 2 if tiles >= 4 else 1
-    return max(1, min(triton.cdiv(target, programs), tiles // 2, MAX_SPLITS))
+    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    return max(1, min(triton.cdiv(4 * num_sms, programs), tiles // 2, MAX_SPLITS))
 
 
 # ---------------------------------------------------------------------------------------------
