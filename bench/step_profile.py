@@ -1,8 +1,9 @@
 """Where one decode step's time goes inside the executor (no scheduler, no sockets).
 
 Builds the model runner in-process (Qwen3-0.6B architecture, random weights by default), fakes a
-batch of decode sequences with the given context, and times each phase with device syncs:
-prepare inputs, forward (CUDA graph or eager), logits, sampling setup, sampling and the host copy.
+batch of decode sequences with the given context, and times the executor's calls with device syncs:
+prepare inputs (alone), launch (prepare, forward, logits and, in a decode graph, sampling), sample
+(the eager sampler when needed, and the host copy) and finalize.
 
     python bench/step_profile.py [--batch 256] [--context 600] [--steps 30] [engine flags]
 """
@@ -24,7 +25,6 @@ import torch  # noqa: E402
 
 from bench.throughput import QWEN3_0_6B  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
-from executor_svc.sampler import build_for_sequences  # noqa: E402
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk  # noqa: E402
 from protos import engine_pb2  # noqa: E402
 from scheduler_svc.config import add_engine_args, engine_config_from_args  # noqa: E402
@@ -55,37 +55,31 @@ def main() -> None:
                         list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), args.context - 1,
                         engine_pb2.SamplingOptions(temperature=args.temperature, top_p=1.0))
             for i in range(args.batch)]
-    phases = {k: [] for k in ("prepare", "forward", "logits", "sampling_setup", "sample_and_copy", "total")}
+    phases = {k: [] for k in ("prepare", "launch", "sample", "finalize", "total")}
 
     def step(record: bool) -> None:
+        """The executor's own calls, each synced: launch = prepare + forward + logits (and, in a
+        single-rank decode graph, the sampling); sample = the eager sampler when the graph did not
+        sample, and the copy of the ids to the host; finalize = the ids into reply messages."""
         chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
         sync()
         t0 = time.perf_counter()
-        inputs = runner.prepare_inputs(chunks)
+        runner.prepare_inputs(chunks)  # timed alone; launch repeats it
         sync()
         t1 = time.perf_counter()
-        bucket = runner.graphs.bucket(len(chunks), inputs.meta.max_seqlen_k) if runner.graphs else None
-        if bucket is not None:
-            hidden = runner.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        inputs = runner.launch(chunks)
         sync()
         t2 = time.perf_counter()
-        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        pending = runner.sample(inputs)
         sync()
         t3 = time.perf_counter()
-        batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
-                                    [s.num_prompt_tokens for s in seqs], runner.facts.vocab_size, runner.device,
-                                    lambda arrays: runner.staging.upload(arrays, "sampling"), runner._noise_rng)
-        sync()
+        tokens = [t.token_id for t in runner.finalize(pending)]
         t4 = time.perf_counter()
-        tokens = runner.sampler(logits, batch).token_ids.tolist()
-        t5 = time.perf_counter()
         for s, t in zip(seqs, tokens):
             s.token_ids.append(t)
             s.num_computed_tokens += 1
         if record:
-            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t1)):
                 phases[k].append(dt * 1e3)
 
     with torch.inference_mode():
@@ -106,7 +100,7 @@ def main() -> None:
           f"{'on' if runner.graphs else 'off'}; median ms")
     print(" ".join(f"{k:>15}" for k in phases))
     print(" ".join(f"{statistics.median(v):>15.3f}" for v in phases.values()))
-    print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> forward at {kv_bytes / statistics.median(phases['forward']) / 1e9:.2f} TB/s")
+    print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> launch at {kv_bytes / statistics.median(phases['launch']) / 1e9:.2f} TB/s")
     if tmp:
         tmp.cleanup()
 
