@@ -100,7 +100,8 @@ def main() -> None:
           f"{'on' if runner.graphs else 'off'}; median ms")
     print(" ".join(f"{k:>15}" for k in phases))
     print(" ".join(f"{statistics.median(v):>15.3f}" for v in phases.values()))
-    print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> launch at {kv_bytes / statistics.median(phases['launch']) / 1e9:.2f} TB/s")
+    tb_per_s = kv_bytes / statistics.median(phases["launch"]) / 1e9
+    print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> launch at {tb_per_s:.2f} TB/s")
     if tmp:
         tmp.cleanup()
 

@@ -12,7 +12,7 @@ import torch
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.model_loader import ModelFacts, load_model
-from executor_svc.sampler import Sampler, build_for_sequences
+from executor_svc.sampler import Sampler, build_for_sequences, plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
 from kernels.attention_backend import AttentionMetadata, get_backend
 from protos import engine_pb2
@@ -268,7 +268,7 @@ class ModelRunner:
         # a decode graph samples in place when every row samples plainly (temperature alone)
         graph_samples = (bucket is not None and self.graphs.samples
                          and all(c.samples and c.seq.sampling_row.plain for c in chunks))
-        extra = self._plain_sampling_arrays(chunks) if graph_samples else None
+        extra = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) if graph_samples else None
         inputs = self.prepare_inputs(chunks, extra)
         if bucket is not None:
             hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta,
@@ -282,14 +282,6 @@ class ModelRunner:
         if inputs.sampling_chunks and inputs.logits is None:
             inputs.logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs
-
-    def _plain_sampling_arrays(self, chunks: list[ScheduledChunk]) -> dict[str, np.ndarray]:
-        """What a decode graph needs to sample rows of temperature alone: the same as SamplingBatch."""
-        n = len(chunks)
-        temperature = np.fromiter((0.0 if c.seq.sampling_row.greedy else c.seq.sampling_row.temperature
-                                   for c in chunks), dtype=np.float32, count=n)
-        return {"temperature": temperature,
-                "noise_seeds": self._noise_rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64)}
 
     @torch.inference_mode()
     def sample(self, inputs: StepInputs | None) -> PendingStep:

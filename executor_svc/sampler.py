@@ -87,6 +87,12 @@ class SamplingRow:
         return self.needs_prompt or bool(self.presence_penalty or self.frequency_penalty) or self.seed is not None
 
 
+def plain_sampling_columns(rows: list[SamplingRow], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """All that plain rows need: temperature (0 on greedy rows) and a fresh noise seed per row."""
+    temperature = np.fromiter((0.0 if r.greedy else r.temperature for r in rows), dtype=np.float32, count=len(rows))
+    return {"temperature": temperature, "noise_seeds": rng.integers(-2**63, 2**63 - 1, size=len(rows), dtype=np.int64)}
+
+
 @dataclass
 class SamplingBatch:
     """Per-step sampling tensors; a feature's tensor is None when no row uses it."""
@@ -131,11 +137,7 @@ class SamplingBatch:
         def column(dtype, values) -> np.ndarray:
             return np.fromiter(values, dtype=dtype, count=n)
 
-        host = {
-            "greedy": column(np.bool_, (r.greedy for r in rows)),
-            "temperature": column(np.float32, (0.0 if r.greedy else r.temperature for r in rows)),
-            "noise_seeds": rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64),
-        }
+        host = {"greedy": column(np.bool_, (r.greedy for r in rows)), **plain_sampling_columns(rows, rng)}
         greedy = host["greedy"]
         flags = dict.fromkeys(("top_k", "top_p", "min_p", "repetition", "penalties"), False)
         seeded, generator_seeds = [], []

@@ -5,9 +5,9 @@
 Each window `first:count` traces `count` steps starting at the executor's step `first` (counted from
 its first plan, warm-up included) and writes, per window, GPU busy time against wall time (the idle
 gap the overlap did not hide) and the kernels by GPU time; a chrome trace with
-NANOSERVE_PROFILE_TRACE=1. Only device activity is recorded unless NANOSERVE_PROFILE_CPU=1: host tracing slows the host and
-would open gaps that do not exist otherwise. `python -m executor_svc.step_profiler DIR` prints the
-summaries.
+NANOSERVE_PROFILE_TRACE=1. Only device activity is recorded unless NANOSERVE_PROFILE_CPU=1: host
+tracing slows the host and would open gaps that do not exist otherwise.
+`python -m executor_svc.step_profiler DIR` prints the summaries.
 """
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ class StepProfiler:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         if os.environ.get("NANOSERVE_PROFILE_TRACE") == "1":
             prof.export_chrome_trace(base + ".trace.json")
-        log.info("profiled %s: %.2f ms/step wall, GPU busy %.2f ms/step, idle %.1f ms over the window (mean batch %.0f)",
-                 name, summary["ms_per_step_wall"], summary["gpu_busy_ms_per_step"], summary["gpu_idle_ms"],
+        log.info("profiled %s: %.2f ms/step wall, GPU busy %.2f ms/step, idle %.1f ms over the window "
+                 "(mean batch %.0f)", name, summary["ms_per_step_wall"], summary["gpu_busy_ms_per_step"], summary["gpu_idle_ms"],
                  summary["batch_size_mean"])
 
 
@@ -120,8 +120,8 @@ def print_summaries(out_dir: str, top: int = 12) -> None:
     for path in sorted(paths, key=lambda p: int(os.path.basename(p).split("_")[1])):
         with open(path) as f:
             s = json.load(f)
-        print(f"{os.path.basename(path)[:-5]}: batch {s['batch_size_mean']:.0f}, wall {s['ms_per_step_wall']:.2f} ms/step, "
-              f"GPU busy {s['gpu_busy_ms_per_step']:.2f} ms/step, GPU idle {s['gpu_idle_ms'] / s['steps']:.2f} ms/step")
+        print(f"{os.path.basename(path)[:-5]}: batch {s['batch_size_mean']:.0f}, "
+              f"wall {s['ms_per_step_wall']:.2f} ms/step, GPU busy {s['gpu_busy_ms_per_step']:.2f} ms/step, GPU idle {s['gpu_idle_ms'] / s['steps']:.2f} ms/step")
         for k in s["kernels"][:top]:
             print(f"  {k['us_per_step']:8.1f} us/step {k['calls'] // s['steps']:5d}/step  {k['name'][:90]}")
 
