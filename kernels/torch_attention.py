@@ -82,9 +82,11 @@ class TorchAttentionBackend:
         with torch.zeros, never torch.empty.
         """
         num_blocks = -(-meta.max_seqlen_k // meta.block_size)
-        block_tables = meta.block_tables[:, :num_blocks].long()
-        key = k_cache[block_tables].flatten(1, 2)[:, : meta.max_seqlen_k]
-        value = v_cache[block_tables].flatten(1, 2)[:, : meta.max_seqlen_k]
+        flat_ids = meta.block_tables[:, :num_blocks].reshape(-1).long()
+        # index_select copies whole blocks at memcpy speed; advanced indexing took twice as long on the CPU
+        shape = (meta.num_seqs, num_blocks * meta.block_size, *k_cache.shape[2:])
+        key = k_cache.index_select(0, flat_ids).view(shape)[:, : meta.max_seqlen_k]
+        value = v_cache.index_select(0, flat_ids).view(shape)[:, : meta.max_seqlen_k]
         return key.transpose(1, 2), value.transpose(1, 2)
 
     @staticmethod
