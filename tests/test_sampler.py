@@ -259,3 +259,34 @@ def test_half_precision_logits_are_sampled_in_float32():
     assert torch.equal(out.token_ids[0::2], logits[0::2].float().argmax(-1))
     assert out.sampled_logprobs.dtype == torch.float32 and out.top_logprobs.shape == (4, 2)
     assert not math.isnan(float(out.sampled_logprobs.sum()))
+
+
+def test_plain_rows_build_only_temperature_and_noise_seeds():
+    """Temperature-only rows (what a decode graph samples in place) skip every other column."""
+    import numpy as np
+
+    from executor_svc.sampler import SamplingRow, plain_sampling_columns
+
+    options = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.7)]
+    rows = [SamplingRow.of(o) for o in options]
+    assert all(r.plain for r in rows)
+    assert not SamplingRow.of(SamplingOptions(temperature=0.7, top_k=5)).plain
+    assert not SamplingRow.of(SamplingOptions(temperature=0.7, seed=3)).plain
+    assert not SamplingRow.of(SamplingOptions(temperature=0.0, logprobs=1)).plain
+    columns = plain_sampling_columns(rows, np.random.default_rng(0))
+    assert columns["temperature"].tolist() == [0.0, np.float32(0.7)]  # greedy rows carry 0
+    assert columns["noise_seeds"].dtype == np.int64 and columns["noise_seeds"].shape == (2,)
+    batch = build(options, 50)
+    assert batch.top_k is None and batch.top_p is None and batch.min_p is None
+    assert batch.repetition_penalty is None and batch.seeded_rows is None
+    assert batch.temperature.tolist() == columns["temperature"].tolist()
+
+
+def test_a_seeded_rows_noise_seed_is_its_mixed_seed_as_int64():
+    from executor_svc.sampler import mix_seed
+
+    options = [SamplingOptions(temperature=1.0, seed=12345), SamplingOptions(temperature=1.0)]
+    batch = build(options, 50, outputs=[[1, 2, 3], []])
+    expected = mix_seed(12345, 3)
+    assert int(batch.noise_seeds[0]) == (expected - (1 << 64) if expected >= 1 << 63 else expected)
+    assert batch.seeded_rows.tolist() == [0] and batch.generator_seeds == [expected]
