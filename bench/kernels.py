@@ -68,9 +68,10 @@ class Bench:
         import triton
 
         from kernels import triton_attention as ta
+        from kernels.triton_runtime import num_sms
         from kernels.attention_backend import AttentionMetadata
 
-        self.torch, self.triton, self.ta, self.Meta = torch, triton, ta, AttentionMetadata
+        self.torch, self.triton, self.ta, self.Meta, self.num_sms = torch, triton, ta, AttentionMetadata, num_sms
         self.device = device
         self.dtype = torch.bfloat16
         self.heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
@@ -148,7 +149,7 @@ class Bench:
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
             scale = d ** -0.5
             kv_bytes = 2 * num_seqs * context * hkv * d * k_cache.element_size()
-            splits = ta.decode_num_splits(num_seqs, hkv, context, ta._num_sms(self.device),
+            splits = ta.decode_num_splits(num_seqs, hkv, context, self.num_sms(self.device),
                                           ta.decode_config(ta._block_d(d)).block_n)
             run = lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta, scale)  # noqa: E731
             us = self.time_us(run)
@@ -221,7 +222,7 @@ class Bench:
         for num_seqs, context in shapes:
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
             kv_bytes = 2 * num_seqs * context * hkv * d * k_cache.element_size()
-            auto = ta.decode_num_splits(num_seqs, hkv, context, ta._num_sms(self.device), 64)
+            auto = ta.decode_num_splits(num_seqs, hkv, context, self.num_sms(self.device), 64)
             shape_rows = []
             for cfg in configs:
                 for splits in sorted({1, auto, 2 * auto}):
@@ -258,23 +259,18 @@ class Bench:
             contexts = [rng.randint(100, 1024) + generated for _ in range(num_seqs)]
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, contexts)
             kv_bytes = 2 * sum(contexts) * hkv * d * k_cache.element_size()
-            auto = ta.decode_num_splits(num_seqs, hkv, max(contexts), ta._num_sms(self.device), 64)
+            auto = ta.decode_num_splits(num_seqs, hkv, max(contexts), self.num_sms(self.device), 64)
             line = []
             order = torch.argsort(meta.seqlens_k, descending=True, stable=True).to(torch.int32)
-            for splits in (1, 2):  # longest contexts first (as the server runs decode)
-                meta.decode_order = order
+            # longest contexts first (as the server runs decode), then batch order at every split count
+            runs = [(True, 1), (True, 2)] + [(False, n) for n in (1, 2, 3, 4, 6, 8, 12, 16)]
+            for longest_first, splits in runs:
+                meta.decode_order = order if longest_first else None
                 us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
                     q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)
                 rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
-                             "longest_first": True, "us": us, "tb_per_s": kv_bytes / us / 1e6})
-                line.append(f"lpt{splits}:{kv_bytes / us / 1e6:.2f}")
-            meta.decode_order = None
-            for splits in (1, 2, 3, 4, 6, 8, 12, 16):
-                us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
-                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)
-                rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
-                             "us": us, "tb_per_s": kv_bytes / us / 1e6})
-                line.append(f"{splits}:{kv_bytes / us / 1e6:.2f}")
+                             "longest_first": longest_first, "us": us, "tb_per_s": kv_bytes / us / 1e6})
+                line.append(f"{'lpt' if longest_first else ''}{splits}:{kv_bytes / us / 1e6:.2f}")
             print(f"  B={num_seqs:<4} ctx~{sum(contexts) // num_seqs:<5} auto={auto:<3} " + " ".join(line))
             del q, k_cache, v_cache
         return rows

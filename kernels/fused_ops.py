@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
+from kernels.triton_runtime import INTERPRET
 
 
 def _num_warps(tile: int) -> int:

@@ -9,20 +9,13 @@ host or is sized by data: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# Read once: the kernels below are decorated as interpreted or compiled at import time.
-INTERPRET = bool(triton.knobs.runtime.interpret)
-if INTERPRET:
-    # Runtime loop bounds need the interpreter fix for NumPy >= 2.4 that lives there.
-    from kernels.triton_attention import _patch_interpreter_for_numpy_2_4
-
-    _patch_interpreter_for_numpy_2_4()
+from kernels.triton_runtime import INTERPRET, num_sms
 
 GREEDY_TEMPERATURE = 1e-5  # a row whose temperature is below this takes the plain argmax
 _GREEDY_TEMPERATURE = tl.constexpr(GREEDY_TEMPERATURE)
@@ -44,13 +37,6 @@ NUM_WARPS = 1 if INTERPRET else 8
 # At most 8 steps (16K tokens, 32 KB of bf16) per program: the end-of-program reduction costs about
 # a third of a step, and B = 256 still makes ~4 waves of programs, enough to even out the last one.
 MAX_TILES_PER_CHUNK = 8
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: any small number gives several chunks per row
 
 
 @triton.jit
@@ -143,7 +129,7 @@ def _tiles_per_chunk(num_rows: int, vocab_size: int, device: torch.device, chunk
         return max(1, min(tiles, triton.cdiv(chunk_size, BLOCK)))
     # At least ~4 programs per SM: a small batch splits each row finely (B = 1 runs one step per
     # program on 75 SMs at V = 151936), a big one gets chunks of up to MAX_TILES_PER_CHUNK steps.
-    chunks_per_row = max(triton.cdiv(4 * _num_sms(device), num_rows), triton.cdiv(tiles, MAX_TILES_PER_CHUNK))
+    chunks_per_row = max(triton.cdiv(4 * num_sms(device), num_rows), triton.cdiv(tiles, MAX_TILES_PER_CHUNK))
     return triton.cdiv(tiles, min(tiles, chunks_per_row))
 
 

@@ -7,7 +7,6 @@ interpreter computes bf16 wrongly, and every tl.dot keeps its tiles >= 16 as the
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,35 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels.attention_backend import AttentionMetadata
+from kernels.triton_runtime import INTERPRET, num_sms
 
-# Read once: the kernels below are decorated as interpreted or compiled at import time.
-INTERPRET = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 MAX_SPLITS = 32
-
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Let loop bounds loaded from memory work in Triton 3.6's interpreter under NumPy >= 2.4.
-
-    The interpreter holds scalars as shape-(1,) arrays and calls int() on them for range(), which
-    NumPy 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6). Same fix, applied here.
-    """
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "nanoserve_fixed", False):
-        return
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch_lang_tensor.nanoserve_fixed = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-if INTERPRET:
-    _patch_interpreter_for_numpy_2_4()
 
 
 @dataclass(frozen=True)
@@ -83,14 +57,7 @@ def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> DecodeCo
     return DecodeConfig(32, 4, 3)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: any small number exercises the split path
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sm_count: int, block_n: int) -> int:
     """Flash-decoding split count: split the context only when (seq, kv head) programs are too few.
 
     With the programs visiting sequences longest first (decode_order), two per SM already keep the
@@ -99,10 +66,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, num_s
     at least 2 tiles so the partial results stay small next to the K/V it read.
     """
     programs = num_seqs * num_kv_heads
-    if programs >= 2 * num_sms:
+    if programs >= 2 * sm_count:
         return 1
     tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(triton.cdiv(4 * num_sms, programs), tiles // 2, MAX_SPLITS))
+    return max(1, min(triton.cdiv(4 * sm_count, programs), tiles // 2, MAX_SPLITS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +394,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = _block_d(head_dim)
     cfg = config or decode_config(block_d, q.dtype)
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, _num_sms(q.device), cfg.block_n)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if num_splits > 1:
         # One allocation for the partials: acc [B, H_q, splits, D], then max and sum [B, H_q, splits].
         n = num_seqs * num_q_heads * num_splits
