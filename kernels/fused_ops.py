@@ -146,17 +146,25 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
-    """Rotate heads h of one token at `base`; products rounded as eager torch rounds them."""
+def _rope_halves(base, offs, mask, half, cos, sin):
+    """The rotated halves of the heads at base + offs, in the activation dtype: each product rounded
+    as eager torch rounds it, after the fp32 cos/sin cache is cast to the activation dtype."""
     dtype = base.dtype.element_ty
-    c = cos.to(dtype).to(tl.float32)[None, :]  # eager casts the fp32 cache to the activation dtype
+    c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
-    mask = (h < num_heads)[:, None] & d_mask[None, :]
-    offs = h[:, None] * stride_h + d[None, :]
     x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + offs + half, mask=mask, other=0.0).to(tl.float32)
     o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
     o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    return o1.to(dtype), o2.to(dtype)
+
+
+@triton.jit
+def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
+    """Rotate heads h of one token at `base`, in place."""
+    mask = (h < num_heads)[:, None] & d_mask[None, :]
+    offs = h[:, None] * stride_h + d[None, :]
+    o1, o2 = _rope_halves(base, offs, mask, half, cos, sin)
     tl.store(base + offs, o1, mask=mask)
     tl.store(base + offs + half, o2, mask=mask)
 
@@ -248,15 +256,9 @@ def _rotate_store_kv_heads(
 ):
     """Rotate k heads h in place as _rotate_heads does, and write them and v's heads to the pool row
     (`store` false for slot -1); the rotated values go to the pool from registers."""
-    dtype = k_base.dtype.element_ty
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * k_stride_h + d[None, :]
-    x1 = tl.load(k_base + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_base + offs + half, mask=mask, other=0.0).to(tl.float32)
-    o1 = ((x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    o1, o2 = _rope_halves(k_base, offs, mask, half, cos, sin)
     tl.store(k_base + offs, o1, mask=mask)
     tl.store(k_base + offs + half, o2, mask=mask)
     cache_mask = mask & store
