@@ -15,6 +15,11 @@ import torch
 
 from protos import engine_pb2
 
+try:
+    from kernels.sampling import sample_tokens
+except ImportError:  # no Triton: the CPU path only
+    sample_tokens = None
+
 GREEDY_EPS = 1e-5  # a temperature below this is greedy
 _MASK64 = (1 << 64) - 1
 
@@ -245,6 +250,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def tempered_and_filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits / temperature (greedy rows untempered), then min-p, top-k and top-p as -inf."""
+    logits = logits / batch.temperature.masked_fill(batch.greedy, 1.0)[:, None]
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits
+
+
 class Sampler:
     """logits [B, V] + SamplingBatch -> SamplerOutput, all on the logits' device."""
 
@@ -252,38 +267,28 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_logprobs > 0 else None
-        if logits.is_cuda:
-            return self._with_logprobs(self._sample_fused(logits, batch), raw_logprobs, batch)
+        if logits.is_cuda and not batch.any_penalties and not batch.any_filters:
+            # the common case on CUDA: one pass over the logits, no fp32 copy
+            token_ids = sample_tokens(logits, batch.temperature, batch.noise_seeds)
+            raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_logprobs > 0 else None
+            return self._with_logprobs(token_ids, raw_logprobs, batch)
         logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs > 0 else None
         if batch.any_penalties:
             logits = apply_penalties(logits, batch)
-        if batch.all_greedy:
+        if logits.is_cuda:
+            # every CUDA row goes through the one Gumbel-max kernel with its own noise seed, so a
+            # seeded row's token never depends on which options its neighbours use; dropped tokens
+            # are -inf, which never wins, and the logits are already tempered (T = 1, 0 when greedy)
+            token_ids = sample_tokens(tempered_and_filtered(logits, batch), (~batch.greedy).float(),
+                                      batch.noise_seeds)
+        elif batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_random(logits, batch)
             if batch.any_greedy:
                 token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
         return self._with_logprobs(token_ids, raw_logprobs, batch)
-
-    @staticmethod
-    def _sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """On CUDA every row goes through one Gumbel-max kernel with its own noise seed, so a seeded
-        row's token never depends on which options its neighbours use."""
-        from kernels.sampling import sample_tokens
-
-        if not batch.any_penalties and not batch.any_filters:  # the common case: one pass, no fp32 copy
-            return sample_tokens(logits, batch.temperature, batch.noise_seeds)
-        x = logits.float()
-        if batch.any_penalties:
-            x = apply_penalties(x, batch)
-        # filters act on the tempered distribution; dropped tokens become -inf, which never wins
-        x = x / batch.temperature.masked_fill(batch.greedy, 1.0)[:, None]
-        if batch.min_p is not None:
-            x = apply_min_p(x, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
-        return sample_tokens(x, (~batch.greedy).float(), batch.noise_seeds)  # already tempered: T = 1
 
     @staticmethod
     def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
@@ -297,12 +302,7 @@ class Sampler:
         return SamplerOutput(token_ids, chosen.squeeze(-1), rank, top_token_ids, top_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature.masked_fill(batch.greedy, 1.0)[:, None]
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
+        probs = tempered_and_filtered(logits, batch).softmax(dim=-1)
         # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
         q = torch.empty_like(probs).exponential_()
         if batch.seeded_rows is not None:
