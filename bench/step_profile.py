@@ -55,11 +55,12 @@ def main() -> None:
                         list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), args.context - 1,
                         engine_pb2.SamplingOptions(temperature=args.temperature, top_p=1.0))
             for i in range(args.batch)]
-    phases = {k: [] for k in ("prepare", "launch", "sample", "finalize", "total")}
+    phases = {k: [] for k in ("prepare", "launch host", "launch", "sample", "finalize", "total")}
 
     def step(record: bool) -> None:
         """The executor's own calls, each synced: launch = prepare + forward + logits (and, in a
-        single-rank decode graph, the sampling); sample = the eager sampler when the graph did not
+        single-rank decode graph, the sampling), and "launch host" the time until it returns;
+        sample = the eager sampler when the graph did not
         sample, and the copy of the ids to the host; finalize = the ids into reply messages."""
         chunks = [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
         sync()
@@ -68,6 +69,7 @@ def main() -> None:
         sync()
         t1 = time.perf_counter()
         inputs = runner.launch(chunks)
+        t1h = time.perf_counter()  # the host's share: launch returns before the device finishes
         sync()
         t2 = time.perf_counter()
         pending = runner.sample(inputs)
@@ -79,7 +81,7 @@ def main() -> None:
             s.token_ids.append(t)
             s.num_computed_tokens += 1
         if record:
-            for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t1)):
+            for k, dt in zip(phases, (t1 - t0, t1h - t1, t2 - t1, t3 - t2, t4 - t3, t4 - t1)):
                 phases[k].append(dt * 1e3)
 
     with torch.inference_mode():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,11 +44,21 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [S]: the last token of each chunk that samples
+    logits_indices: torch.Tensor | None  # int64 [S]: the last token of each chunk that samples; None: every row
     sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
     logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
     sampled: torch.Tensor | None = None  # [S] token ids when the decode graph sampled them
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # uploaded with the inputs, by name
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs as host arrays, before they go to the device."""
+
+    arrays: dict[str, np.ndarray]  # input_ids, positions, slot_mapping, cu_seqlens_q, seqlens_k, block_tables,
+    # logits_indices; decode_order on decode steps; fill_at/fill_from where the previous step sampled an input
+    sampling_chunks: list[ScheduledChunk]
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 @dataclass
@@ -189,9 +199,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def prepare_inputs(self, chunks: list[ScheduledChunk], extra: dict[str, np.ndarray] | None = None) -> StepInputs:
-        """Flatten the step's chunks into model inputs; one python pass, the rest vectorised.
-        `extra` host arrays go up in the same copy and come back in StepInputs.extra."""
+    def host_inputs(self, chunks: list[ScheduledChunk]) -> HostInputs:
+        """Flatten the step's chunks into host arrays; one python pass, the rest vectorised."""
         bs = self.block_size
         ids: list[int] = []
         starts, ends, tables, sampling, logits_idx = [], [], [], [], []
@@ -221,30 +230,49 @@ class ModelRunner:
         row = np.repeat(np.arange(len(chunks)), q_lens)
         positions = k_lens[row] - q_lens[row] + np.arange(len(ids)) - cu_q[row]
         block_tables = self._block_tables(tables, -(-k_lens // bs))
-        host = {
+        arrays = {
             "input_ids": np.asarray(ids, dtype=np.int64), "positions": positions,
             "slot_mapping": slot_mapping(block_tables, row, positions, bs),
             "cu_seqlens_q": cu_q.astype(np.int32), "seqlens_k": k_lens.astype(np.int32),
             "block_tables": block_tables, "logits_indices": np.asarray(logits_idx, dtype=np.int64),
         }
-        decode = len(ids) == len(chunks)
-        if decode:  # the decode kernel takes the longest contexts first
-            host["decode_order"] = np.argsort(-k_lens, kind="stable").astype(np.int32)
+        if len(ids) == len(chunks):  # the decode kernel takes the longest contexts first
+            arrays["decode_order"] = np.argsort(-k_lens, kind="stable").astype(np.int32)
         if fill_at:
-            host["fill_at"] = np.asarray(fill_at, dtype=np.int64)
-            host["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-        dev = self.staging.upload({**host, **(extra or {})})
+            arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
+            arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
+        return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()))
+
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """The step's inputs on the device, in one copy."""
+        host = self.host_inputs(chunks)
+        dev = self.staging.upload(host.arrays)
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
-            block_tables=dev["block_tables"], max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()),
-            block_size=bs, decode_order=dev.get("decode_order"),
+            block_tables=dev["block_tables"], max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,
+            block_size=self.block_size, decode_order=dev.get("decode_order"),
         )
         input_ids = dev["input_ids"]
-        if fill_at:
+        if "fill_at" in dev:
             input_ids[dev["fill_at"]] = self.prev_sampled[dev["fill_from"]]
         return StepInputs(input_ids=input_ids, positions=dev["positions"], meta=meta,
-                          logits_indices=dev["logits_indices"], sampling_chunks=sampling,
-                          extra={name: dev[name] for name in extra or {}})
+                          logits_indices=dev["logits_indices"], sampling_chunks=host.sampling_chunks)
+
+    def _load_decode_graph(self, chunks: list[ScheduledChunk], bucket: int, graph_samples: bool) -> StepInputs:
+        """Stage a decode step straight into the graph's static inputs (one copy, no per-input copies)."""
+        host = self.host_inputs(chunks)
+        a = host.arrays
+        gather = np.arange(self.graphs.capacity, self.graphs.capacity + len(chunks))  # the host's own ids
+        if "fill_at" in a:
+            gather[a["fill_at"]] = a["fill_from"]  # decode: token i is row i
+        rows = {"tokens": a["input_ids"], "gather": gather, "positions": a["positions"],
+                "slot_mapping": a["slot_mapping"], "seqlens_k": a["seqlens_k"], "decode_order": a["decode_order"]}
+        if graph_samples:
+            rows.update(plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng))
+        self.graphs.load(bucket, rows, a["block_tables"])
+        input_ids, positions, meta = self.graphs.step_inputs(bucket, len(chunks))
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, logits_indices=None,
+                          sampling_chunks=host.sampling_chunks)
 
     @staticmethod
     def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
@@ -265,22 +293,21 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None and all(c.end - c.start == 1 for c in chunks):
             bucket = self.graphs.bucket(len(chunks), max(c.end for c in chunks))
-        # a decode graph samples in place when every row samples plainly (temperature alone)
-        graph_samples = (bucket is not None and self.graphs.samples
-                         and all(c.samples and c.seq.sampling_row.plain for c in chunks))
-        extra = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) if graph_samples else None
-        inputs = self.prepare_inputs(chunks, extra)
-        if bucket is not None:
-            hidden = self.graphs.run(bucket, inputs.input_ids, inputs.positions, inputs.meta,
-                                     inputs.extra.get("temperature"), inputs.extra.get("noise_seeds"))
+        if bucket is None:
+            inputs = self.prepare_inputs(chunks)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            # a decode graph samples in place when every row samples plainly (temperature alone)
+            graph_samples = self.graphs.samples and all(c.samples and c.seq.sampling_row.plain for c in chunks)
+            inputs = self._load_decode_graph(chunks, bucket, graph_samples)
+            hidden = self.graphs.run(bucket, len(chunks))
             if self.graphs.samples:
                 inputs.logits = self.graphs.logits[: len(chunks)]
             if graph_samples:
                 inputs.sampled = self.graphs.sampled[: len(chunks)]
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.sampling_chunks and inputs.logits is None:
-            inputs.logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+            inputs.logits = self.model.compute_logits(rows)
         return inputs
 
     @torch.inference_mode()
@@ -310,6 +337,8 @@ class ModelRunner:
 
             dist.broadcast(token_ids, src=0)  # every rank feeds them to its next step
         # the next step reads these on the device for inputs it does not know yet
+        if self.graphs is not None and inputs.sampled is None:
+            self.graphs.prev_tokens[: len(chunks)].copy_(token_ids)  # where a decode graph gathers them
         self.prev_sampled = token_ids
         self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         event = None
