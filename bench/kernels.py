@@ -2,6 +2,7 @@
 
   python bench/kernels.py                      # H200: decode bandwidth, prefill TFLOP/s, store GB/s
   python bench/kernels.py --sweep              # + decode tile / warps / stages / splits sweep
+  python bench/kernels.py --prefill-sweep      # + prefill tiles / warps / stages on the workload's batch
   python bench/kernels.py --ragged             # + decode at the throughput run's ragged contexts, by splits
   python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
 
@@ -35,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
     p.add_argument("--sweep", action="store_true", help="also sweep decode configs")
+    p.add_argument("--prefill-sweep", action="store_true",
+                   help="also sweep prefill configs, on the throughput workload's ragged prefill batch too")
     p.add_argument("--ragged", action="store_true", help="also time decode over ragged contexts by split count")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
@@ -54,6 +57,8 @@ def main() -> None:
     results["store_kvcache"] = bench.store()
     if args.sweep:
         results["decode_sweep"] = bench.decode_sweep()
+    if args.prefill_sweep:
+        results["prefill_sweep"] = bench.prefill_sweep()
     if args.ragged:
         results["decode_ragged"] = bench.decode_ragged()
     out = Path(args.out)
@@ -193,6 +198,50 @@ class Bench:
                    "tflop_per_s": flops / us / 1e6}
             rows.append(row)
             print(f"{num_seqs:>5} {new:>6} {prefix:>6} {us:>9.1f} {row['tflop_per_s']:>8.1f}")
+        return rows
+
+    def prefill_sweep(self) -> list[dict]:
+        """Every prefill config on a uniform batch and on the throughput workload's first prefill step
+        (prompts U[100, 1024] filling 16384 tokens), where short ragged sequences leave tiles half masked."""
+        import random
+
+        ta = self.ta
+        hq, hkv, d = self.heads
+        rng = random.Random(0)
+        ragged = []
+        while sum(ragged) < 16384:
+            ragged.append(min(rng.randint(100, 1024), 16384 - sum(ragged)))
+        batches = {"4x1024": [1024] * 4, f"workload {len(ragged)} seqs": ragged}
+        if self.device.type != "cuda":
+            batches = {"tiny": [20, 7]}
+        configs = [ta.PrefillConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
+                   for s in (2, 3, 4)]
+        if self.device.type != "cuda":
+            configs = [ta.PrefillConfig(16, 16, 4, 1)]
+        rows = []
+        print(f"\nprefill sweep (default {ta.prefill_config(ta._block_d(d))}): best 5 per batch")
+        for name, lens in batches.items():
+            q, k_cache, v_cache, meta = self.paged_batch(lens, lens)
+            flops = 4 * d * hq * sum(n * (n + 1) // 2 for n in lens)
+            batch_rows = []
+            for cfg in configs:
+                try:
+                    us = self.time_us(lambda: ta.paged_prefill_attention(  # noqa: B023
+                        q, k_cache, v_cache, meta, d ** -0.5, config=cfg))
+                except Exception as e:  # out of shared memory or registers: skip the config
+                    print(f"  skip {cfg}: {type(e).__name__}")
+                    continue
+                batch_rows.append({"batch": name, "block_m": cfg.block_m, "block_n": cfg.block_n,
+                                   "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "us": us,
+                                   "tflop_per_s": flops / us / 1e6})
+            batch_rows.sort(key=lambda r: r["us"])
+            default = tuple(vars(ta.prefill_config(ta._block_d(d))).values())
+            is_default = lambda r: (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == default  # noqa: E731
+            for r in batch_rows[:5] + [r for r in batch_rows[5:] if is_default(r)]:
+                print(f"  {name:<22} m={r['block_m']:<4} n={r['block_n']:<4} warps={r['num_warps']} "
+                      f"stages={r['num_stages']} {r['us']:9.1f} us {r['tflop_per_s']:6.1f} TFLOP/s"
+                      f"{'  (default)' if is_default(r) else ''}")
+            rows += batch_rows
         return rows
 
     def store(self) -> dict:
