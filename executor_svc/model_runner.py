@@ -55,10 +55,11 @@ class HostInputs:
     """A step's inputs as host arrays, before they go to the device."""
 
     arrays: dict[str, np.ndarray]  # input_ids, positions, slot_mapping, cu_seqlens_q, seqlens_k, block_tables,
-    # logits_indices; decode_order on decode steps; fill_at/fill_from where the previous step sampled an input
+    # logits_indices; decode_order over the leading one-token chunks; fill_at/fill_from where the previous step sampled an input
     sampling_chunks: list[ScheduledChunk]
     max_seqlen_q: int
     max_seqlen_k: int
+    num_decodes: int  # leading chunks of one token
 
 
 @dataclass
@@ -77,6 +78,15 @@ class PendingStep:
 def slot_mapping(block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """Where each token's K/V goes in the pool: block_id * block_size + offset in the block."""
     return block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def one_token_chunks_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """A mixed step's decode-like chunks (one new token) ahead of the rest, so attention can run them
+    in a decode kernel; results are keyed by sequence, so the order is free."""
+    ones = [c for c in chunks if c.end - c.start == 1]
+    if not ones or len(ones) == len(chunks):
+        return chunks
+    return ones + [c for c in chunks if c.end - c.start != 1]
 
 
 class ModelRunner:
@@ -236,12 +246,13 @@ class ModelRunner:
             "cu_seqlens_q": cu_q.astype(np.int32), "seqlens_k": k_lens.astype(np.int32),
             "block_tables": block_tables, "logits_indices": np.asarray(logits_idx, dtype=np.int64),
         }
-        if len(ids) == len(chunks):  # the decode kernel takes the longest contexts first
-            arrays["decode_order"] = np.argsort(-k_lens, kind="stable").astype(np.int32)
+        num_decodes = len(chunks) if (q_lens == 1).all() else int(np.argmax(q_lens != 1))  # leading one-token chunks
+        if num_decodes:  # the decode kernel takes the longest contexts first
+            arrays["decode_order"] = np.argsort(-k_lens[:num_decodes], kind="stable").astype(np.int32)
         if fill_at:
             arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
             arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-        return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()))
+        return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()), num_decodes)
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs on the device, in one copy."""
@@ -250,7 +261,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
             block_tables=dev["block_tables"], max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,
-            block_size=self.block_size, decode_order=dev.get("decode_order"),
+            block_size=self.block_size, decode_order=dev.get("decode_order"), num_decodes=host.num_decodes,
         )
         input_ids = dev["input_ids"]
         if "fill_at" in dev:
@@ -294,7 +305,7 @@ class ModelRunner:
         if self.graphs is not None and all(c.end - c.start == 1 for c in chunks):
             bucket = self.graphs.bucket(len(chunks), max(c.end for c in chunks))
         if bucket is None:
-            inputs = self.prepare_inputs(chunks)
+            inputs = self.prepare_inputs(one_token_chunks_first(chunks))
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             # a decode graph samples in place when every row samples plainly (temperature alone)

@@ -30,9 +30,12 @@ class AttentionMetadata:
     max_seqlen_q: int  # max query length in the step (host int)
     max_seqlen_k: int  # max context length in the step (host int)
     block_size: int  # tokens per block
-    # int32 [B], decode only: the order in which decode programs take sequences, longest context
-    # first, so a ragged batch does not end on a tail of long programs; None is batch order
+    # int32 [num_decodes]: the order in which decode programs take the one-token sequences, longest
+    # context first, so a ragged batch does not end on a tail of long programs; None is batch order
     decode_order: torch.Tensor | None = None
+    # the first num_decodes sequences bring one query token each (tokens 0..num_decodes-1). A mixed
+    # step can run them through a decode kernel: in a prefill kernel each would fill a whole query tile
+    num_decodes: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -42,6 +45,28 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         """Every sequence brings exactly one query token."""
         return self.max_seqlen_q == 1
+
+    @property
+    def is_mixed(self) -> bool:
+        """One-token sequences first, then sequences with several new tokens."""
+        return 0 < self.num_decodes < self.num_seqs
+
+    def decode_part(self) -> "AttentionMetadata":
+        """The leading one-token sequences of a mixed step; their tokens are q[:num_decodes]."""
+        d = self.num_decodes
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:d], cu_seqlens_q=self.cu_seqlens_q[: d + 1], seqlens_k=self.seqlens_k[:d],
+            block_tables=self.block_tables[:d], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k,
+            block_size=self.block_size, decode_order=self.decode_order, num_decodes=d)
+
+    def prefill_part(self) -> "AttentionMetadata":
+        """The sequences after the leading one-token ones; cu_seqlens_q keeps its offsets into the
+        step's tokens (it starts at num_decodes, not 0)."""
+        d = self.num_decodes
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping, cu_seqlens_q=self.cu_seqlens_q[d:], seqlens_k=self.seqlens_k[d:],
+            block_tables=self.block_tables[d:], max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+            block_size=self.block_size)
 
 
 class AttentionBackend(Protocol):

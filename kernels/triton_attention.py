@@ -168,7 +168,10 @@ def _attend_tile(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
+# The block-table width changes every step, and a mixed step's prefill part starts its per-sequence
+# arrays mid-tensor: neither may compile a new variant.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seqlens_k_ptr, cu_seqlens_q_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -437,4 +440,10 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta, scale)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        if not meta.is_mixed:
+            return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        # the prefill kernel writes only its own sequences' rows (cu_seqlens_q offsets into all of q)
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part(), scale)
+        d = meta.num_decodes
+        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part(), scale, out=out[:d])
+        return out

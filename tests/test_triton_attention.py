@@ -249,6 +249,30 @@ def test_decode_splits_the_context_only_when_seqs_times_kv_heads_leave_sms_idle(
 GPU_HEADS = [(16, 8, 128), (9, 3, 64), (4, 2, 192)]
 
 
+def _mixed_step(device: str, dtype, seed: int, decode_k, prefill_q, prefill_k, heads, block_size):
+    """One-token sequences first (num_decodes of them, visited longest first), then prefill chunks."""
+    hq, hkv, d = heads
+    q, k_cache, v_cache, meta = make_batch([1] * len(decode_k) + prefill_q, decode_k + prefill_k, num_q_heads=hq,
+                                           num_kv_heads=hkv, head_dim=d, block_size=block_size, dtype=dtype,
+                                           device=device, seed=seed)
+    meta.num_decodes = len(decode_k)
+    meta.decode_order = torch.argsort(meta.seqlens_k[:len(decode_k)], descending=True, stable=True).to(torch.int32)
+    return q, k_cache, v_cache, meta
+
+
+@interpreter
+def test_mixed_step_runs_its_one_token_rows_in_the_decode_kernel_and_matches_the_reference():
+    q, k_cache, v_cache, meta = _mixed_step("cpu", torch.float32, 8, [5, 23, 1], [4, 7], [10, 7], (4, 2, 16), 4)
+    assert meta.is_mixed and not meta.is_decode
+    part = meta.prefill_part()
+    assert part.num_seqs == 2 and part.cu_seqlens_q.tolist() == [3, 7, 14]  # offsets into the step's tokens
+    out = ta.TritonAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, 0.25)) < 1e-3
+    meta.num_decodes, meta.decode_order = 0, None  # the same step all through the prefill kernel
+    unsplit = ta.TritonAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+    assert rel_error(out, unsplit) < 1e-3
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("heads", GPU_HEADS)
@@ -261,6 +285,18 @@ def test_gpu_prefill_matches_reference_with_prefixes_chunks_and_decode_rows(head
                                            block_size=block_size, dtype=torch.bfloat16, device="cuda", seed=10)
     out = ta.paged_prefill_attention(q, k_cache, v_cache, meta, d ** -0.5)
     assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, d ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", GPU_HEADS)
+def test_gpu_mixed_step_matches_reference(heads):
+    lens = torch.randint(1, 3000, (37,), generator=torch.Generator().manual_seed(13)).tolist()
+    q, k_cache, v_cache, meta = _mixed_step("cuda", torch.bfloat16, 14, lens, [700, 1, 129], [700, 1500, 4000],
+                                            heads, 16)
+    meta.num_decodes = len(lens)  # the prefill part's one-token chunk (q 1 of 1500) stays in the prefill kernel
+    out = ta.TritonAttentionBackend().forward(q, k_cache, v_cache, meta, heads[2] ** -0.5)
+    assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, heads[2] ** -0.5)) < 1e-2
 
 
 @pytest.mark.gpu
