@@ -5,7 +5,6 @@
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
-#   gemm         bench/gemm.py (skinny GEMM against cuBLAS; GEMM_ARGS adds flags, e.g. --sweep --m 16)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
@@ -36,8 +35,6 @@ for step in "$@"; do
         > "$OUT/timeline.log" 2>&1
       grep -v " INFO " "$OUT/timeline.log" | tail -n 4
       python3 -m executor_svc.step_profiler "$OUT/prof" ;;
-    gemm)
-      python3 bench/gemm.py --out "$OUT/gemm.json" ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | tail -n 60 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)
