@@ -38,6 +38,18 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if not meta.is_mixed:
+            return self._attend(q, k_cache, v_cache, meta, scale)
+        # padded to the longest chunk, each one-token row would cost as much as that chunk
+        d = meta.num_decodes
+        out = torch.empty_like(q)
+        out[:d] = self._attend(q[:d], k_cache, v_cache, meta.decode_part(), scale)
+        out[d:] = self._attend(q[d:], k_cache, v_cache, meta.prefill_part(), scale)
+        return out
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """One batched SDPA over meta's sequences, whose tokens are q (cu_seqlens_q may start past 0)."""
         num_seqs, max_q, max_k = meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k
         num_kv_heads = k_cache.shape[2]
         key, value = self._gather_context(k_cache, v_cache, meta)  # [B, H_kv, max_k, D]
@@ -91,8 +103,10 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _token_coordinates(meta: AttentionMetadata, num_tokens: int):
-        """Each packed query token's (sequence, slot among that sequence's queries), and seqlens_q."""
+        """Each packed query token's (sequence, slot among that sequence's queries), and seqlens_q.
+        Token 0 is the one at offset cu_seqlens_q[0] (a mixed step's prefill part starts past 0)."""
         cu = meta.cu_seqlens_q.long()
+        cu = cu - cu[0]
         seqlens_q = cu[1:] - cu[:-1]
         seq_of_token = torch.repeat_interleave(
             torch.arange(meta.num_seqs, device=cu.device), seqlens_q, output_size=num_tokens

@@ -72,18 +72,33 @@ def test_paged_attention_matches_dense_float64_reference(block_size, q_lens, k_l
 
 @settings(max_examples=25, deadline=None)
 @given(
-    seqs=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 20)), min_size=1, max_size=4),
+    seqs=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 20)), st.integers(0, 20)), min_size=1, max_size=4),
     heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
     head_dim=st.sampled_from([8, 24]),
     block_size=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
+    split_mixed=st.booleans(),
 )
-def test_paged_attention_in_float64_is_exact_for_any_lengths(seqs, heads, head_dim, block_size, seed):
+def test_paged_attention_in_float64_is_exact_for_any_lengths(seqs, heads, head_dim, block_size, seed, split_mixed):
+    if split_mixed:  # one-token sequences first, attended apart from the rest (AttentionMetadata.num_decodes)
+        seqs = sorted(seqs, key=lambda s: s[0] != 1)
     q_lens = [q for q, _ in seqs]
     k_lens = [q + prefix for q, prefix in seqs]
     q, k_cache, v_cache, meta = make_paged_case(q_lens, k_lens, *heads, head_dim, block_size, seed, torch.float64)
+    if split_mixed:
+        meta.num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     out = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.3)
     torch.testing.assert_close(out, dense_reference(q, k_cache, v_cache, meta, 0.3), atol=1e-10, rtol=1e-10)
+
+
+def test_mixed_step_attends_to_its_one_token_rows_apart_and_gets_the_same_output():
+    q, k_cache, v_cache, meta = make_paged_case([1, 1, 1, 9, 4], [30, 2, 17, 9, 12], 6, 2, 8, 4, seed=1)
+    whole = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.4)
+    meta.num_decodes = 3
+    assert meta.is_mixed
+    split = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.4)
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(split.double(), dense_reference(q, k_cache, v_cache, meta, 0.4), atol=2e-5, rtol=1e-5)
 
 
 def test_stale_slots_outside_each_context_do_not_leak_into_the_output():
