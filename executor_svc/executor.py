@@ -95,6 +95,13 @@ class StepLoop:
         if self.profiler is not None:
             self.profiler.before_step(len(plan.new_seqs) + len(plan.cached.seq_ids))
         try:
+            self._run_plan(plan, t0, idle)
+        finally:  # a failed step still counts, so the profiler windows stay on the steps asked for
+            if self.profiler is not None:
+                self.profiler.after_step()
+
+    def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
+        try:
             chunks = self.mirrors.apply(plan)
             self.runner.copy_blocks(plan.block_copies)
             inputs = self.runner.launch(chunks)
@@ -109,8 +116,6 @@ class StepLoop:
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
         pending = self.runner.sample(inputs)
         self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
-        if self.profiler is not None:
-            self.profiler.after_step()
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:

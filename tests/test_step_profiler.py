@@ -47,3 +47,58 @@ def test_python_profile_windows_write_one_report_each(tmp_path):
     reports = sorted(p.name for p in tmp_path.iterdir())
     assert reports == ["scheduler_steps_1_2.txt", "scheduler_steps_5_1.txt"]
     assert "ms per step" in (tmp_path / "scheduler_steps_1_2.txt").read_text()
+
+
+class _Runner:
+    """A runner whose launch fails on the steps named in `fail`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, fail):
+        self.fail, self.calls = fail, 0
+
+    def copy_blocks(self, copies):
+        pass
+
+    def launch(self, chunks):
+        self.calls += 1
+        if self.calls - 1 in self.fail:
+            raise RuntimeError("device fault")
+
+    def sample(self, inputs):
+        return object()
+
+    def finalize(self, pending):
+        return []
+
+
+class _Mirrors:
+    seqs: dict = {}
+
+    def apply(self, plan):
+        return []
+
+    def commit(self, chunks):
+        pass
+
+
+class _Socket:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, data):
+        self.sent.append(data)
+
+
+def test_a_failed_step_still_counts_toward_the_profiler_window(tmp_path):
+    from executor_svc.executor import StepLoop
+    from protos import engine_pb2
+
+    sock = _Socket()
+    loop = StepLoop(_Runner(fail={1}), _Mirrors(), sock, rank=0)
+    loop.profiler = StepProfiler(str(tmp_path), [(0, 3)], torch.device("cpu"))
+    for step in range(3):  # steps 0, 1 (fails) and 2 make the window
+        loop.run_plan(engine_pb2.StepPlan(step_id=step))
+    assert (tmp_path / "steps_0_3.json").exists()
+    replies = [engine_pb2.ExecutorToScheduler.FromString(m).result for m in sock.sent]
+    assert [r.step_id for r in replies if r.error] == [1]
