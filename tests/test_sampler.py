@@ -71,6 +71,19 @@ def test_seeded_rows_also_follow_the_distribution():
     assert chi_square(tokens, torch.softmax(row[0].double(), -1)) < CHI_SQUARE_LIMIT
 
 
+def test_a_draw_at_the_top_of_the_cdf_picks_the_last_kept_token_never_a_dropped_one(monkeypatch):
+    import executor_svc.sampler as sampler_module
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.1, 0.2], [9.0, 0.0, 0.0, 0.0, 0.0, -40.0]])
+    kept_last = [3, 4]  # row 0 keeps its top 2 (tokens 1 and 3); row 1's last kept token is 4 (top-k 5)
+    real_rand = torch.rand
+    # the largest float64 uniform below 1
+    monkeypatch.setattr(sampler_module.torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(1 - 2**-53))
+    options = [SamplingOptions(temperature=1.0, top_k=2), SamplingOptions(temperature=1.0, top_k=5)]
+    tokens = Sampler()(logits, build(options, logits)).token_ids
+    assert tokens.tolist() == kept_last
+
+
 def test_top_k_never_picks_outside_the_k_best():
     torch.manual_seed(1)
     logits = random_logits(2000, 50, seed=4, scale=0.5)
