@@ -302,14 +302,16 @@ class ModelRunner:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
         bucket = None
-        if self.graphs is not None and all(c.end - c.start == 1 for c in chunks):
+        # a decode graph's logits are one row per chunk: a one-token prefill chunk that does not end its
+        # prompt (so does not sample) sends the step down the eager path
+        if self.graphs is not None and all(c.end - c.start == 1 and c.samples for c in chunks):
             bucket = self.graphs.bucket(len(chunks), max(c.end for c in chunks))
         if bucket is None:
             inputs = self.prepare_inputs(one_token_chunks_first(chunks))
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             # a decode graph samples in place when every row samples plainly (temperature alone)
-            graph_samples = self.graphs.samples and all(c.samples and c.seq.sampling_row.plain for c in chunks)
+            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain for c in chunks)
             inputs = self._load_decode_graph(chunks, bucket, graph_samples)
             hidden = self.graphs.run(bucket, len(chunks))
             if self.graphs.samples:

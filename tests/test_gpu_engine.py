@@ -76,6 +76,20 @@ def test_greedy_sampled_inside_the_cuda_graph_equals_eager(qwen3_dir, prompts):
     assert_greedy_matches(eager, [o.token_ids for o in graphs])
 
 
+def test_one_token_prefill_chunks_beside_decodes_stay_out_of_the_decode_graph(qwen3_dir):
+    """A budget of max_num_seqs tokens leaves a prefilling prompt one token beside the decodes: every
+    chunk is one token, but that one samples nothing, so the step must not take the graph's path of
+    one logit row per chunk."""
+    rng = random.Random(12)
+    short = [[rng.randrange(1024) for _ in range(rng.randint(20, 40))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, logprobs=5)
+    limits = dict(dtype="float32", attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=4)
+    graphs, stats = generate(qwen3_dir, short, params=params, **limits)
+    eager, _ = generate(qwen3_dir, short, params=params, enforce_eager=True, **limits)
+    assert stats.num_partial_prefill_chunks > 0
+    assert_greedy_matches(graphs, [o.token_ids for o in eager])
+
+
 @pytest.fixture(scope="module")
 def runner(qwen3_dir):
     from executor_svc.model_runner import ModelRunner
