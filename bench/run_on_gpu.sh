@@ -3,7 +3,7 @@
 # ../shared/gpu/wheels.sh), build the stubs, then run the steps named as arguments:
 #   tests        pytest -m gpu (TESTS names files)
 #   kernels      bench/kernels.py
-#   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags)
+#   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
@@ -28,7 +28,9 @@ for step in "$@"; do
     throughput)
       python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} \
         > "$OUT/throughput.log" 2>&1
-      grep -v " INFO " "$OUT/throughput.log" | tail -n 25 ;;
+      grep -v " INFO " "$OUT/throughput.log" | tail -n 25
+      # a repeated step overwrites the files: the summary keeps every run's row
+      summary+=("throughput ${THROUGHPUT_ARGS:-}: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
     timeline)
       NANOSERVE_PROFILE_DIR="$OUT/prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
         python3 bench/throughput.py --no-progress --out "$OUT/throughput_profiled.json" ${THROUGHPUT_ARGS:-} \
