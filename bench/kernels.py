@@ -236,7 +236,8 @@ class Bench:
                                    "tflop_per_s": flops / us / 1e6})
             batch_rows.sort(key=lambda r: r["us"])
             default = tuple(vars(ta.prefill_config(ta._block_d(d))).values())
-            is_default = lambda r: (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == default  # noqa: E731
+            def is_default(r: dict) -> bool:
+                return (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) == default
             for r in batch_rows[:5] + [r for r in batch_rows[5:] if is_default(r)]:
                 print(f"  {name:<22} m={r['block_m']:<4} n={r['block_n']:<4} warps={r['num_warps']} "
                       f"stages={r['num_stages']} {r['us']:9.1f} us {r['tflop_per_s']:6.1f} TFLOP/s"

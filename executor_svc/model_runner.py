@@ -54,8 +54,9 @@ class StepInputs:
 class HostInputs:
     """A step's inputs as host arrays, before they go to the device."""
 
-    arrays: dict[str, np.ndarray]  # input_ids, positions, slot_mapping, cu_seqlens_q, seqlens_k, block_tables,
-    # logits_indices; decode_order over the leading one-token chunks; fill_at/fill_from where the previous step sampled an input
+    # input_ids, positions, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, logits_indices;
+    # decode_order over the leading one-token chunks; fill_at/fill_from for inputs the last step sampled
+    arrays: dict[str, np.ndarray]
     sampling_chunks: list[ScheduledChunk]
     max_seqlen_q: int
     max_seqlen_k: int
