@@ -74,6 +74,11 @@ class BlockManager:
         """Whether seq's block table can grow to hold num_tokens tokens (after the computed blocks)."""
         return self.num_blocks_to_take(seq, num_tokens, computed_blocks) <= self.pool.num_free_blocks
 
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether seq can compute up to num_tokens: fresh blocks to grow, and copies of the shared ones it writes."""
+        needed = self.num_copy_on_write_blocks(seq) + self.num_blocks_to_take(seq, num_tokens)
+        return needed <= self.pool.num_free_blocks
+
     def allocate(self, seq: Sequence, num_tokens: int, computed_blocks: BlockIds = ()) -> None:
         """Grow seq.block_table to ceil(num_tokens / block_size) blocks, prefix-cache hits first.
 

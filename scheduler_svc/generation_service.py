@@ -1,16 +1,16 @@
 """The nanoserve.v1.Generation service: each RPC checked, run through the engine and answered.
 
 A request with n completions becomes n engine requests; their outputs share one queue and are
-merged into one response stream, each output carrying its index. However the call ends (finished,
-failed, cancelled by the client, past its deadline), the engine requests still running are aborted
-in the scheduler, so their KV blocks go back to the pool.
+merged into one response stream, each output carrying its index. With beam search the n requests
+share one search, and each receives its whole hypothesis (the index-th best) in one output.
+However the call ends (finished, failed, cancelled by the client, past its deadline), the engine
+requests still running are aborted in the scheduler, so their KV blocks go back to the pool.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
-import time
 import uuid
 
 import grpc
@@ -93,12 +93,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         pending = set(engine_ids)
         timer, outcome = self.metrics.start_request(), "cancelled"
         try:
-            for i, eid in enumerate(engine_ids):
-                self.engine.add(engine_pb2.AddRequest(
-                    request_id=eid, prompt_token_ids=valid.prompt_token_ids,
-                    sampling=params.sampling_options(seed_offset=i), stopping=params.stopping_options(),
-                    priority=request.priority, arrival_time=time.time(),
-                    group_id=engine_ids[0] if params.n > 1 else ""))
+            for add in params.add_requests(engine_ids, valid.prompt_token_ids, priority=request.priority):
+                self.engine.add(add)
             while pending:
                 item = await self._next(queue, context)
                 if item is None:

@@ -133,13 +133,10 @@ class LLM:
             self._validate(ids, params)
             result = GenerationResult(f"{batch_id}-{i}", text, ids, [CompletionOutput(j) for j in range(params.n)])
             results.append(result)
-            for j, out in enumerate(result.outputs):
-                rid = result.request_id if params.n == 1 else f"{result.request_id}#{j}"
+            rids = [result.request_id] if params.n == 1 else [f"{result.request_id}#{j}" for j in range(params.n)]
+            for rid, out in zip(rids, result.outputs):
                 trackers[rid] = (_Tracker(self.tokenizer, ids, params, out), result)
-                requests.append(engine_pb2.AddRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=params.sampling_options(seed_offset=j),
-                    stopping=params.stopping_options(), arrival_time=time.time(),
-                    group_id=result.request_id if params.n > 1 else ""))
+            requests += params.add_requests(rids, ids)  # beam search: outputs[j] is the j-th best
         for request in requests:
             self.client.add(request)
         try:

@@ -47,10 +47,11 @@ class OutputTracker:
             return None
         self.num_cached_tokens = ro.num_cached_tokens
         delta = Delta(token_ids=list(ro.new_token_ids), logprobs=list(ro.logprobs))
-        self.num_tokens += len(delta.token_ids)
         engine_done = ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
         if self.detok is not None:
-            if delta.token_ids:
+            if len(delta.token_ids) > 1 and self.stops.active:
+                delta.text = self._feed_until_stop(delta)
+            elif delta.token_ids:
                 delta.text = self.stops.feed(self.detok.add(delta.token_ids))
             if engine_done and self.stops.matched is None:
                 delta.text += self.stops.feed(self.detok.flush())
@@ -62,5 +63,16 @@ class OutputTracker:
             delta.finish_reason, delta.error = ro.finish_reason, ro.error
             if ro.stop_token_id >= 0:
                 delta.stop_reason = ro.stop_token_id
+        self.num_tokens += len(delta.token_ids)
         self.done = delta.finished
         return delta
+
+    def _feed_until_stop(self, delta: Delta) -> str:
+        """Several tokens at once (a beam search's hypothesis): the ones after a stop string's match are cut."""
+        text = []
+        for i, token in enumerate(delta.token_ids):
+            text.append(self.stops.feed(self.detok.add([token])))
+            if self.stops.matched is not None:
+                del delta.token_ids[i + 1:], delta.logprobs[i + 1:]
+                break
+        return "".join(text)

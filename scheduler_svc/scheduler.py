@@ -4,6 +4,10 @@ Running sequences go first (decodes and unfinished prefill chunks), then waiting
 chunked prefill, so decodes and several prefill chunks share one step. When blocks run out the most
 recently admitted sequence is preempted by recompute.
 
+Beam search runs its beams as sequences of the scheduler's own: after each round the chosen
+continuations are forked from their parents (shared blocks, copy-on-write on the first write) and the
+parents are dropped; beam_search.py decides which continuations survive.
+
 schedule() may run again before the previous step's result is back (async scheduling): it advances
 num_computed_tokens at once and counts each sample still in flight as a placeholder token, which the
 executors fill in on their side; postprocess() later replaces the placeholder with the real token.
@@ -11,9 +15,10 @@ executors fill in on their side; postprocess() later replaces the placeholder wi
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos import engine_pb2
+from scheduler_svc.beam_search import BeamSearch
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 
@@ -21,6 +26,7 @@ STOP = engine_pb2.FINISH_REASON_STOP
 LENGTH = engine_pb2.FINISH_REASON_LENGTH
 ABORT = engine_pb2.FINISH_REASON_ABORT
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
+BEAM_SEQ_ID_BASE = 1 << 62  # beams get seq ids from here, apart from those of requests
 
 
 @dataclass
@@ -55,6 +61,7 @@ class SchedulerOutput:
     preempted_seq_ids: list[int]  # dropped from the executors; they come back as new
     finished_seq_ids: list[int]  # finished or aborted since the last step that ran, mirrored by executors
     num_batched_tokens: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
 
 
 @dataclass(slots=True)
@@ -95,6 +102,8 @@ class Scheduler:
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
         self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
+        self.beam_searches: dict[str, BeamSearch] = {}  # group_id -> its search, from its first member on
+        self._next_beam_seq_id = BEAM_SEQ_ID_BASE
         self.counters = _Counters()
         self._next_arrival = 0
 
@@ -112,11 +121,19 @@ class Scheduler:
                 f" x block_size={cfg.block_size} = {cfg.num_blocks * cfg.block_size} tokens")
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight")
+        rule = self._stop_rule(seq)
+        search = self._beam_search_for(seq, rule) if seq.beam_options is not None else None
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
-        self.stop_rules[seq.seq_id] = self._stop_rule(seq)
+        self.stop_rules[seq.seq_id] = rule
+        if search is not None:  # a member waits outside the queues; its search's beams run for it
+            self.beam_searches[seq.group_id] = search
+            search.members.append(seq)
+            if len(search.members) == search.num_requests:
+                self._start_beam_search(search)
+            return
         if seq.group_id and self.config.enable_prefix_caching and seq.num_prompt_tokens >= self.config.block_size:
             leader = self.group_leaders.setdefault(seq.group_id, seq)
             if leader is not seq:
@@ -128,7 +145,9 @@ class Scheduler:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.WAITING:
+        if seq.beam_options is not None:
+            self._leave_beam_search(seq)
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
@@ -144,6 +163,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[int] = []
+        block_copies: list[tuple[int, int]] = []
         num_preemptions = self.counters.num_preemptions
         bm = self.block_manager
 
@@ -155,24 +175,27 @@ class Scheduler:
             start, placeholders = seq.num_computed_tokens, seq.num_placeholders
             total = len(seq.token_ids) + placeholders
             num_new = min(total - start, budget)
-            if num_new <= 0 or (placeholders and total >= stop_rules[seq.seq_id].max_num_tokens):
-                i += 1  # nothing to compute, or the samples in flight already reach its length limit
+            if num_new <= 0 or (placeholders and (
+                    seq.beam is not None or total >= stop_rules[seq.seq_id].max_num_tokens)):
+                i += 1  # nothing to compute, a beam waiting for its round, or samples in flight reach its limit
                 continue
             end = start + num_new
-            if end > len(seq.block_table) * bs:  # most decodes fit in the table they have
-                while not bm.can_allocate(seq, end):
-                    victim = running[-1]  # the most recently admitted
-                    self._preempt(victim, preempted)
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
+            is_new = not seq.in_executor  # a beam forked since the last step: it may write a shared block
+            if is_new:
+                if not self._make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
+                block_copies += bm.copy_on_write(seq)
+                bm.allocate(seq, end)
+                seq.in_executor = True
+            elif end > len(seq.block_table) * bs:  # most decodes fit in the table they have
+                if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
+                    break
                 bm.allocate(seq, end)
             samples = end == total
             seq.num_computed_tokens = end
             if samples:
                 seq.num_placeholders = placeholders + 1
-            scheduled.append(ScheduledSeq(seq, num_new, False, start, samples, seq.epoch))
+            scheduled.append(ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch))
             budget -= num_new
             i += 1
 
@@ -181,8 +204,12 @@ class Scheduler:
         # Stopping at the first that does not fit keeps it from starving.
         admit = self.counters.num_preemptions == num_preemptions
         index = 0
-        while admit and index < len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
+        # started beam searches hold room for all their beams, so forking never passes max_num_seqs
+        reserved = self._beam_slots_reserved() if self.beam_searches else 0
+        while admit and index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
+            if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
+                break
             if seq.leader is not None and self._waits_for_leader(seq):
                 index += 1  # a parallel sample waits for its first sibling to cache the prompt
                 continue
@@ -199,6 +226,7 @@ class Scheduler:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            reserved -= seq.beam is not None
             scheduled.append(self._advance(seq, num_new, is_new=True))
             budget -= num_new
 
@@ -208,7 +236,17 @@ class Scheduler:
         finished = []
         if scheduled:
             finished, self.finished_to_drop = self.finished_to_drop, []
-        return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget,
+                               block_copies)
+
+    def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
+        """Preempt the most recently admitted sequences until fits(); False if seq itself had to go."""
+        while not fits():
+            victim = self.running[-1]
+            self._preempt(victim, preempted)
+            if victim is seq:
+                return False
+        return True
 
     def _advance(self, seq: Sequence, num_new: int, is_new: bool) -> ScheduledSeq:
         """Commit a chunk at schedule time; a chunk that reaches the end leaves a placeholder token."""
@@ -218,36 +256,41 @@ class Scheduler:
         seq.num_placeholders += samples
         return ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch)
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[StepUpdate]:
-        """Apply a successful step: hash newly full blocks, append samples, check stops."""
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
+                    candidates: dict[int, tuple[list[int], list[float]]] | None = None) -> list[StepUpdate]:
+        """Apply a successful step: hash newly full blocks, append samples, check stops.
+
+        candidates: a beam's top continuations (token ids, logprobs; best first), by seq id.
+        """
         finished = SequenceStatus.FINISHED
         live = [s for s in out.scheduled if s.seq.status is not finished]  # skip ones aborted while in flight
         for s in live:
             if s.samples and s.seq.seq_id not in sampled:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
-        bm, bs = self.block_manager, self.config.block_size
         updates: list[StepUpdate] = []
         num_finished = 0
-        running_status = SequenceStatus.RUNNING
+        rounds: list[BeamSearch] = []
         for s in live:
             seq = s.seq
             token, reason = None, UNFINISHED
+            if seq.beam is not None:
+                self._report_beam(s, candidates, rounds)
+                continue
             if s.samples:
                 token = sampled[seq.seq_id]
                 seq.num_placeholders -= 1
                 seq.token_ids.append(token)
                 seq.last_token_unsent = True
                 reason = self._check_stop(seq, token)
-            # blocks this step filled, with every token known, are now safe to share
-            computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
-            if computed // bs > len(seq.block_hashes) and seq.status is running_status and s.epoch == seq.epoch:
-                bm.hash_full_blocks(seq, computed)
+            self._hash_computed(s)
             if reason != UNFINISHED:
                 if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent
                     self.waiting.remove(seq)
                 self._finish(seq, reason)
                 num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
+        for search in rounds:
+            updates += self._advance_beam_search(search)
         c = self.counters
         c.num_steps += 1
         c.num_finished += num_finished
@@ -255,6 +298,14 @@ class Scheduler:
         if num_finished:
             self.running = [seq for seq in self.running if seq.status is not finished]
         return updates
+
+    def _hash_computed(self, s: ScheduledSeq) -> None:
+        """Blocks this step filled, with every token known, are now safe to share."""
+        seq = s.seq
+        computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
+        if computed // self.config.block_size > len(seq.block_hashes) and seq.status is SequenceStatus.RUNNING \
+                and s.epoch == seq.epoch:
+            self.block_manager.hash_full_blocks(seq, computed)
 
     def stats(self) -> dict:
         """Counters, named as the fields of engine_pb2.SchedulerStats."""
@@ -287,6 +338,146 @@ class Scheduler:
         if len(seq.token_ids) >= rule.max_num_tokens:
             return LENGTH
         return UNFINISHED
+
+    # ------------------------------------------------------------------ beam search
+
+    def _beam_search_for(self, member: Sequence, rule: StopRule) -> BeamSearch:
+        """The search a new member joins (made with the first one). Raises ValueError for a bad member."""
+        opts, cfg = member.beam_options, self.config
+        if not 1 <= opts.num_requests <= opts.beam_width:
+            raise ValueError(f"beam search: num_requests must be in [1, beam_width={opts.beam_width}], "
+                             f"got {opts.num_requests}")
+        if opts.beam_width > cfg.max_num_seqs:
+            raise ValueError(f"beam_width {opts.beam_width} exceeds max_num_seqs={cfg.max_num_seqs}")
+        if not member.group_id:
+            raise ValueError("a beam search request needs a group_id")
+        # Beams re-admitted after a preemption may not share blocks, so the pool must hold them apart.
+        need = opts.beam_width * -(-rule.max_num_tokens // cfg.block_size)
+        if need > cfg.num_blocks:
+            raise ValueError(f"beam search of width {opts.beam_width} over {rule.max_num_tokens} tokens leaves no room "
+                             f"within the KV pool: it may need {need} blocks, the pool has {cfg.num_blocks}")
+        search = self.beam_searches.get(member.group_id)
+        if search is None:
+            return BeamSearch(member.group_id, opts.beam_width, opts.length_penalty, opts.num_requests,
+                              rule.token_ids, rule.min_tokens, rule.max_num_tokens - member.num_prompt_tokens)
+        first = search.members[0]
+        if search.started or first.beam_options != opts or first.token_ids != member.token_ids:
+            raise ValueError(f"request {member.request_id!r} does not match beam search group {member.group_id!r}")
+        return search
+
+    def _start_beam_search(self, search: BeamSearch) -> None:
+        first = search.members[0]
+        root = self._new_beam(search, list(first.token_ids), first, 0.0)
+        search.started = True
+        search.beams = [root]
+        search.unreported = {root.seq_id}
+        self._push_waiting(root)
+
+    def _new_beam(self, search: BeamSearch, token_ids: list[int], like: Sequence, cum_logprob: float) -> Sequence:
+        beam = Sequence(
+            seq_id=self._next_beam_seq_id, request_id=search.group_id, token_ids=token_ids,
+            num_prompt_tokens=like.num_prompt_tokens,
+            sampling=engine_pb2.SamplingOptions(temperature=0.0, logprobs=search.num_candidates),
+            stopping=like.stopping, priority=like.priority, arrival_order=like.arrival_order,
+            beam=search, cum_logprob=cum_logprob, num_cached_tokens=like.num_cached_tokens,
+            admitted_once=like.admitted_once)
+        self._next_beam_seq_id += 1
+        return beam
+
+    def _beam_slots_reserved(self) -> int:
+        """Room in the running queue that started searches will fill: width minus their running beams."""
+        return sum(s.width - sum(b.status is SequenceStatus.RUNNING for b in s.beams)
+                   for s in self.beam_searches.values() if s.started)
+
+    def _report_beam(self, s: ScheduledSeq, candidates, rounds: list[BeamSearch]) -> None:
+        """A beam's step is back: hash its full blocks; a sampling step reports its candidates to the search."""
+        seq, search = s.seq, s.seq.beam
+        self._hash_computed(s)
+        if not s.samples:
+            return
+        seq.num_placeholders -= 1
+        if candidates is None or seq.seq_id not in candidates:
+            raise ValueError(f"beam {seq.seq_id} reached its end but no candidates came back for it")
+        search.reports[seq.seq_id] = candidates[seq.seq_id]
+        if seq.seq_id in search.unreported:  # a beam recomputed after a preemption may report again
+            search.unreported.remove(seq.seq_id)
+            if not search.unreported:
+                rounds.append(search)
+
+    def _advance_beam_search(self, search: BeamSearch) -> list[StepUpdate]:
+        """Every beam has reported: fork the chosen continuations and drop the parents, or end the search."""
+        parents = search.beams
+        round_ = search.select(parents[0].num_output_tokens)
+        if round_.done:
+            return self._finish_beam_search(search)
+        children = []
+        for c in round_.continuations:
+            parent = parents[c.parent_index]
+            child = self._new_beam(search, [*parent.token_ids, c.token_id], parent, c.cum_logprob)
+            if parent.status is SequenceStatus.RUNNING:
+                self.block_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)  # sent in full with its first step (in_executor is False)
+            else:  # preempted: it recomputes from the prefix cache like any preempted sequence
+                self._push_waiting(child)
+            children.append(child)
+        for parent in parents:
+            self._drop_beam(parent)
+        search.beams = children
+        search.unreported = {c.seq_id for c in children}
+        return []
+
+    def _finish_beam_search(self, search: BeamSearch) -> list[StepUpdate]:
+        """Member i gets the i-th best hypothesis, as its whole output."""
+        for beam in search.beams:
+            self._drop_beam(beam)
+        del self.beam_searches[search.group_id]
+        updates = []
+        num_cached = search.beams[0].num_cached_tokens
+        for i, member in enumerate(list(search.members)):
+            hyp = search.finished[min(i, len(search.finished) - 1)]
+            member.token_ids[member.num_prompt_tokens:] = hyp.output_token_ids
+            member.stop_token_id = hyp.stop_token_id
+            member.num_cached_tokens = num_cached
+            self._finish(member, hyp.finish_reason)
+            updates.append(StepUpdate(member, None, hyp.finish_reason))
+        self.counters.num_finished += len(updates)
+        return updates
+
+    def _leave_beam_search(self, member: Sequence) -> None:
+        """An aborted member leaves its search; the last one to leave ends it."""
+        search = self.beam_searches[member.group_id]
+        search.members.remove(member)
+        if not search.members:
+            for beam in search.beams:
+                self._drop_beam(beam)
+            del self.beam_searches[search.group_id]
+        elif not search.started:
+            search.num_requests -= 1
+            if len(search.members) == search.num_requests:
+                self._start_beam_search(search)
+
+    def _drop_beam(self, beam: Sequence) -> None:
+        """A beam that no continuation chose, or one of an ended search: free it and drop its mirror."""
+        if beam.status is SequenceStatus.RUNNING:
+            self.running.remove(beam)
+        elif beam.status is SequenceStatus.WAITING:
+            self.waiting.remove(beam)
+        self.block_manager.free(beam)
+        beam.status = SequenceStatus.FINISHED
+        beam.num_placeholders = 0
+        if beam.in_executor:
+            self.finished_to_drop.append(beam.seq_id)
+        self._drop_mirror(beam)
+
+    def request_ids(self, seq: Sequence) -> list[str]:
+        """The requests a sequence serves: its own, or for a beam its search's members."""
+        if seq.beam is None:
+            return [seq.request_id]
+        return [m.request_id for m in seq.beam.members]
+
+    # ------------------------------------------------------------------ parallel samples
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         """Parallel samples share one prompt: rather than compute it n times in the same step, the later

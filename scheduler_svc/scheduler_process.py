@@ -20,7 +20,7 @@ from protos import engine_pb2
 from scheduler_svc.py_profiler import PythonProfileWindow
 from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.scheduler import BEAM_SEQ_ID_BASE, Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_plan import build_step_plan
 
@@ -131,6 +131,7 @@ class SchedulerProcess:
             seq_id=self.next_seq_id, request_id=add.request_id, token_ids=list(add.prompt_token_ids),
             num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
             priority=add.priority, arrival_order=self.arrivals, group_id=add.group_id,
+            beam_options=add.beam_search if add.beam_search.beam_width > 0 else None,
         )
         try:
             self.scheduler.add(seq)
@@ -329,11 +330,16 @@ class SchedulerProcess:
         if result.error:
             log.error("step %d failed: %s", step.step_id, result.error)
             for item in out.scheduled:
-                self._abort(item.seq.request_id, engine_pb2.FINISH_REASON_ERROR, error=f"executor: {result.error}")
+                for request_id in self.scheduler.request_ids(item.seq):
+                    self._abort(request_id, engine_pb2.FINISH_REASON_ERROR, error=f"executor: {result.error}")
             self.scheduler.postprocess(out, {})
             return [], {}
         sampled = {s.seq_id: s for s in result.sampled}
-        return self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()}), sampled
+        candidates = None
+        if self.scheduler.beam_searches:  # beams choose among their top candidates, not the sampled token
+            candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
+                          if k >= BEAM_SEQ_ID_BASE}
+        return self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()}, candidates), sampled
 
     def _count_step(self, out: SchedulerOutput) -> bool:
         """Update step counters; True when the step computes prefill tokens."""
@@ -372,6 +378,9 @@ class SchedulerProcess:
                 token = sampled.get(seq.seq_id)
                 if token is not None and token.HasField("logprobs"):
                     out.logprobs.append(token.logprobs)
+            elif seq.beam_options is not None and update.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                out.new_token_ids.extend(seq.output_token_ids)  # a beam search's hypothesis, whole
+                self.counters["num_generated_tokens"] += seq.num_output_tokens
             if update.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                 self.requests.pop(seq.request_id, None)
                 self.counters["num_finished"] += 1

@@ -24,6 +24,9 @@ class Sequence:
     priority: int = 0  # lower first
     group_id: str = ""  # shared by the parallel samples of one request
     leader: "Sequence | None" = None  # the sibling whose cached prompt this one waits to reuse
+    beam_options: engine_pb2.BeamSearchOptions | None = None  # a member of a beam search (AddRequest.beam_search)
+    beam: "object | None" = None  # the BeamSearch this sequence is a beam of (beams are the scheduler's own)
+    cum_logprob: float = 0.0  # a beam's summed logprob over its generated tokens
     arrival_order: int = 0  # ties broken by arrival
     status: SequenceStatus = SequenceStatus.WAITING
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 class RequestLimits:
     max_n: int = 16  # completions per request
     max_logprobs: int = 20  # top candidates per token
+    max_beam_width: int = 16  # beams per beam search
     max_stop_strings: int = 16
     max_stop_string_length: int = 256  # characters
     default_max_tokens: int = 256  # when the request leaves max_tokens unset
@@ -44,8 +45,8 @@ class ServerConfig:
         for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0:
-            raise ValueError("--max-logprobs and --max-stop-strings must be >= 0")
+        if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0 or self.limits.max_beam_width < 0:
+            raise ValueError("--max-logprobs, --max-stop-strings and --max-beam-width must be >= 0")
 
 
 def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -71,6 +72,7 @@ def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--max-receive-message-mb", type=int, default=d.max_receive_message_mb)
     g.add_argument("--max-n", type=int, default=limits.max_n)
     g.add_argument("--max-logprobs", type=int, default=limits.max_logprobs)
+    g.add_argument("--max-beam-width", type=int, default=limits.max_beam_width)
     g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
     g.add_argument("--max-stop-string-length", type=int, default=limits.max_stop_string_length)
     g.add_argument("--default-max-tokens", type=int, default=limits.default_max_tokens)

@@ -15,6 +15,11 @@ class StopStringMatcher:
         self.emitted = 0  # characters of self.text already released
         self.matched: str | None = None
 
+    @property
+    def active(self) -> bool:
+        """Some stop string can still match."""
+        return bool(self.stop) and self.matched is None
+
     def feed(self, delta: str) -> str:
         """Add decoded text; return what can be released now. After a match, matched is set."""
         if self.matched is not None or not delta:

@@ -74,7 +74,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
 def sampling_params(sp: generation_pb2.SamplingParams, limits: RequestLimits, vocab_size: int,
                     room: int) -> SamplingParams:
     """room: how many tokens fit after the prompt within max_model_len."""
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "length_penalty"):
         value = getattr(sp, name)
         check(math.isfinite(value), f"sampling.{name} must be a finite number, got {value}")
     check(len(sp.stop) <= limits.max_stop_strings,
@@ -98,10 +99,13 @@ def sampling_params(sp: generation_pb2.SamplingParams, limits: RequestLimits, vo
         n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+        beam_width=sp.beam_width,
+        length_penalty=sp.length_penalty if sp.HasField("length_penalty") else 1.0,
     )
     try:
         params.validate(max_n=limits.max_n, max_logprobs=limits.max_logprobs, max_stop=limits.max_stop_strings,
-                        max_stop_len=limits.max_stop_string_length)
+                        max_stop_len=limits.max_stop_string_length,
+                        max_beam_width=limits.max_beam_width)
     except ValueError as exc:
         raise InvalidArgument(f"sampling.{exc}") from exc
     return params

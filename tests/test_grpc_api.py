@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from grpc_server import free_port, smol_dir, start_server
+from hf_reference import hf_beam_search
 from protos import generation_pb2 as pb
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -169,6 +170,21 @@ def test_n_completions_come_back_indexed_in_one_response(server):
     assert parts[-1].HasField("usage") and sum(p.HasField("usage") for p in parts) == 1
     for o in unary.outputs:  # same seed, same outputs, streamed or not
         assert joined(parts, o.index).text == o.text
+
+
+def test_beam_search_returns_the_best_hypotheses_of_transformers_beam_search(server, tokenizer):
+    request = chat(CAPITAL, beam_width=3, n=2, max_tokens=12)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": CAPITAL}])
+    expected = hf_beam_search(smol_dir(), prompt, 3, 2, 12, eos_token_id=2)
+    unary = server.stub.Generate(request, timeout=120)
+    assert [list(o.token_ids) for o in unary.outputs] == expected
+    assert [o.index for o in unary.outputs] == [0, 1]
+    assert all(o.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH) for o in unary.outputs)
+    assert unary.usage.completion_tokens == sum(map(len, expected))
+    parts = stream(server.stub, request)
+    for o in unary.outputs:  # each hypothesis streams as one whole message
+        assert joined(parts, o.index).text == o.text and sum(o.index == x.index for p in parts for x in p.outputs) == 1
+    wait_idle(server.stub)
 
 
 def test_the_same_seed_gives_the_same_sample(server):
