@@ -119,14 +119,19 @@ class BlockManager:
             self.pool.set_hash(seq.block_table[i], block_hash, parent, block_tokens)
             seq.block_hashes.append(block_hash)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give child parent's blocks, shared. Writes into a shared block go through copy_on_write()."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """Give child the blocks holding parent's first num_tokens tokens (all by default), shared.
+
+        Writes into a shared block go through copy_on_write().
+        """
         if child.block_table:
             raise ValueError(f"seq {child.seq_id}: fork needs an empty block table")
-        for block_id in parent.block_table:
+        num_blocks = len(parent.block_table) if num_tokens is None else cdiv(num_tokens, self.block_size)
+        num_full = len(parent.block_hashes) if num_tokens is None else num_tokens // self.block_size
+        for block_id in parent.block_table[:num_blocks]:
             self.pool.ref(block_id)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        child.block_table = parent.block_table[:num_blocks]
+        child.block_hashes = parent.block_hashes[:num_full]
 
     def num_copy_on_write_blocks(self, seq: Sequence) -> int:
         """Fresh blocks copy_on_write(seq) will take."""

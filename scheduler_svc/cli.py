@@ -26,6 +26,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams; 0 samples")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -43,7 +45,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
         ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        beam_width=args.beam_width, length_penalty=args.length_penalty)
     try:
         params.validate()
     except ValueError as exc:

@@ -41,7 +41,8 @@ def sampling_from_args(args: argparse.Namespace) -> generation_pb2.SamplingParam
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
         n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        beam_width=args.beam_width, length_penalty=args.length_penalty)
     if args.sampling_seed is not None:
         sp.seed = args.sampling_seed
     return sp

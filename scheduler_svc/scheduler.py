@@ -102,6 +102,7 @@ class Scheduler:
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
         self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
+        self.num_waiting_samples = 0  # parallel samples waiting to fork their first sibling's prompt
         self.beam_searches: dict[str, BeamSearch] = {}  # group_id -> its search, from its first member on
         self._next_beam_seq_id = BEAM_SEQ_ID_BASE
         self.counters = _Counters()
@@ -134,10 +135,11 @@ class Scheduler:
             if len(search.members) == search.num_requests:
                 self._start_beam_search(search)
             return
-        if seq.group_id and self.config.enable_prefix_caching and seq.num_prompt_tokens >= self.config.block_size:
+        if seq.group_id:
             leader = self.group_leaders.setdefault(seq.group_id, seq)
             if leader is not seq:
                 seq.leader = leader
+                self.num_waiting_samples += 1
         self._push_waiting(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -168,6 +170,8 @@ class Scheduler:
         bm = self.block_manager
 
         bs = self.config.block_size
+        if self.num_waiting_samples:
+            self._fork_parallel_samples()
         running, stop_rules = self.running, self.stop_rules
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
@@ -180,7 +184,7 @@ class Scheduler:
                 i += 1  # nothing to compute, a beam waiting for its round, or samples in flight reach its limit
                 continue
             end = start + num_new
-            is_new = not seq.in_executor  # a beam forked since the last step: it may write a shared block
+            is_new = not seq.in_executor  # forked since the last step: it may write a shared block
             if is_new:
                 if not self._make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
@@ -210,8 +214,8 @@ class Scheduler:
             seq = self.waiting[index]
             if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
                 break
-            if seq.leader is not None and self._waits_for_leader(seq):
-                index += 1  # a parallel sample waits for its first sibling to cache the prompt
+            if seq.leader is not None:
+                index += 1  # a parallel sample waits for its first sibling to schedule the prompt, then forks
                 continue
             if seq.num_placeholders:
                 break  # preempted while a step was in flight: its token must arrive before it is resent
@@ -283,6 +287,9 @@ class Scheduler:
                 seq.last_token_unsent = True
                 reason = self._check_stop(seq, token)
             self._hash_computed(s)
+            if not seq.prompt_computed and s.start + s.num_new_tokens >= seq.num_prompt_tokens \
+                    and s.epoch == seq.epoch and seq.status is SequenceStatus.RUNNING:
+                seq.prompt_computed = True  # its parallel samples may fork it now
             if reason != UNFINISHED:
                 if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent
                     self.waiting.remove(seq)
@@ -479,15 +486,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ parallel samples
 
-    def _waits_for_leader(self, seq: Sequence) -> bool:
-        """Parallel samples share one prompt: rather than compute it n times in the same step, the later
-        samples wait until the first has hashed the prompt's full blocks, then hit them in the prefix cache."""
-        leader = seq.leader
-        full_blocks = seq.num_prompt_tokens // self.config.block_size
-        if leader.status is SequenceStatus.FINISHED or len(leader.block_hashes) >= full_blocks:
+    def _fork_parallel_samples(self) -> None:
+        """Parallel samples share one prompt: once a step that computed all of it for the first sibling has
+        succeeded, the others fork its prompt blocks and compute only the prompt's last token, for their own
+        logits. The running loop then copies the block they write (copy-on-write)."""
+        reserved = self._beam_slots_reserved() if self.beam_searches else 0
+        for seq in [s for s in self.waiting if s.leader is not None]:
+            leader = seq.leader
+            if leader.status is SequenceStatus.FINISHED:
+                seq.leader = None  # admitted on its own, through the prefix cache
+                self.num_waiting_samples -= 1
+                continue
+            if leader.status is not SequenceStatus.RUNNING or not leader.prompt_computed:
+                continue
+            if len(self.running) + reserved >= self.config.max_num_seqs:
+                return
+            self.waiting.remove(seq)
+            self.block_manager.fork(leader, seq, seq.num_prompt_tokens)
             seq.leader = None
-            return False
-        return True
+            self.num_waiting_samples -= 1
+            seq.num_computed_tokens = seq.num_prompt_tokens - 1
+            seq.status = SequenceStatus.RUNNING
+            if not seq.admitted_once:
+                seq.admitted_once, seq.num_cached_tokens = True, seq.num_computed_tokens
+            self.running.append(seq)  # sent in full with its first step (in_executor is False)
 
     def _push_waiting(self, seq: Sequence) -> None:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
@@ -498,6 +520,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.prompt_computed = False
         seq.epoch += 1
         seq.status = SequenceStatus.WAITING
         if seq.in_executor:
@@ -512,7 +535,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_placeholders = 0  # samples still in flight for it are discarded
-        seq.leader = None
+        if seq.leader is not None:
+            self.num_waiting_samples -= 1
+            seq.leader = None
         if self.group_leaders.get(seq.group_id) is seq:
             del self.group_leaders[seq.group_id]
         del self.requests[seq.request_id]

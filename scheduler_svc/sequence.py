@@ -33,7 +33,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool or being computed by a step in flight
     num_placeholders: int = 0  # tokens sampled by steps in flight, not yet known here
     epoch: int = 0  # counts preemptions: a step planned in an earlier epoch wrote blocks it no longer has
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (or a fork) at first admission
+    prompt_computed: bool = False  # a step that computed the whole prompt succeeded, in this epoch
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block
 

@@ -60,18 +60,20 @@ def assert_greedy_matches(ours, ref: list[list[int]], max_flip_fraction: float =
 
 @torch.inference_mode()
 def hf_beam_search(model_dir: str, prompt: list[int], width: int, num_returned: int, max_new_tokens: int,
-                   eos_token_id: int, length_penalty: float = 1.0) -> list[list[int]]:
+                   eos_token_id: int | list[int], length_penalty: float = 1.0) -> list[list[int]]:
     """transformers' beam search (early_stopping=False): the best hypotheses' generated tokens, best first,
-    each cut after its EOS (the rest is padding)."""
+    each cut after its first EOS (the rest is padding)."""
     from transformers import GenerationConfig
 
     model = _load(model_dir)
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     config = GenerationConfig(num_beams=width, num_return_sequences=num_returned, max_new_tokens=max_new_tokens,
                               do_sample=False, early_stopping=False, length_penalty=length_penalty,
-                              eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+                              eos_token_id=eos_token_id, pad_token_id=eos_ids[0])
     out = model.generate(torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt),
                                                                                                   dtype=torch.long))
     hypotheses = []
     for row in out[:, len(prompt):].tolist():
-        hypotheses.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
+        ends = [i for i, t in enumerate(row) if t in eos_ids]
+        hypotheses.append(row[: ends[0] + 1] if ends else row)
     return hypotheses

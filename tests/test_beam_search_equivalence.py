@@ -1,5 +1,6 @@
 """Beam search end to end, through the scheduler and executor processes: the hypotheses equal
-HF transformers' beam search on the same weights in fp32, also when the KV pool forces preemption."""
+HF transformers' beam search on the same weights in fp32, also when the KV pool forces preemption,
+and with a model that has two EOS ids."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from scheduler_svc.llm import LLM
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 from test_engine_equivalence import TOPICS
+from tiny_checkpoints import tiny_checkpoint
 
 EOS = 2  # SmolLM2's <|im_end|>
 MAX_TOKENS = 14
@@ -50,3 +52,14 @@ def test_beam_search_equals_transformers_when_the_kv_pool_forces_preemption(embe
     assert stats.num_preemptions > 0, "the pool was meant to be too small for every beam at once"
     assert outs == refs
     assert stats.free_kv_blocks == stats.total_kv_blocks
+
+
+def test_beam_search_with_two_eos_ids_equals_transformers(tmp_path_factory):
+    path = tiny_checkpoint("qwen3", tmp_path_factory)  # eos ids 4 and 5: three candidates per beam kept
+    prompts = [[(11 * i + j) % 250 + 6 for i in range(5 + 9 * j)] for j in range(4)]
+    widths = [(4, 4), (3, 1), (2, 2), (5, 3)]
+    refs = [hf_beam_search(path, p, w, n, 10, [4, 5], 1.0) for p, (w, n) in zip(prompts, widths)]
+    with LLM(path) as llm:
+        results = llm.generate(prompts, [SamplingParams(beam_width=w, n=n, max_tokens=10) for w, n in widths],
+                               use_tqdm=False)
+    assert [[list(o.token_ids) for o in r.outputs] for r in results] == refs
