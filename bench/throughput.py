@@ -59,7 +59,7 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
         "prefill_seconds": delta("prefill_step_seconds"), "decode_seconds": delta("decode_step_seconds"),
         "executor_busy_seconds": delta("executor_busy_seconds"),
         "executor_idle_seconds": delta("executor_idle_seconds"), "preemptions": delta("num_preemptions"),
-        "kv_blocks": after.total_kv_blocks,
+        "swap_outs": delta("num_swap_outs"), "kv_blocks": after.total_kv_blocks,
     }
 
 
@@ -117,11 +117,12 @@ def main() -> None:
         rows.append(run_transformers_peer(args.model, prompts, max_tokens, args.temperature))
     print(f"\nthroughput: {args.num_seqs} seqs, input U[100,{args.max_input_len}], output U[100,{args.max_output_len}]")
     print(f"{'engine':>13} {'out tokens':>10} {'seconds':>8} {'tok/s':>9} {'steps':>6} {'prefill s':>9} "
-          f"{'decode s':>9} {'exec busy':>9} {'exec idle':>9}")
+          f"{'decode s':>9} {'exec busy':>9} {'exec idle':>9} {'preempt':>7} {'swapped':>7}")
     for r in rows:
         print(f"{r['engine']:>13} {r['output_tokens']:>10} {r['seconds']:>8.2f} {r['output_tok_per_s']:>9.0f} "
               f"{r.get('steps', 0):>6} {r.get('prefill_seconds', 0):>9.2f} {r.get('decode_seconds', 0):>9.2f} "
-              f"{r.get('executor_busy_seconds', 0):>9.2f} {r.get('executor_idle_seconds', 0):>9.2f}")
+              f"{r.get('executor_busy_seconds', 0):>9.2f} {r.get('executor_idle_seconds', 0):>9.2f} "
+              f"{r.get('preemptions', 0):>7} {r.get('swap_outs', 0):>7}")
     if len(rows) == 2:
         print(f"ratio nanoserve / transformers: {rows[0]['output_tok_per_s'] / rows[1]['output_tok_per_s']:.1f}x")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -103,6 +103,11 @@ class StepLoop:
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
         try:
             chunks = self.mirrors.apply(plan)
+            # this order exactly: a block swapped out may be written by a swap-in or a copy of this plan
+            if plan.swap_out:
+                self.runner.swap_out(plan.swap_out)
+            if plan.swap_in:
+                self.runner.swap_in(plan.swap_in)
             self.runner.copy_blocks(plan.block_copies)
             inputs = self.runner.launch(chunks)
             self.mirrors.commit(chunks)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.host_kv_pool import HostKVPool, num_host_blocks
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.model_loader import ModelFacts, load_model
 from executor_svc.sampler import Sampler, build_for_sequences, plain_sampling_columns
@@ -115,6 +116,8 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
         self.num_blocks = self._size_kv_pool()
         self._allocate_kv_pool(self.num_blocks)
+        self.num_host_blocks = num_host_blocks(config.num_host_blocks, config.swap_space_gb, self._bytes_per_block())
+        self.host_pool = HostKVPool(self.kv_cache, self.num_host_blocks) if self.num_host_blocks else None
         self.graphs: DecodeGraphs | None = None
         # the torch reference backend syncs the host inside store_kvcache, so it cannot be captured
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -207,6 +210,23 @@ class ModelRunner:
                                    "dst": np.fromiter((c.dst_block_id for c in copies), np.int64)}, "copies")
         src, dst = dev["src"], dev["dst"]
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def swap_out(self, copies) -> None:
+        """Preemption by swap: KV pool blocks to host blocks. Run first in a plan: its sources may be
+        the destinations of the plan's swap-ins and copies."""
+        if copies:
+            self._host_pool("swap_out").swap_out(self.kv_cache, copies)
+
+    def swap_in(self, copies) -> None:
+        """A swapped sequence resumes: host blocks back to KV pool blocks, after swap_out."""
+        if copies:
+            self._host_pool("swap_in").swap_in(self.kv_cache, copies)
+
+    def _host_pool(self, what: str) -> HostKVPool:
+        if self.host_pool is None:
+            raise RuntimeError(f"the plan asks for {what}, but this executor has no host pool "
+                               "(--swap-space-gb 0 and no --num-host-blocks)")
+        return self.host_pool
 
     # ------------------------------------------------------------------ inputs
 
@@ -403,5 +423,6 @@ class ModelRunner:
             vocab_size=f.vocab_size, max_position_embeddings=f.max_position_embeddings,
             eos_token_ids=f.eos_token_ids, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device), attention_backend=self.backend.name, pid=os.getpid(),
+            num_host_blocks=self.num_host_blocks,
         )
 

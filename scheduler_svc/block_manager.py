@@ -1,4 +1,5 @@
-"""KV block policy: which blocks a sequence gets, prefix-cache lookups, hashing, fork and copy-on-write."""
+"""KV block policy: which blocks a sequence gets, prefix-cache lookups, hashing, fork and copy-on-write,
+and swapping a sequence's blocks to the executors' host pool and back."""
 from __future__ import annotations
 
 import secrets
@@ -26,10 +27,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 else None  # swap space
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0
@@ -103,8 +106,43 @@ class BlockManager:
         """Drop seq's references. Tail blocks go first in eviction order, so shared prefixes live longer."""
         for block_id in reversed(seq.block_table):
             self.pool.release(block_id)
+        for block_id in seq.host_block_table:
+            self.host_pool.release(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
+        seq.host_block_table.clear()
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether the host pool can hold the blocks of seq's computed tokens."""
+        n = cdiv(seq.num_computed_tokens, self.block_size)
+        return self.host_pool is not None and 0 < n <= self.host_pool.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the blocks of seq's computed tokens to host blocks; returns (KV block, host block) copies.
+
+        The KV blocks go back to the pool at once (their hashed contents stay findable): the copies run
+        before anything else in the next plan, so a block reused in that plan is read first.
+        """
+        n = cdiv(seq.num_computed_tokens, self.block_size)
+        host = [self.host_pool.allocate() for _ in range(n)]
+        copies = list(zip(seq.block_table[:n], host))
+        self.free(seq)
+        seq.host_block_table = host
+        return copies
+
+    def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_free_blocks
+
+    def swap_in(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Give seq fresh KV blocks for num_tokens tokens; returns (host block, KV block) copies of its saved ones."""
+        if seq.block_table:
+            raise ValueError(f"seq {seq.seq_id}: swap-in needs an empty block table")
+        seq.block_table = [self.pool.allocate() for _ in range(cdiv(num_tokens, self.block_size))]
+        copies = list(zip(seq.host_block_table, seq.block_table))
+        for block_id in seq.host_block_table:  # read by the plan that carries the copies, before any later write
+            self.host_pool.release(block_id)
+        seq.host_block_table = []
+        return copies
 
     def hash_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Make the full blocks covered by computed tokens findable. Call only after their step succeeded."""

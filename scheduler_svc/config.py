@@ -29,6 +29,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0  # KV pool budget on the CPU
+    swap_space_gb: float = 0.0  # host pool per executor for preemption by swap; 0: preempt by recompute only
+    num_host_blocks: int | None = None  # host pool size in blocks; overrides swap_space_gb (tests)
     enforce_eager: bool = False
     executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
     load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
@@ -67,6 +69,9 @@ class EngineConfig:
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
+        need(self.swap_space_gb >= 0, f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
+        need(self.num_host_blocks is None or self.num_host_blocks >= 0,
+             f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
 
     def to_argv(self) -> list[str]:
         """The same config as command-line flags, to start another process role."""
@@ -102,6 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d["attention_backend"].default)
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"].default)
+    g.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"].default,
+                   help="host memory per executor for swapping preempted sequences out; 0: recompute them")
+    g.add_argument("--num-host-blocks", type=int, default=None, help="host swap pool in blocks (overrides)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)

@@ -2,7 +2,8 @@
 
 Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are admitted with
 chunked prefill, so decodes and several prefill chunks share one step. When blocks run out the most
-recently admitted sequence is preempted by recompute.
+recently admitted sequence is preempted: swapped to the executors' host pool when it has room (its KV
+comes back with swap-in copies, before waiting sequences are admitted), else by recompute.
 
 Beam search runs its beams as sequences of the scheduler's own: after each round the chosen
 continuations are forked from their parents (shared blocks, copy-on-write on the first write) and the
@@ -38,6 +39,7 @@ class SchedulerConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    num_host_blocks: int = 0  # the executors' host (swap) pool; 0 preempts by recompute only
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -62,6 +64,8 @@ class SchedulerOutput:
     finished_seq_ids: list[int]  # finished or aborted since the last step that ran, mirrored by executors
     num_batched_tokens: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV block, host block), run first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
 
 
 @dataclass(slots=True)
@@ -83,6 +87,7 @@ class StopRule:
 @dataclass
 class _Counters:
     num_preemptions: int = 0
+    num_swap_outs: int = 0
     num_finished: int = 0
     num_aborted: int = 0
     num_generated_tokens: int = 0
@@ -92,12 +97,15 @@ class _Counters:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.num_host_blocks)
         # A sequence never holds more tokens than one of them fits in the whole pool.
         self.max_seq_len = min(config.max_model_len, config.num_blocks * config.block_size)
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_order)
         self.running: list[Sequence] = []  # in admission order
+        self.swapped: list[Sequence] = []  # sorted like waiting; resumed before waiting ones are admitted
+        self.pending_swap_outs: list[tuple[int, int]] = []  # for the next plan that runs
         self.requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
@@ -149,16 +157,14 @@ class Scheduler:
             return None
         if seq.beam_options is not None:
             self._leave_beam_search(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
         else:
-            self.running.remove(seq)
+            self._unlink(seq)
         self._finish(seq, ABORT)
         self.counters.num_aborted += 1
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         """This step's work. Build the plan from it right away: an abort changes the sequences it names."""
@@ -210,6 +216,9 @@ class Scheduler:
         index = 0
         # started beam searches hold room for all their beams, so forking never passes max_num_seqs
         reserved = self._beam_slots_reserved() if self.beam_searches else 0
+        swap_in: list[tuple[int, int]] = []
+        if admit and self.swapped:
+            budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
         while admit and index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
             if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
@@ -236,12 +245,36 @@ class Scheduler:
 
         for s in scheduled[num_running_scheduled:]:  # running ones are mirrored; admitted ones are sent in full now
             s.seq.in_executor = True
-        # Drops ride on a step that runs. (Nothing scheduled means nothing ran, so nothing was preempted.)
-        finished = []
+        # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
+        finished, swap_out = [], []
         if scheduled:
             finished, self.finished_to_drop = self.finished_to_drop, []
+            swap_out, self.pending_swap_outs = self.pending_swap_outs, []
         return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget,
-                               block_copies)
+                               block_copies, swap_out, swap_in)
+
+    def _resume_swapped(self, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
+                        reserved: int) -> tuple[int, int]:
+        """Swap sequences back in, in order, while they fit; each computes its next chunk in this step."""
+        bm = self.block_manager
+        for seq in list(self.swapped):
+            if budget <= 0 or seq.num_placeholders:
+                break  # a sample in flight must arrive before the sequence is resent
+            if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                continue  # a beam that has reported: its search's round decides what comes of it
+            if not bm.can_swap_in(seq, seq.num_computed_tokens + num_new):
+                break
+            swap_in += bm.swap_in(seq, seq.num_computed_tokens + num_new)
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            reserved -= seq.beam is not None
+            scheduled.append(self._advance(seq, num_new, is_new=True))
+            budget -= num_new
+        return budget, reserved
 
     def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
         """Preempt the most recently admitted sequences until fits(); False if seq itself had to go."""
@@ -291,8 +324,8 @@ class Scheduler:
                     and s.epoch == seq.epoch and seq.status is SequenceStatus.RUNNING:
                 seq.prompt_computed = True  # its parallel samples may fork it now
             if reason != UNFINISHED:
-                if seq.status is SequenceStatus.WAITING:  # preempted after this step was sent
-                    self.waiting.remove(seq)
+                if seq.status is not SequenceStatus.RUNNING:  # preempted after this step was sent
+                    self._unlink(seq)
                 self._finish(seq, reason)
                 num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
@@ -320,6 +353,7 @@ class Scheduler:
         return dict(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
             total_kv_blocks=bm.num_blocks,
             free_kv_blocks=bm.num_free_blocks,
             prefix_cache_query_tokens=bm.prefix_query_tokens,
@@ -467,10 +501,8 @@ class Scheduler:
 
     def _drop_beam(self, beam: Sequence) -> None:
         """A beam that no continuation chose, or one of an ended search: free it and drop its mirror."""
-        if beam.status is SequenceStatus.RUNNING:
-            self.running.remove(beam)
-        elif beam.status is SequenceStatus.WAITING:
-            self.waiting.remove(beam)
+        if beam.status is not SequenceStatus.FINISHED:
+            self._unlink(beam)
         self.block_manager.free(beam)
         beam.status = SequenceStatus.FINISHED
         beam.num_placeholders = 0
@@ -515,9 +547,27 @@ class Scheduler:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_order))
 
+    def _unlink(self, seq: Sequence) -> None:
+        """Take an unfinished sequence out of its queue."""
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
+                 SequenceStatus.SWAPPED: self.swapped}[seq.status]
+        queue.remove(seq)
+
     def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
-        """Preempt by recompute: drop its KV and send it back to waiting."""
+        """Swap it out when the host pool has room, else preempt by recompute: drop its KV and send it back
+        to waiting."""
         self.running.remove(seq)
+        if self.block_manager.can_swap_out(seq):
+            self.pending_swap_outs += self.block_manager.swap_out(seq)
+            seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
+            seq.status = SequenceStatus.SWAPPED
+            if seq.in_executor:
+                preempted.append(seq.seq_id)  # resent in full at swap-in, with its new block table
+            self._drop_mirror(seq)
+            bisect.insort(self.swapped, seq, key=lambda s: (s.priority, s.arrival_order))
+            self.counters.num_preemptions += 1
+            self.counters.num_swap_outs += 1
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.prompt_computed = False

@@ -201,6 +201,7 @@ class SchedulerProcess:
             num_blocks=num_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching,
             eos_token_ids=tuple(rank0.eos_token_ids),
+            num_host_blocks=min(h.num_host_blocks for h in self.handshakes.values()),
         ))
         facts = engine_pb2.ExecutorHandshake()
         facts.CopyFrom(rank0)

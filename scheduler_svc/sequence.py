@@ -10,6 +10,7 @@ from protos import engine_pb2
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV saved in the host pool
     FINISHED = "finished"
 
 
@@ -37,6 +38,7 @@ class Sequence:
     prompt_computed: bool = False  # a step that computed the whole prompt succeeded, in this epoch
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block
+    host_block_table: list[int] = field(default_factory=list)  # while swapped: host blocks of its computed tokens
 
     # executor mirror bookkeeping (invariant 4: plans carry deltas)
     in_executor: bool = False  # executors hold a mirror of this sequence

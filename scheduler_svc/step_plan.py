@@ -41,8 +41,9 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
             last_tokens.append(seq.token_ids[-1] if seq.last_token_unsent and send_last_token else -1)
         seq.num_blocks_sent = len(seq.block_table)
         seq.last_token_unsent = False
-    for src, dst in out.block_copies:
-        plan.block_copies.append(engine_pb2.BlockCopy(src_block_id=src, dst_block_id=dst))
+    for copies, field in ((out.block_copies, plan.block_copies), (out.swap_out, plan.swap_out),
+                          (out.swap_in, plan.swap_in)):
+        field.extend(engine_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies)
     if seq_ids:
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,

@@ -17,6 +17,7 @@ from protos import engine_pb2
 from scheduler_svc.beam_search import LENGTH, STOP, BeamSearch
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sequence import Sequence
+from fake_executor import FakeExecutor, check_block_references
 
 VOCAB = 9
 EOS = 0
@@ -61,27 +62,6 @@ def reference_beam_search(prompt: list[int], width: int, max_tokens: int, length
     return finished
 
 
-class FakeExecutor:
-    """Holds, per KV slot, the token whose K/V it stores; checks every read against the reader's history."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.slots = [[None] * BLOCK for _ in range(num_blocks)]
-        self.num_copies = 0
-
-    def run(self, out) -> None:
-        for src, dst in out.block_copies:
-            self.slots[dst] = list(self.slots[src])
-            self.num_copies += 1
-        for s in out.scheduled:
-            seq = s.seq
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                block = seq.block_table[pos // BLOCK]
-                self.slots[block][pos % BLOCK] = seq.token_ids[pos]
-            end = s.start + s.num_new_tokens
-            seen = [self.slots[seq.block_table[p // BLOCK]][p % BLOCK] for p in range(end)]
-            assert seen == seq.token_ids[:end], f"seq {seq.seq_id} reads K/V of another history"
-
-
 def member(seq_id: int, group: str, prompt: list[int], width: int, n: int, max_tokens: int,
            length_penalty: float = 1.0, min_tokens: int = 0) -> Sequence:
     return Sequence(seq_id=seq_id, request_id=f"{group}#{seq_id}", token_ids=list(prompt), num_prompt_tokens=len(prompt),
@@ -112,15 +92,6 @@ def drive(sched: Scheduler, executor: FakeExecutor, salt: int, max_steps: int = 
         updates += sched.postprocess(out, sampled, candidates)
         check_block_references(sched)
     raise AssertionError("the engine did not finish")
-
-
-def check_block_references(sched: Scheduler) -> None:
-    holders = [0] * sched.block_manager.num_blocks
-    for seq in sched.running + sched.waiting:
-        for b in seq.block_table:
-            holders[b] += 1
-    assert [blk.ref_count for blk in sched.block_manager.pool.blocks] == holders
-    assert len(sched.running) <= sched.config.max_num_seqs
 
 
 def scheduler(num_blocks: int, max_num_seqs: int = 16, budget: int = 64) -> Scheduler:
@@ -179,7 +150,7 @@ def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
     # from the smallest pool the search is accepted in (so beams preempt each other) upward
     num_blocks = max(3, width * -(-(prompt_len + max_tokens) // BLOCK)) + spare_blocks
     sched = scheduler(num_blocks, budget=budget)
-    executor = FakeExecutor(num_blocks)
+    executor = FakeExecutor(num_blocks, BLOCK)
     members = [member(i + 1, "g", prompt, width, n, max_tokens, length_penalty, min_tokens) for i in range(n)]
     plain = [Sequence(seq_id=100 + i, request_id=f"p{i}", token_ids=prompt[:1] + [i + 1] * 5, num_prompt_tokens=6,
                       sampling=engine_pb2.SamplingOptions(),
@@ -201,7 +172,7 @@ def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
 
 def test_forked_beams_share_the_prompt_blocks_and_copy_only_the_partial_one():
     sched = scheduler(num_blocks=64)
-    executor = FakeExecutor(64)
+    executor = FakeExecutor(64, BLOCK)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]  # two full blocks and a partial one
     sched.add(member(1, "g", prompt, 3, 1, 2))
     out = sched.schedule()

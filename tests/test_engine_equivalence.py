@@ -65,6 +65,15 @@ def test_smollm2_equals_transformers_when_kv_pool_forces_preemption(embedded_mod
     assert stats.free_kv_blocks == stats.total_kv_blocks
 
 
+def test_smollm2_equals_transformers_when_preempted_sequences_swap_to_host(embedded_model, smol_case):
+    prompts, ref = smol_case
+    longest_blocks = -(-max(len(p) + NEW_TOKENS for p in prompts) // 16)
+    outs, stats = run_engine(embedded_model, prompts, num_gpu_blocks=longest_blocks + 8, num_host_blocks=256)
+    assert stats.num_swap_outs > 0, "the pool was meant to be too small for the batch"
+    assert_greedy_matches(outs, ref)
+    assert stats.free_kv_blocks == stats.total_kv_blocks and stats.num_swapped == 0
+
+
 def test_smollm2_equals_transformers_with_chunked_prefill_mixed_with_decodes(embedded_model, smol_case):
     prompts, ref = smol_case
     outs, stats = run_engine(embedded_model, prompts, max_num_batched_tokens=48)

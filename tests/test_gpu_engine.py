@@ -70,6 +70,14 @@ def test_cuda_engine_with_chunked_prefill_preemption_and_prefix_hits(qwen3_dir, 
     assert_greedy_matches(outs, [o.token_ids for o in ref2])
 
 
+def test_cuda_engine_swapping_preempted_sequences_to_host_equals_the_reference(qwen3_dir, prompts):
+    ref, _ = generate(qwen3_dir, prompts, dtype="float32", attention_backend="torch", enforce_eager=True)
+    outs, stats = generate(qwen3_dir, prompts, dtype="float32", attention_backend="triton", max_num_seqs=32,
+                           num_gpu_blocks=60, num_host_blocks=400)
+    assert stats.num_swap_outs > 0
+    assert_greedy_matches(outs, [o.token_ids for o in ref])
+
+
 def test_greedy_sampled_inside_the_cuda_graph_equals_eager(qwen3_dir, prompts):
     """Without logprobs, greedy rows are sampled by the decode graph itself (logits and kernel captured)."""
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from protos import engine_pb2
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sequence import Sequence
-from test_beam_search import FakeExecutor, check_block_references
+from fake_executor import FakeExecutor, check_block_references
 from tiny_checkpoints import tiny_checkpoint
 
 BLOCK = 4
@@ -39,7 +39,7 @@ def run_step(sched: Scheduler, executor: FakeExecutor | None = None):
 
 def test_later_samples_fork_the_computed_prompt_and_copy_only_the_block_they_write():
     sched = scheduler()
-    executor = FakeExecutor(32)
+    executor = FakeExecutor(32, BLOCK)
     prompt = list(range(1, 11))  # 2 full blocks and a partial one
     siblings = [sample(i + 1, prompt, group="g") for i in range(3)]
     for s in siblings:
@@ -102,7 +102,7 @@ def test_forked_samples_read_only_their_own_history_under_pressure(n, prompt_len
     per_seq = -(-(prompt_len + max_tokens) // BLOCK)
     num_blocks = per_seq + 1 + spare_blocks
     sched = scheduler(num_blocks=num_blocks, max_num_batched_tokens=budget, enable_prefix_caching=caching)
-    executor = FakeExecutor(num_blocks)
+    executor = FakeExecutor(num_blocks, BLOCK)
     prompt = [(7 * i) % 11 + 1 for i in range(prompt_len)]
     seqs = [sample(i + 1, prompt, group="g", max_tokens=max_tokens) for i in range(n)]
     seqs += [sample(10 + i, prompt[::-1] + [i], max_tokens=max_tokens) for i in range(num_others)]
