@@ -5,9 +5,8 @@ chunked prefill, so decodes and several prefill chunks share one step. When bloc
 recently admitted sequence is preempted: swapped to the executors' host pool when it has room (its KV
 comes back with swap-in copies, before waiting sequences are admitted), else by recompute.
 
-Beam search runs its beams as sequences of the scheduler's own: after each round the chosen
-continuations are forked from their parents (shared blocks, copy-on-write on the first write) and the
-parents are dropped; beam_search.py decides which continuations survive.
+Beam search runs its beams as sequences of the scheduler's own (beam_scheduler.py); parallel samples
+fork their first sibling's computed prompt. Forked sequences copy the shared block they write first.
 
 schedule() may run again before the previous step's result is back (async scheduling): it advances
 num_computed_tokens at once and counts each sample still in flight as a placeholder token, which the
@@ -19,7 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from protos import engine_pb2
-from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.beam_scheduler import BeamScheduler
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 
@@ -27,7 +26,6 @@ STOP = engine_pb2.FINISH_REASON_STOP
 LENGTH = engine_pb2.FINISH_REASON_LENGTH
 ABORT = engine_pb2.FINISH_REASON_ABORT
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
-BEAM_SEQ_ID_BASE = 1 << 62  # beams get seq ids from here, apart from those of requests
 
 
 @dataclass
@@ -111,8 +109,8 @@ class Scheduler:
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
         self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
         self.num_waiting_samples = 0  # parallel samples waiting to fork their first sibling's prompt
-        self.beam_searches: dict[str, BeamSearch] = {}  # group_id -> its search, from its first member on
-        self._next_beam_seq_id = BEAM_SEQ_ID_BASE
+        self.beams = BeamScheduler(self)
+        self.beam_searches = self.beams.searches  # group_id -> its search, from its first member on
         self.counters = _Counters()
         self._next_arrival = 0
 
@@ -131,24 +129,21 @@ class Scheduler:
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight")
         rule = self._stop_rule(seq)
-        search = self._beam_search_for(seq, rule) if seq.beam_options is not None else None
+        search = self.beams.check(seq, rule) if seq.beam_options is not None else None
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.stop_rules[seq.seq_id] = rule
         if search is not None:  # a member waits outside the queues; its search's beams run for it
-            self.beam_searches[seq.group_id] = search
-            search.members.append(seq)
-            if len(search.members) == search.num_requests:
-                self._start_beam_search(search)
+            self.beams.join(search, seq)
             return
         if seq.group_id:
             leader = self.group_leaders.setdefault(seq.group_id, seq)
             if leader is not seq:
                 seq.leader = leader
                 self.num_waiting_samples += 1
-        self._push_waiting(seq)
+        self.push_waiting(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a request now, its blocks back to the pool. None if it is unknown or already finished."""
@@ -156,10 +151,10 @@ class Scheduler:
         if seq is None:
             return None
         if seq.beam_options is not None:
-            self._leave_beam_search(seq)
+            self.beams.leave(seq)
         else:
-            self._unlink(seq)
-        self._finish(seq, ABORT)
+            self.unlink(seq)
+        self.finish(seq, ABORT)
         self.counters.num_aborted += 1
         return seq
 
@@ -215,7 +210,7 @@ class Scheduler:
         admit = self.counters.num_preemptions == num_preemptions
         index = 0
         # started beam searches hold room for all their beams, so forking never passes max_num_seqs
-        reserved = self._beam_slots_reserved() if self.beam_searches else 0
+        reserved = self.beams.slots_reserved() if self.beam_searches else 0
         swap_in: list[tuple[int, int]] = []
         if admit and self.swapped:
             budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
@@ -306,12 +301,12 @@ class Scheduler:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
         updates: list[StepUpdate] = []
         num_finished = 0
-        rounds: list[BeamSearch] = []
+        rounds = []  # beam searches whose every beam has reported
         for s in live:
             seq = s.seq
             token, reason = None, UNFINISHED
             if seq.beam is not None:
-                self._report_beam(s, candidates, rounds)
+                self.beams.report(s, candidates, rounds)
                 continue
             if s.samples:
                 token = sampled[seq.seq_id]
@@ -319,18 +314,20 @@ class Scheduler:
                 seq.token_ids.append(token)
                 seq.last_token_unsent = True
                 reason = self._check_stop(seq, token)
-            self._hash_computed(s)
+            self.hash_computed(s)
             if not seq.prompt_computed and s.start + s.num_new_tokens >= seq.num_prompt_tokens \
                     and s.epoch == seq.epoch and seq.status is SequenceStatus.RUNNING:
                 seq.prompt_computed = True  # its parallel samples may fork it now
             if reason != UNFINISHED:
                 if seq.status is not SequenceStatus.RUNNING:  # preempted after this step was sent
-                    self._unlink(seq)
-                self._finish(seq, reason)
+                    self.unlink(seq)
+                self.finish(seq, reason)
                 num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
         for search in rounds:
-            updates += self._advance_beam_search(search)
+            members = self.beams.advance(search)  # those that got their hypotheses
+            updates += [StepUpdate(m, None, m.finish_reason) for m in members]
+            num_finished += len(members)
         c = self.counters
         c.num_steps += 1
         c.num_finished += num_finished
@@ -339,7 +336,7 @@ class Scheduler:
             self.running = [seq for seq in self.running if seq.status is not finished]
         return updates
 
-    def _hash_computed(self, s: ScheduledSeq) -> None:
+    def hash_computed(self, s: ScheduledSeq) -> None:
         """Blocks this step filled, with every token known, are now safe to share."""
         seq = s.seq
         computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
@@ -380,136 +377,6 @@ class Scheduler:
             return LENGTH
         return UNFINISHED
 
-    # ------------------------------------------------------------------ beam search
-
-    def _beam_search_for(self, member: Sequence, rule: StopRule) -> BeamSearch:
-        """The search a new member joins (made with the first one). Raises ValueError for a bad member."""
-        opts, cfg = member.beam_options, self.config
-        if not 1 <= opts.num_requests <= opts.beam_width:
-            raise ValueError(f"beam search: num_requests must be in [1, beam_width={opts.beam_width}], "
-                             f"got {opts.num_requests}")
-        if opts.beam_width > cfg.max_num_seqs:
-            raise ValueError(f"beam_width {opts.beam_width} exceeds max_num_seqs={cfg.max_num_seqs}")
-        if not member.group_id:
-            raise ValueError("a beam search request needs a group_id")
-        # Beams re-admitted after a preemption may not share blocks, so the pool must hold them apart.
-        need = opts.beam_width * -(-rule.max_num_tokens // cfg.block_size)
-        if need > cfg.num_blocks:
-            raise ValueError(f"beam search of width {opts.beam_width} over {rule.max_num_tokens} tokens leaves no room "
-                             f"within the KV pool: it may need {need} blocks, the pool has {cfg.num_blocks}")
-        search = self.beam_searches.get(member.group_id)
-        if search is None:
-            return BeamSearch(member.group_id, opts.beam_width, opts.length_penalty, opts.num_requests,
-                              rule.token_ids, rule.min_tokens, rule.max_num_tokens - member.num_prompt_tokens)
-        first = search.members[0]
-        if search.started or first.beam_options != opts or first.token_ids != member.token_ids:
-            raise ValueError(f"request {member.request_id!r} does not match beam search group {member.group_id!r}")
-        return search
-
-    def _start_beam_search(self, search: BeamSearch) -> None:
-        first = search.members[0]
-        root = self._new_beam(search, list(first.token_ids), first, 0.0)
-        search.started = True
-        search.beams = [root]
-        search.unreported = {root.seq_id}
-        self._push_waiting(root)
-
-    def _new_beam(self, search: BeamSearch, token_ids: list[int], like: Sequence, cum_logprob: float) -> Sequence:
-        beam = Sequence(
-            seq_id=self._next_beam_seq_id, request_id=search.group_id, token_ids=token_ids,
-            num_prompt_tokens=like.num_prompt_tokens,
-            sampling=engine_pb2.SamplingOptions(temperature=0.0, logprobs=search.num_candidates),
-            stopping=like.stopping, priority=like.priority, arrival_order=like.arrival_order,
-            beam=search, cum_logprob=cum_logprob, num_cached_tokens=like.num_cached_tokens,
-            admitted_once=like.admitted_once)
-        self._next_beam_seq_id += 1
-        return beam
-
-    def _beam_slots_reserved(self) -> int:
-        """Room in the running queue that started searches will fill: width minus their running beams."""
-        return sum(s.width - sum(b.status is SequenceStatus.RUNNING for b in s.beams)
-                   for s in self.beam_searches.values() if s.started)
-
-    def _report_beam(self, s: ScheduledSeq, candidates, rounds: list[BeamSearch]) -> None:
-        """A beam's step is back: hash its full blocks; a sampling step reports its candidates to the search."""
-        seq, search = s.seq, s.seq.beam
-        self._hash_computed(s)
-        if not s.samples:
-            return
-        seq.num_placeholders -= 1
-        if candidates is None or seq.seq_id not in candidates:
-            raise ValueError(f"beam {seq.seq_id} reached its end but no candidates came back for it")
-        search.reports[seq.seq_id] = candidates[seq.seq_id]
-        if seq.seq_id in search.unreported:  # a beam recomputed after a preemption may report again
-            search.unreported.remove(seq.seq_id)
-            if not search.unreported:
-                rounds.append(search)
-
-    def _advance_beam_search(self, search: BeamSearch) -> list[StepUpdate]:
-        """Every beam has reported: fork the chosen continuations and drop the parents, or end the search."""
-        parents = search.beams
-        round_ = search.select(parents[0].num_output_tokens)
-        if round_.done:
-            return self._finish_beam_search(search)
-        children = []
-        for c in round_.continuations:
-            parent = parents[c.parent_index]
-            child = self._new_beam(search, [*parent.token_ids, c.token_id], parent, c.cum_logprob)
-            if parent.status is SequenceStatus.RUNNING:
-                self.block_manager.fork(parent, child)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)  # sent in full with its first step (in_executor is False)
-            else:  # preempted: it recomputes from the prefix cache like any preempted sequence
-                self._push_waiting(child)
-            children.append(child)
-        for parent in parents:
-            self._drop_beam(parent)
-        search.beams = children
-        search.unreported = {c.seq_id for c in children}
-        return []
-
-    def _finish_beam_search(self, search: BeamSearch) -> list[StepUpdate]:
-        """Member i gets the i-th best hypothesis, as its whole output."""
-        for beam in search.beams:
-            self._drop_beam(beam)
-        del self.beam_searches[search.group_id]
-        updates = []
-        num_cached = search.beams[0].num_cached_tokens
-        for i, member in enumerate(list(search.members)):
-            hyp = search.finished[min(i, len(search.finished) - 1)]
-            member.token_ids[member.num_prompt_tokens:] = hyp.output_token_ids
-            member.stop_token_id = hyp.stop_token_id
-            member.num_cached_tokens = num_cached
-            self._finish(member, hyp.finish_reason)
-            updates.append(StepUpdate(member, None, hyp.finish_reason))
-        self.counters.num_finished += len(updates)
-        return updates
-
-    def _leave_beam_search(self, member: Sequence) -> None:
-        """An aborted member leaves its search; the last one to leave ends it."""
-        search = self.beam_searches[member.group_id]
-        search.members.remove(member)
-        if not search.members:
-            for beam in search.beams:
-                self._drop_beam(beam)
-            del self.beam_searches[search.group_id]
-        elif not search.started:
-            search.num_requests -= 1
-            if len(search.members) == search.num_requests:
-                self._start_beam_search(search)
-
-    def _drop_beam(self, beam: Sequence) -> None:
-        """A beam that no continuation chose, or one of an ended search: free it and drop its mirror."""
-        if beam.status is not SequenceStatus.FINISHED:
-            self._unlink(beam)
-        self.block_manager.free(beam)
-        beam.status = SequenceStatus.FINISHED
-        beam.num_placeholders = 0
-        if beam.in_executor:
-            self.finished_to_drop.append(beam.seq_id)
-        self._drop_mirror(beam)
-
     def request_ids(self, seq: Sequence) -> list[str]:
         """The requests a sequence serves: its own, or for a beam its search's members."""
         if seq.beam is None:
@@ -522,7 +389,7 @@ class Scheduler:
         """Parallel samples share one prompt: once a step that computed all of it for the first sibling has
         succeeded, the others fork its prompt blocks and compute only the prompt's last token, for their own
         logits. The running loop then copies the block they write (copy-on-write)."""
-        reserved = self._beam_slots_reserved() if self.beam_searches else 0
+        reserved = self.beams.slots_reserved() if self.beam_searches else 0
         for seq in [s for s in self.waiting if s.leader is not None]:
             leader = seq.leader
             if leader.status is SequenceStatus.FINISHED:
@@ -543,11 +410,11 @@ class Scheduler:
                 seq.admitted_once, seq.num_cached_tokens = True, seq.num_computed_tokens
             self.running.append(seq)  # sent in full with its first step (in_executor is False)
 
-    def _push_waiting(self, seq: Sequence) -> None:
+    def push_waiting(self, seq: Sequence) -> None:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
         bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_order))
 
-    def _unlink(self, seq: Sequence) -> None:
+    def unlink(self, seq: Sequence) -> None:
         """Take an unfinished sequence out of its queue."""
         queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
                  SequenceStatus.SWAPPED: self.swapped}[seq.status]
@@ -557,29 +424,24 @@ class Scheduler:
         """Swap it out when the host pool has room, else preempt by recompute: drop its KV and send it back
         to waiting."""
         self.running.remove(seq)
+        if seq.in_executor:
+            preempted.append(seq.seq_id)  # resent in full when it runs again, with its new block table
+        self.drop_mirror(seq)
+        seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
+        self.counters.num_preemptions += 1
         if self.block_manager.can_swap_out(seq):
             self.pending_swap_outs += self.block_manager.swap_out(seq)
-            seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
             seq.status = SequenceStatus.SWAPPED
-            if seq.in_executor:
-                preempted.append(seq.seq_id)  # resent in full at swap-in, with its new block table
-            self._drop_mirror(seq)
             bisect.insort(self.swapped, seq, key=lambda s: (s.priority, s.arrival_order))
-            self.counters.num_preemptions += 1
             self.counters.num_swap_outs += 1
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.prompt_computed = False
-        seq.epoch += 1
         seq.status = SequenceStatus.WAITING
-        if seq.in_executor:
-            preempted.append(seq.seq_id)
-        self._drop_mirror(seq)
-        self._push_waiting(seq)
-        self.counters.num_preemptions += 1
+        self.push_waiting(seq)
 
-    def _finish(self, seq: Sequence, reason: int) -> None:
+    def finish(self, seq: Sequence, reason: int) -> None:
         """Terminal: blocks go back to the pool in this same step (invariant 7). Caller unlinks the queue."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
@@ -594,10 +456,10 @@ class Scheduler:
         del self.stop_rules[seq.seq_id]
         if seq.in_executor:
             self.finished_to_drop.append(seq.seq_id)
-        self._drop_mirror(seq)
+        self.drop_mirror(seq)
 
     @staticmethod
-    def _drop_mirror(seq: Sequence) -> None:
+    def drop_mirror(seq: Sequence) -> None:
         seq.in_executor = False
         seq.num_blocks_sent = 0
         seq.last_token_unsent = False

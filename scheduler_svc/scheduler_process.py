@@ -20,7 +20,8 @@ from protos import engine_pb2
 from scheduler_svc.py_profiler import PythonProfileWindow
 from scheduler_svc.launcher import watch_parent
 from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
-from scheduler_svc.scheduler import BEAM_SEQ_ID_BASE, Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.beam_scheduler import BEAM_SEQ_ID_BASE
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_plan import build_step_plan
 

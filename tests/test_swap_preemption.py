@@ -1,69 +1,29 @@
 """Preemption by swap: a preempted sequence's KV goes to the executors' host pool and comes back with
 swap-in copies, so it resumes where it stopped. Tokens equal those of an unpressured run, with and
-without planning ahead, and every read sees the reader's own history (a fake executor keeps slots)."""
+without planning ahead, and every read sees the reader's own history (test_async_scheduling's driver,
+with its fake executor)."""
 from __future__ import annotations
-
-from collections import deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_executor import FakeExecutor, check_block_references
 from protos import engine_pb2
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.sequence import Sequence, SequenceStatus
+from test_async_scheduling import run as serve
 
 BLOCK = 4
 EOS = 0
 
 
-def fake_model(seq_id: int, position: int) -> int:
-    """The token sampled for a position: deterministic, EOS now and then."""
-    return EOS if (seq_id * 13 + position * 7) % 41 == 0 else 1 + (seq_id * 31 + position * 7) % 50
-
-
-def token_at(seq: Sequence, pos: int) -> int:
-    return seq.token_ids[pos] if pos < seq.num_prompt_tokens else fake_model(seq.seq_id, pos)
-
-
-def make_scheduler(num_blocks: int, num_host_blocks: int, budget: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=96,
+def make_scheduler(num_blocks: int, num_host_blocks: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=96,
                                      block_size=BLOCK, num_blocks=num_blocks, eos_token_ids=(EOS,),
                                      num_host_blocks=num_host_blocks))
 
 
 def run(requests, num_blocks: int, num_host_blocks: int, depth: int = 1, budget: int = 64):
-    """Serve the requests with `depth` steps in flight; return outputs and the scheduler."""
-    sched = make_scheduler(num_blocks, num_host_blocks, budget)
-    executor = FakeExecutor(num_blocks, BLOCK, num_host_blocks, token_at)
-    seqs = []
-    for i, (prompt, max_tokens) in enumerate(requests):
-        seq = Sequence(seq_id=i + 1, request_id=f"r{i}", token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                       sampling=engine_pb2.SamplingOptions(), stopping=engine_pb2.StoppingOptions(max_tokens=max_tokens))
-        sched.add(seq)
-        seqs.append(seq)
-    in_flight: deque = deque()
-    for _ in range(10_000):
-        if not (sched.has_unfinished() or in_flight):
-            break
-        if sched.has_unfinished() and len(in_flight) < depth:
-            out = sched.schedule()
-            if out.scheduled:
-                executor.run(out)
-                in_flight.append(out)
-                continue
-        assert in_flight, "nothing scheduled and nothing in flight: the queue is wedged"
-        out = in_flight.popleft()
-        sched.postprocess(out, {s.seq.seq_id: fake_model(s.seq.seq_id, s.start + s.num_new_tokens)
-                                for s in out.scheduled if s.samples})
-        check_block_references(sched)
-    else:
-        raise AssertionError("did not finish")
-    bm = sched.block_manager
-    assert bm.num_free_blocks == num_blocks and not sched.swapped
-    if bm.host_pool is not None:
-        assert bm.host_pool.num_free_blocks == num_host_blocks
-    return {s.request_id: s.output_token_ids for s in seqs}, sched
+    return serve(requests, depth, num_blocks, budget, num_host_blocks)
 
 
 prompt_st = st.lists(st.integers(1, 60), min_size=1, max_size=30)
