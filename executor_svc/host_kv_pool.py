@@ -1,9 +1,11 @@
 """The host pool: where a sequence preempted by swap keeps its KV blocks, in CPU memory, until the
-scheduler swaps it back in. Same layout as the KV pool, [2, L, N_host, block_size, H_kv_local, D].
+scheduler swaps it back in. Block-major, [N_host, 2, L, block_size, H_kv_local, D], so each host block
+is one contiguous range and moves by one DMA copy.
 
 The scheduler owns the host block ids as it owns the KV ones; the executor only copies whole blocks,
-every layer, K and V, in the order the plan gives: swap_out, then swap_in, then copy-on-write.
-Swapping is rare, so each copy waits for the device: correctness over overlap.
+every layer, K and V, in the order the plan gives: swap_out, then swap_in, then copy-on-write. On CUDA
+every copy is queued on the current stream, after the previous step's forward and before the next one,
+so the host never waits: a host block is only ever read or written by copies on that same stream.
 """
 from __future__ import annotations
 
@@ -20,36 +22,26 @@ def num_host_blocks(num_host_blocks: int | None, swap_space_gb: float, bytes_per
 class HostKVPool:
     def __init__(self, kv_cache: torch.Tensor, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        # pinned, so the device copies it by DMA rather than through a pageable bounce buffer
+        # pinned, so copies to and from the device are asynchronous DMA
         self.pinned = kv_cache.device.type == "cuda"
-        shape = kv_cache.shape[:2] + (num_blocks,) + kv_cache.shape[3:]
+        shape = (num_blocks,) + kv_cache.shape[:2] + kv_cache.shape[3:]
         self.cache = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=self.pinned)
 
-    def _staging(self, num_blocks: int) -> torch.Tensor:
-        shape = self.cache.shape[:2] + (num_blocks,) + self.cache.shape[3:]
-        return torch.empty(shape, dtype=self.cache.dtype, pin_memory=self.pinned)
-
     def swap_out(self, kv_cache: torch.Tensor, copies) -> None:
-        """KV pool block src -> host block dst. Returns with the host blocks written, so a later copy
-        in the same plan may overwrite the source blocks."""
+        """KV pool block src -> host block dst, ordered after the work already queued on the stream."""
         src, dst = _ids(copies, kv_cache.shape[2], self.num_blocks, "swap_out")
-        gathered = kv_cache.index_select(2, src.to(kv_cache.device))
-        if self.pinned:
-            staged = self._staging(len(src))
-            staged.copy_(gathered)  # blocking: after whatever the stream had queued (the last forward)
-            gathered = staged
-        self.cache[:, :, dst] = gathered
+        # block-major on the device too, so each block is one contiguous copy
+        gathered = kv_cache.index_select(2, src.to(kv_cache.device)).movedim(2, 0).contiguous()
+        for i, block in enumerate(dst.tolist()):
+            self.cache[block].copy_(gathered[i], non_blocking=self.pinned)
 
     def swap_in(self, kv_cache: torch.Tensor, copies) -> None:
-        """Host block src -> KV pool block dst, queued on the current stream before the forward."""
+        """Host block src -> KV pool block dst, queued before the forward."""
         src, dst = _ids(copies, self.num_blocks, kv_cache.shape[2], "swap_in")
-        if not self.pinned:
-            kv_cache[:, :, dst] = self.cache.index_select(2, src)
-            return
-        staged = self._staging(len(src))
-        torch.index_select(self.cache, 2, src, out=staged)
-        # the caching host allocator keeps `staged` alive until this copy is done
-        kv_cache[:, :, dst.to(kv_cache.device)] = staged.to(kv_cache.device, non_blocking=True)
+        staged = torch.empty((len(src),) + self.cache.shape[1:], dtype=kv_cache.dtype, device=kv_cache.device)
+        for i, block in enumerate(src.tolist()):
+            staged[i].copy_(self.cache[block], non_blocking=self.pinned)
+        kv_cache[:, :, dst.to(kv_cache.device)] = staged.movedim(0, 2)
 
 
 def _ids(copies, num_src: int, num_dst: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
