@@ -30,6 +30,8 @@ class Metrics:
         self.requests = Counter("nanoserve_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
         self.running = Gauge("nanoserve_num_requests_running", "Sequences being generated", registry=r)
         self.waiting = Gauge("nanoserve_num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.swapped = Gauge("nanoserve_num_requests_swapped", "Preempted sequences whose KV is in the host pool",
+                             registry=r)
         self.kv_usage = Gauge("nanoserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests", registry=r)
         self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
@@ -44,6 +46,7 @@ class Metrics:
     def update_from_stats(self, s: engine_pb2.SchedulerStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
+        self.swapped.set(s.num_swapped)
         if s.total_kv_blocks:
             self.kv_usage.set(1.0 - s.free_kv_blocks / s.total_kv_blocks)
         if s.prefix_cache_query_tokens:

@@ -358,6 +358,7 @@ def test_prometheus_metrics_count_latencies_tokens_and_engine_gauges(server):
     assert grew("nanoserve_generation_tokens_total", 4)
     assert grew('nanoserve_requests_total{outcome="finished"}', 1)
     assert after["nanoserve_num_requests_running"] == after["nanoserve_num_requests_waiting"] == 0
+    assert after["nanoserve_num_requests_swapped"] == 0
     assert after["nanoserve_kv_cache_usage_ratio"] == 0
     assert 0 < after["nanoserve_prefix_cache_hit_rate"] <= 1
     assert "nanoserve_preemptions_total" in after
