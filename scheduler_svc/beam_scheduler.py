@@ -42,7 +42,8 @@ class BeamScheduler:
         search = self.searches.get(member.group_id)
         if search is None:
             return BeamSearch(member.group_id, opts.beam_width, opts.length_penalty, opts.num_requests,
-                              rule.token_ids, rule.min_tokens, rule.max_num_tokens - member.num_prompt_tokens)
+                              rule.token_ids, rule.min_tokens, rule.max_num_tokens - member.num_prompt_tokens,
+                              num_logprobs=member.sampling.logprobs)
         first = search.members[0]
         if search.started or first.beam_options != opts or first.token_ids != member.token_ids:
             raise ValueError(f"request {member.request_id!r} does not match beam search group {member.group_id!r}")
@@ -99,6 +100,8 @@ class BeamScheduler:
         for c in round_.continuations:
             parent = parents[c.parent_index]
             child = self._new_beam(search, [*parent.token_ids, c.token_id], parent, c.cum_logprob)
+            if c.logprobs is not None:
+                child.beam_logprobs = [*parent.beam_logprobs, c.logprobs]
             if parent.status is SequenceStatus.RUNNING:
                 self.sched.block_manager.fork(parent, child)
                 child.num_computed_tokens = parent.num_computed_tokens
@@ -154,6 +157,7 @@ class BeamScheduler:
             hyp = search.finished[min(i, len(search.finished) - 1)]
             member.token_ids[member.num_prompt_tokens:] = hyp.output_token_ids
             member.stop_token_id = hyp.stop_token_id
+            member.beam_logprobs = list(hyp.logprobs)
             member.num_cached_tokens = num_cached
             self.sched.finish(member, hyp.finish_reason)
         return search.members

@@ -69,7 +69,6 @@ class SamplingParams:
         return [
             (self.n <= self.beam_width,
              f"n ({self.n}) must be <= beam_width ({self.beam_width}): beam search returns the n best of its beams"),
-            (self.logprobs == 0, f"logprobs must be 0: logprobs are not returned with beam search, got {self.logprobs}"),
             (self.top_p == 1, f"top_p {off}; leave it at 1, got {self.top_p}"),
             (self.top_k == 0, f"top_k {off}; leave it at 0, got {self.top_k}"),
             (self.min_p == 0, f"min_p {off}; leave it at 0, got {self.min_p}"),

@@ -382,6 +382,9 @@ class SchedulerProcess:
                     out.logprobs.append(token.logprobs)
             elif seq.beam_options is not None and update.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                 out.new_token_ids.extend(seq.output_token_ids)  # a beam search's hypothesis, whole
+                out.logprobs.extend(engine_pb2.TokenLogprobs(
+                    sampled_logprob=lp, sampled_rank=rank, top_token_ids=ids, top_logprobs=lps)
+                    for lp, rank, ids, lps in seq.beam_logprobs)
                 self.counters["num_generated_tokens"] += seq.num_output_tokens
             if update.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                 self.requests.pop(seq.request_id, None)

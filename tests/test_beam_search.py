@@ -63,9 +63,9 @@ def reference_beam_search(prompt: list[int], width: int, max_tokens: int, length
 
 
 def member(seq_id: int, group: str, prompt: list[int], width: int, n: int, max_tokens: int,
-           length_penalty: float = 1.0, min_tokens: int = 0) -> Sequence:
+           length_penalty: float = 1.0, min_tokens: int = 0, logprobs: int = 0) -> Sequence:
     return Sequence(seq_id=seq_id, request_id=f"{group}#{seq_id}", token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                    sampling=engine_pb2.SamplingOptions(),
+                    sampling=engine_pb2.SamplingOptions(logprobs=logprobs),
                     stopping=engine_pb2.StoppingOptions(max_tokens=max_tokens, min_tokens=min_tokens),
                     group_id=group, beam_options=engine_pb2.BeamSearchOptions(
                         beam_width=width, length_penalty=length_penalty, num_requests=n))
@@ -140,9 +140,10 @@ def test_at_the_length_limit_the_best_width_continuations_end_with_length():
 @given(width=st.integers(1, 4), n_frac=st.floats(0, 1), max_tokens=st.integers(1, 9),
        prompt_len=st.integers(1, 11), spare_blocks=st.integers(0, 6), salt=st.integers(0, 10**6),
        length_penalty=st.sampled_from([0.0, 1.0, 2.0, -0.5]), min_tokens=st.integers(0, 3),
-       num_plain=st.integers(0, 3), budget=st.sampled_from([3, 8, 64]))
+       num_plain=st.integers(0, 3), budget=st.sampled_from([3, 8, 64]), logprobs=st.sampled_from([0, 1, 3, 12]))
 def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
-        width, n_frac, max_tokens, prompt_len, spare_blocks, salt, length_penalty, min_tokens, num_plain, budget):
+        width, n_frac, max_tokens, prompt_len, spare_blocks, salt, length_penalty, min_tokens, num_plain, budget,
+        logprobs):
     rng = random.Random(salt)
     prompt = [rng.randrange(1, VOCAB) for _ in range(prompt_len)]
     n = 1 + int(n_frac * (width - 1))
@@ -151,7 +152,8 @@ def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
     num_blocks = max(3, width * -(-(prompt_len + max_tokens) // BLOCK)) + spare_blocks
     sched = scheduler(num_blocks, budget=budget)
     executor = FakeExecutor(num_blocks, BLOCK)
-    members = [member(i + 1, "g", prompt, width, n, max_tokens, length_penalty, min_tokens) for i in range(n)]
+    members = [member(i + 1, "g", prompt, width, n, max_tokens, length_penalty, min_tokens, logprobs)
+               for i in range(n)]
     plain = [Sequence(seq_id=100 + i, request_id=f"p{i}", token_ids=prompt[:1] + [i + 1] * 5, num_prompt_tokens=6,
                       sampling=engine_pb2.SamplingOptions(),
                       stopping=engine_pb2.StoppingOptions(max_tokens=6, ignore_eos=True)) for i in range(num_plain)]
@@ -163,8 +165,19 @@ def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
     finals = {u.seq.request_id: u for u in updates if u.seq.beam_options is not None}
     assert len(finals) == n and all(u.finish_reason in (STOP, LENGTH) for u in finals.values())
     assert sum(u.finish_reason != 0 for u in updates if u.seq.beam_options is not None) == n  # one terminal each
-    for m, (tokens, _score) in zip(members, ref):
+    for m, (tokens, score) in zip(members, ref):
         assert tuple(m.output_token_ids) == tokens
+        if logprobs:  # each token's logprob and rank under the fake model, and the candidates before it
+            assert len(m.beam_logprobs) == len(tokens)
+            for pos, (token, (lp, rank, top_ids, top_lps)) in enumerate(zip(tokens, m.beam_logprobs)):
+                lps = fake_logprobs(tuple(prompt) + tokens[:pos], salt)
+                order = sorted(range(VOCAB), key=lambda v: -lps[v])
+                assert lp == lps[token] and order[rank - 1] == token
+                assert list(top_ids) == order[:logprobs] and list(top_lps) == [lps[v] for v in order[:logprobs]]
+            assert math.isclose(sum(x[0] for x in m.beam_logprobs) / len(tokens) ** length_penalty, score,
+                                rel_tol=1e-9, abs_tol=1e-9)
+        else:
+            assert m.beam_logprobs == []
         assert finals[m.request_id].finish_reason == (STOP if tokens[-1] == EOS else LENGTH)
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not sched.beam_searches and not sched.requests

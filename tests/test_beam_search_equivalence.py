@@ -63,3 +63,17 @@ def test_beam_search_with_two_eos_ids_equals_transformers(tmp_path_factory):
         results = llm.generate(prompts, [SamplingParams(beam_width=w, n=n, max_tokens=10) for w, n in widths],
                                use_tqdm=False)
     assert [[list(o.token_ids) for o in r.outputs] for r in results] == refs
+
+
+def test_a_one_beam_search_returns_the_tokens_and_logprobs_of_greedy_sampling(embedded_model, beam_case):
+    cases, _ = beam_case
+    prompt = cases[0][0]
+    with LLM(embedded_model) as llm:
+        beam, greedy = llm.generate([prompt, prompt], [
+            SamplingParams(beam_width=1, max_tokens=MAX_TOKENS, logprobs=3),
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)], use_tqdm=False)
+    b, g = beam.outputs[0], greedy.outputs[0]
+    assert list(b.token_ids) == list(g.token_ids) and len(b.logprobs) == len(g.token_ids)
+    for x, y in zip(b.logprobs, g.logprobs):
+        assert x.sampled_rank == y.sampled_rank == 1 and list(x.top_token_ids) == list(y.top_token_ids)
+        assert abs(x.sampled_logprob - y.sampled_logprob) < 1e-4

@@ -38,7 +38,6 @@ BAD_BEAM = [
     ("length_penalty > 10", dict(length_penalty=10.5), "length_penalty must be a finite number in [-10, 10]"),
     ("length_penalty < -10", dict(length_penalty=-11.0), "length_penalty must be a finite number in [-10, 10]"),
     ("n > beam_width", dict(beam_width=2, n=3), "n (3) must be <= beam_width (2)"),
-    ("logprobs", dict(logprobs=1), "logprobs are not returned with beam search"),
     ("top_p", dict(top_p=0.9), "top_p does not apply to beam search"),
     ("top_k", dict(top_k=5), "top_k does not apply to beam search"),
     ("min_p", dict(min_p=0.1), "min_p does not apply to beam search"),
@@ -249,9 +248,9 @@ def test_a_streamed_beam_search_gives_one_message_per_hypothesis_and_usage_on_th
 def test_the_service_rejects_a_bad_beam_search_before_reaching_the_engine():
     engine = FakeAsyncEngine()
     with pytest.raises(Aborted) as err:
-        serve("Generate", beam_request(logprobs=2), engine)
+        serve("Generate", beam_request(top_k=2), engine)
     assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling.logprobs must be 0: logprobs are not returned with beam search" in err.value.args[1]
+    assert "sampling.top_k does not apply to beam search" in err.value.args[1]
     assert engine.adds == []
 
 

@@ -73,7 +73,6 @@ BAD_GENERATE = [
     ("repetition_penalty = 0", sampled(repetition_penalty=0.0), "sampling.repetition_penalty must be in (0, 10]"),
     ("beam_width over the limit", sampled(beam_width=17), "sampling.beam_width must be in [0, 16]"),
     ("n over beam_width", sampled(beam_width=2, n=3), "sampling.n (3) must be <= beam_width (2)"),
-    ("logprobs with beam search", sampled(beam_width=2, logprobs=1), "sampling.logprobs must be 0"),
     ("top_k with beam search", sampled(beam_width=2, top_k=5), "sampling.top_k does not apply to beam search"),
     ("seed with beam search", sampled(beam_width=2, seed=1), "sampling.seed does not apply to beam search"),
     ("length_penalty NaN", sampled(beam_width=2, length_penalty=float("nan")),
