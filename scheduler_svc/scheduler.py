@@ -28,6 +28,11 @@ ABORT = engine_pb2.FINISH_REASON_ABORT
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
 
 
+def _queue_order(seq: Sequence) -> tuple[int, int]:
+    """Waiting and swapped sequences are served by priority, then arrival."""
+    return seq.priority, seq.arrival_order
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int
@@ -110,7 +115,6 @@ class Scheduler:
         self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
         self.num_waiting_samples = 0  # parallel samples waiting to fork their first sibling's prompt
         self.beams = BeamScheduler(self)
-        self.beam_searches = self.beams.searches  # group_id -> its search, from its first member on
         self.counters = _Counters()
         self._next_arrival = 0
 
@@ -210,13 +214,13 @@ class Scheduler:
         admit = self.counters.num_preemptions == num_preemptions
         index = 0
         # started beam searches hold room for all their beams, so forking never passes max_num_seqs
-        reserved = self.beams.slots_reserved() if self.beam_searches else 0
+        reserved = self.beams.slots_reserved() if self.beams.searches else 0
         swap_in: list[tuple[int, int]] = []
         if admit and self.swapped:
             budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
         while admit and index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
-            if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
+            if not self._has_room(seq, reserved):
                 break
             if seq.leader is not None:
                 index += 1  # a parallel sample waits for its first sibling to schedule the prompt, then forks
@@ -232,10 +236,8 @@ class Scheduler:
             seq.num_computed_tokens = num_hit
             if not seq.admitted_once:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run_new(seq, num_new, scheduled)
             reserved -= seq.beam is not None
-            scheduled.append(self._advance(seq, num_new, is_new=True))
             budget -= num_new
 
         for s in scheduled[num_running_scheduled:]:  # running ones are mirrored; admitted ones are sent in full now
@@ -255,7 +257,7 @@ class Scheduler:
         for seq in list(self.swapped):
             if budget <= 0 or seq.num_placeholders:
                 break  # a sample in flight must arrive before the sequence is resent
-            if len(self.running) + reserved + (seq.beam is None) > self.config.max_num_seqs:
+            if not self._has_room(seq, reserved):
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new <= 0:
@@ -264,12 +266,20 @@ class Scheduler:
                 break
             swap_in += bm.swap_in(seq, seq.num_computed_tokens + num_new)
             self.swapped.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run_new(seq, num_new, scheduled)
             reserved -= seq.beam is not None
-            scheduled.append(self._advance(seq, num_new, is_new=True))
             budget -= num_new
         return budget, reserved
+
+    def _has_room(self, seq: Sequence, reserved: int) -> bool:
+        """Whether seq may join the running queue: a beam's slot is already among the reserved ones."""
+        return len(self.running) + reserved + (seq.beam is None) <= self.config.max_num_seqs
+
+    def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
+        """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        scheduled.append(self._advance(seq, num_new, is_new=True))
 
     def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
         """Preempt the most recently admitted sequences until fits(); False if seq itself had to go."""
@@ -389,7 +399,7 @@ class Scheduler:
         """Parallel samples share one prompt: once a step that computed all of it for the first sibling has
         succeeded, the others fork its prompt blocks and compute only the prompt's last token, for their own
         logits. The running loop then copies the block they write (copy-on-write)."""
-        reserved = self.beams.slots_reserved() if self.beam_searches else 0
+        reserved = self.beams.slots_reserved() if self.beams.searches else 0
         for seq in [s for s in self.waiting if s.leader is not None]:
             leader = seq.leader
             if leader.status is SequenceStatus.FINISHED:
@@ -412,7 +422,7 @@ class Scheduler:
 
     def push_waiting(self, seq: Sequence) -> None:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
-        bisect.insort(self.waiting, seq, key=lambda s: (s.priority, s.arrival_order))
+        bisect.insort(self.waiting, seq, key=_queue_order)
 
     def unlink(self, seq: Sequence) -> None:
         """Take an unfinished sequence out of its queue."""
@@ -432,7 +442,7 @@ class Scheduler:
         if self.block_manager.can_swap_out(seq):
             self.pending_swap_outs += self.block_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: (s.priority, s.arrival_order))
+            bisect.insort(self.swapped, seq, key=_queue_order)
             self.counters.num_swap_outs += 1
             return
         self.block_manager.free(seq)

@@ -338,7 +338,7 @@ class SchedulerProcess:
             return [], {}
         sampled = {s.seq_id: s for s in result.sampled}
         candidates = None
-        if self.scheduler.beam_searches:  # beams choose among their top candidates, not the sampled token
+        if self.scheduler.beams.searches:  # beams choose among their top candidates, not the sampled token
             candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
                           if k >= BEAM_SEQ_ID_BASE}
         return self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()}, candidates), sampled

@@ -180,7 +180,7 @@ def test_scheduler_beam_search_equals_the_whole_vocabulary_reference(
             assert m.beam_logprobs == []
         assert finals[m.request_id].finish_reason == (STOP if tokens[-1] == EOS else LENGTH)
     bm = sched.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not sched.beam_searches and not sched.requests
+    assert bm.num_free_blocks == bm.num_blocks and not sched.beams.searches and not sched.requests
 
 
 def test_forked_beams_share_the_prompt_blocks_and_copy_only_the_partial_one():
@@ -194,7 +194,7 @@ def test_forked_beams_share_the_prompt_blocks_and_copy_only_the_partial_one():
     lps = fake_logprobs(tuple(prompt), 0)
     order = sorted(range(VOCAB), key=lambda v: -lps[v])
     sched.postprocess(out, {root.seq_id: order[0]}, {root.seq_id: (order[:6], [lps[v] for v in order[:6]])})
-    beams = sched.beam_searches["g"].beams
+    beams = sched.beams.searches["g"].beams
     assert len(beams) == 3 and root.is_finished
     assert all(b.block_table[:2] == beams[0].block_table[:2] for b in beams)  # the full blocks stay shared
     out = sched.schedule()
@@ -213,9 +213,9 @@ def test_aborting_every_member_frees_the_beams():
     out = sched.schedule()
     assert len(out.scheduled) == 1
     sched.abort(a.request_id)
-    assert sched.beam_searches  # b still wants it
+    assert sched.beams.searches  # b still wants it
     sched.abort(b.request_id)
-    assert not sched.beam_searches and not sched.has_unfinished()
+    assert not sched.beams.searches and not sched.has_unfinished()
     sched.postprocess(out, {})  # the step in flight comes back for beams that are gone
     assert sched.block_manager.num_free_blocks == 32
     assert sched.schedule().finished_seq_ids == []  # nothing ran, so nothing to drop yet
