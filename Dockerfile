@@ -23,7 +23,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch \
  && pip install transformers gguf accelerate
 # Only what the fetch script imports, so that a code change elsewhere does not redo the conversion.
-COPY scheduler_svc/__init__.py scheduler_svc/model_paths.py /src/scheduler_svc/
+COPY scheduler_svc/__init__.py scheduler_svc/common/model_paths.py /src/scheduler_svc/
 COPY executor_svc/__init__.py executor_svc/fetch_model.py /src/executor_svc/
 RUN cd /src && python -m executor_svc.fetch_model --dest /models/SmolLM2-135M-Instruct
 
@@ -55,7 +55,7 @@ RUN cd /tmp/src \
  && python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto \
  && pip install . \
  && cd / && rm -rf /tmp/src \
- && python -c "from protos import generation_pb2_grpc, engine_pb2; import scheduler_svc.cli"
+ && python -c "from protos import generation_pb2_grpc, engine_pb2; import scheduler_svc.entrypoints.cli"
 
 RUN useradd --create-home --uid 10001 --user-group nanoserve
 COPY --from=model --chown=nanoserve:nanoserve /models /models

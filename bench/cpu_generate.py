@@ -13,10 +13,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler_svc.llm import LLM  # noqa: E402
-from scheduler_svc.model_paths import default_model_dir  # noqa: E402
-from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
-from scheduler_svc.tokenizer import Tokenizer  # noqa: E402
+from scheduler_svc.entrypoints.llm import LLM  # noqa: E402
+from scheduler_svc.common.model_paths import default_model_dir  # noqa: E402
+from scheduler_svc.frontend.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.text.tokenizer import Tokenizer  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Explain gravity to a child.", "Write a short poem about rain.",
              "List five fruits.", "How does a bicycle work?", "What is a prime number?",

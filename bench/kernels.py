@@ -72,9 +72,9 @@ class Bench:
         import torch
         import triton
 
-        from kernels import triton_attention as ta
+        from kernels.attention import triton_backend as ta
         from kernels.triton_runtime import num_sms
-        from kernels.attention_backend import AttentionMetadata
+        from kernels.attention.base import AttentionMetadata
 
         self.torch, self.triton, self.ta, self.Meta, self.num_sms = torch, triton, ta, AttentionMetadata, num_sms
         self.device = device
@@ -260,7 +260,7 @@ class Bench:
         return row
 
     def decode_sweep(self) -> list[dict]:
-        """Every decode config on a few shapes; pick the defaults in kernels/triton_attention.py from it."""
+        """Every decode config on a few shapes; pick the defaults in kernels/attention/triton_backend.py from it."""
         ta = self.ta
         hq, hkv, d = self.heads
         shapes = [(64, 512), (64, 4096), (256, 1024)] if self.device.type == "cuda" else self.decode_shapes

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from executor_svc.seq_mirror import SequenceMirrors  # noqa: E402  (no torch: mirrors are plain python)
 from protos import engine_pb2  # noqa: E402
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from scheduler_svc.sequence import Sequence  # noqa: E402
-from scheduler_svc.step_plan import build_step_plan  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.sequence import Sequence  # noqa: E402
+from scheduler_svc.core.step_plan import build_step_plan  # noqa: E402
 
 
 def run(num_seqs: int, context: int, steps: int, block_size: int) -> dict:

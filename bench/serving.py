@@ -227,7 +227,7 @@ def launch_server(server_args: list[str], log_path: str, timeout: float) -> tupl
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.cli", "serve", "--host", "127.0.0.1",
+        proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.entrypoints.cli", "serve", "--host", "127.0.0.1",
                                  "--port", str(port), *server_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:

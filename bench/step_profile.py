@@ -27,7 +27,7 @@ from bench.throughput import QWEN3_0_6B  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk  # noqa: E402
 from protos import engine_pb2  # noqa: E402
-from scheduler_svc.config import add_engine_args, engine_config_from_args  # noqa: E402
+from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler_svc.config import add_engine_args, engine_config_from_args  # noqa: E402
-from scheduler_svc.llm import LLM  # noqa: E402
-from scheduler_svc.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
+from scheduler_svc.entrypoints.llm import LLM  # noqa: E402
+from scheduler_svc.frontend.sampling_params import SamplingParams  # noqa: E402
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,

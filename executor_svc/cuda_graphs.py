@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.attention_backend import AttentionMetadata
+from kernels.attention.base import AttentionMetadata
 
 log = logging.getLogger("nanoserve.executor")
 

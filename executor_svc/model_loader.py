@@ -16,7 +16,7 @@ from transformers import AutoConfig
 
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
-from kernels.attention_backend import AttentionBackend
+from kernels.attention.base import AttentionBackend
 
 
 @dataclass

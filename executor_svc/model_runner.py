@@ -15,9 +15,9 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.model_loader import ModelFacts, load_model
 from executor_svc.sampler import Sampler, build_for_sequences, plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from kernels.attention_backend import AttentionMetadata, get_backend
+from kernels.attention.base import AttentionMetadata, get_backend
 from protos import engine_pb2
-from scheduler_svc.config import EngineConfig
+from scheduler_svc.common.config import EngineConfig
 
 log = logging.getLogger("nanoserve.executor")
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from scheduler_svc.py_profiler import parse_windows
+from scheduler_svc.common.profiling import parse_windows
 
 log = logging.getLogger("nanoserve.executor")
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from scheduler_svc.model_paths import default_model_dir
+from scheduler_svc.common.model_paths import default_model_dir
 
 
 @pytest.fixture(scope="session")

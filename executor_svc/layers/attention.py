@@ -7,7 +7,7 @@ fused into the q/k norm + RoPE kernel before this layer (kernels/fused_ops.qk_no
 import torch
 from torch import nn
 
-from kernels.attention_backend import AttentionBackend, AttentionMetadata
+from kernels.attention.base import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):

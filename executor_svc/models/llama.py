@@ -12,7 +12,7 @@ from executor_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor_svc.layers.layernorm import RMSNorm
 from executor_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor_svc.layers.rotary import RotaryEmbedding, rope_config
-from kernels.attention_backend import AttentionMetadata
+from kernels.attention.base import AttentionMetadata
 
 try:
     from kernels import fused_ops

@@ -1,0 +1,48 @@
+"""The flash-attn backend: FlashAttention-2's varlen and kvcache entry points over the paged pool.
+
+Used when `flash_attn` imports. FlashAttention-2 reads a paged cache only when a page holds a
+multiple of 256 tokens, so this backend needs --block-size 256 (or 512, ...); with smaller blocks
+`auto` picks the Triton backend instead. K/V are written by the Triton store_kvcache kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.base import AttentionMetadata
+
+FLASH_PAGE_MULTIPLE = 256
+
+
+def supports_block_size(block_size: int) -> bool:
+    return block_size % FLASH_PAGE_MULTIPLE == 0
+
+
+class FlashAttentionBackend:
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from kernels.attention.triton_backend import store_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._kvcache = flash_attn_with_kvcache
+        self._store = store_kvcache
+
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._store(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not supports_block_size(meta.block_size):
+            raise ValueError(f"flash_attn needs a block size that is a multiple of {FLASH_PAGE_MULTIPLE}, "
+                             f"got {meta.block_size}; use --attention-backend triton")
+        if meta.is_decode:
+            out = self._kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqlens_k,
+                                block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        cu_seqlens_k = F.pad(torch.cumsum(meta.seqlens_k, 0, dtype=torch.int32), (1, 0))
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                            softmax_scale=scale, causal=True, block_table=meta.block_tables)

@@ -1,0 +1,449 @@
+"""Triton paged attention, the GPU path: store_kvcache, varlen causal prefill, split-K decode.
+
+Every kernel reads or writes the pool [N, block_size, H_kv, D] in place, through the block table or
+the slot mapping, so paging never copies K/V. The same kernels run on the CPU under
+TRITON_INTERPRET=1 (set before this module is imported). There, loads are upcast to fp32 because the
+interpreter computes bf16 wrongly, and every tl.dot keeps its tiles >= 16 as the GPU requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.base import AttentionMetadata
+from kernels.triton_runtime import INTERPRET, num_sms
+
+LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program
+    block_n: int  # context tokens per loop step
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # context tokens per loop step; several KV blocks when block_size is small
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    if INTERPRET:
+        return PrefillConfig(16, 16, 4, 1)  # smallest tiles tl.dot allows on a GPU
+    if dtype == torch.float32:
+        return PrefillConfig(64, 32, 8, 2)  # exact fp32 dots run on CUDA cores: keep tiles small
+    if block_d <= 128:
+        # bench/kernels.py --prefill-sweep (H200, D=128): 204 TFLOP/s on the workload's ragged
+        # 16k-token batch against 163 for (128, 64, 8, 3); 187 against 164 on 4 x 1024
+        return PrefillConfig(64, 32, 4, 3)
+    return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
+
+
+def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
+    if INTERPRET:
+        return DecodeConfig(16, 4, 1)
+    if dtype == torch.float32:
+        return DecodeConfig(32, 8, 3)
+    if block_d <= 128:
+        # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
+        # shared). 3 stages let the pipeliner fetch the next step's block ids ahead of its K/V.
+        return DecodeConfig(64, 4, 3)
+    return DecodeConfig(32, 4, 3)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sm_count: int, block_n: int) -> int:
+    """Flash-decoding split count: split the context only when (seq, kv head) programs are too few.
+
+    With the programs visiting sequences longest first (decode_order), two per SM already keep the
+    device busy to the end: on the H200's ragged throughput batches (bench/kernels.py --ragged) one
+    split beat two at B = 59, 153 and 256. Below that, splits aim at ~4 programs per SM; each keeps
+    at least 2 tiles so the partial results stay small next to the K/V it read.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= 2 * sm_count:
+        return 1
+    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    return max(1, min(triton.cdiv(4 * sm_count, programs), tiles // 2, MAX_SPLITS))
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kvcache
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, HKV_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    offs = tl.arange(0, BLOCK)
+    head = offs // D
+    d = offs % D
+    # slot -1 (padding, or a prefix-cache hit already stored) masks the whole row.
+    mask = (offs < HKV_D) & (slot >= 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of both attention kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_ROWS: tl.constexpr, UPCAST: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile, masking only what can be out of range (masks cost bandwidth)."""
+    if MASK_ROWS:
+        x = tl.load(ptrs, mask=row_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+    elif BLOCK_D != D:
+        x = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, end, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over context positions start .. start+BLOCK_N (end excluded).
+
+    K/V rows are gathered through the block table one token at a time, so BLOCK_N may span
+    several KV blocks, or part of one.
+    """
+    pos = start + tl.arange(0, BLOCK_N)
+    in_ctx = pos < end
+    if MASK_N:
+        block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_ctx, other=0)
+    else:
+        block = tl.load(block_table_row + pos // BLOCK_SIZE)
+    block = block.to(tl.int64)  # block * stride can pass 2**31 in a large pool
+    offset = pos % BLOCK_SIZE
+    k_ptrs = k_base + block[:, None] * stride_kb + offset[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :]
+    k = _load_rows(k_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
+    v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
+
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASK_N:
+        qk = tl.where(in_ctx[None, :], qk, float("-inf"))
+    if CAUSAL:
+        qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+
+    # Every row has seen at least one unmasked key by the first step, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: varlen, causal, paged
+# ---------------------------------------------------------------------------------------------
+
+
+# The block-table width changes every step, and a mixed step's prefill part starts its per-sequence
+# arrays mid-tensor: neither may compile a new variant.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr"])
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seqlens_k_ptr, cu_seqlens_q_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # The last query tiles see the most keys; launching them first shortens the grid's tail.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = m_block * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    seqlen_k = tl.load(seqlens_k_ptr + seq)
+    ctx_off = seqlen_k - seqlen_q  # query i sits at context position ctx_off + i
+    kv_head = head // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < seqlen_q
+    rows = (q_start + offs_m).to(tl.int64)
+    q = _load_rows(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                   m_mask, offs_d, D, BLOCK_D, True, UPCAST)
+    q_pos = ctx_off + offs_m
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys before the tile's first query position are visible to every row: no mask needed.
+    full_hi = (ctx_off + m_start + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(seqlen_k, ctx_off + m_start + BLOCK_M)
+    for start in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION)
+    for start in range(full_hi, hi, BLOCK_N):  # the diagonal: causal and context-end masks
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d < D)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: one query token per sequence, GQA-grouped, split over the context (flash-decoding)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
+    kv_head = tl.program_id(0)
+    if HAS_ORDER:  # CTAs start in grid order: the longest contexts go first (LPT), leaving short ones last
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seqlen_k = tl.load(seqlens_k_ptr + seq)
+    # Splits take whole tiles of this sequence's own context, so any split count covers it all.
+    tiles_per_split = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen_k), lo)
+    full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+
+    # All q heads of this kv head share one pass over its K/V: a [GROUP padded to 16, D] tile.
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = _load_rows(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                   g_mask, offs_d, D, BLOCK_D, True, UPCAST)
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION)
+    for start in range(full_hi, hi, BLOCK_N):  # at most one ragged tile
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION)
+
+    out_mask = g_mask[:, None] & (offs_d < D)[None, :]
+    if SPLIT:
+        # Unnormalised partials; an empty split leaves m = -inf, l = 0, acc = 0.
+        part = (seq * NUM_Q_HEADS + heads) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=out_mask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only for an empty (padded) sequence
+        o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the splits' partial softmaxes: rescale each to the global max, then normalise."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    part = (seq * NUM_Q_HEADS + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :],
+                  mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: keep exp2 finite
+    w = tl.math.exp2(m - m_max)
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would default to TF32 on the GPU; bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"the head_dim axis must be contiguous, got strides {t.stride()}")
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Scatter key/value [T, H_kv, D] into the caches at slot_mapping, skipping slots equal to -1."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim_contiguous(key, value, k_cache, v_cache)
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], D=head_dim, HKV_D=num_kv_heads * head_dim,
+        BLOCK=triton.next_power_of_2(num_kv_heads * head_dim), num_warps=4,
+    )
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                            config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal varlen attention of q [T, H_q, D] over each sequence's paged context."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0:
+        return out
+    _check_last_dim_contiguous(q, k_cache, v_cache, out)
+    block_d = _block_d(head_dim)
+    cfg = config or prefill_config(block_d, q.dtype)
+    grid = (triton.cdiv(meta.max_seqlen_q, cfg.block_m), num_q_heads, meta.num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seqlens_k, meta.cu_seqlens_q, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence (token i belongs to sequence i) over its paged context.
+
+    num_splits only changes speed; None picks it from the batch size, the context and the SM count.
+    """
+    num_seqs = meta.num_seqs
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    _check_last_dim_contiguous(q, k_cache, v_cache, out)
+    block_d = _block_d(head_dim)
+    cfg = config or decode_config(block_d, q.dtype)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
+    if num_splits > 1:
+        # One allocation for the partials: acc [B, H_q, splits, D], then max and sum [B, H_q, splits].
+        n = num_seqs * num_q_heads * num_splits
+        workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=q.device)
+        part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
+    else:
+        part_acc = part_m = part_l = out  # not touched when SPLIT is False
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
+        meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+        SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_q_heads, num_seqs)](
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+            NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+class TritonAttentionBackend:
+    """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
+
+    name = "triton"
+
+    def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.is_decode:
+            return paged_decode_attention(q, k_cache, v_cache, meta, scale)
+        if not meta.is_mixed:
+            return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        # the prefill kernel writes only its own sequences' rows (cu_seqlens_q offsets into all of q)
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part(), scale)
+        d = meta.num_decodes
+        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part(), scale, out=out[:d])
+        return out

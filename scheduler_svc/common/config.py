@@ -1,0 +1,128 @@
+"""Engine flags, shared by the offline API, the CLI and every process role."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from scheduler_svc.common.model_paths import default_model_dir
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # checkpoint directory; empty means the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # KV pool size in blocks on any device; overrides sizing
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0  # KV pool budget on the CPU
+    swap_space_gb: float = 0.0  # host pool per executor for preemption by swap; 0: preempt by recompute only
+    num_host_blocks: int | None = None  # host pool size in blocks; overrides swap_space_gb (tests)
+    enforce_eager: bool = False
+    executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
+    load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
+    async_scheduling: bool = True  # plan step N+1 while step N runs
+    max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
+    cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            self.model = default_model_dir()
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}")
+        need(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two, got {self.block_size}")
+        need(self.num_gpu_blocks is None or self.num_gpu_blocks > 0,
+             f"--num-gpu-blocks must be positive, got {self.num_gpu_blocks}")
+        need(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens > 0,
+             f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len > 0,
+             f"--max-model-len must be positive, got {self.max_model_len}")
+        need(self.tensor_parallel_size > 0,
+             f"--tensor-parallel-size must be positive, got {self.tensor_parallel_size}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
+        need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
+        need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
+        need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
+        need(self.swap_space_gb >= 0, f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
+        need(self.num_host_blocks is None or self.num_host_blocks >= 0,
+             f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
+
+    def to_argv(self) -> list[str]:
+        """The same config as command-line flags, to start another process role."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            elif value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig.__dataclass_fields__
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="", help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", choices=DEVICES, default=d["device"].default)
+    g.add_argument("--dtype", choices=DTYPES, default=d["dtype"].default,
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV pool size in blocks on any device; overrides memory-based sizing")
+    g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"].default,
+                   help="token budget of one step (prefill chunks + decodes)")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"].default)
+    g.add_argument("--seed", type=int, default=d["seed"].default)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"].default)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d["attention_backend"].default)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
+    g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"].default)
+    g.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"].default,
+                   help="host memory per executor for swapping preempted sequences out; 0: recompute them")
+    g.add_argument("--num-host-blocks", type=int, default=None, help="host swap pool in blocks (overrides)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
+                   help="disable CUDA graphs")
+    g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d["async_scheduling"].default, help="plan the next step while the current one runs")
+    g.add_argument("--max-steps-in-flight", type=int, default=d["max_steps_in_flight"].default,
+                   help="with async scheduling, how many planned steps may be unanswered")
+    g.add_argument("--cpu-threads", type=int, default=d["cpu_threads"].default,
+                   help="torch threads of a CPU executor (0: cores - 1, at least 1)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
+                   help="dummy: random weights from config.json alone (benchmarks)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return EngineConfig(**{n: getattr(args, n) for n in names})

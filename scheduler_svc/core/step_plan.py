@@ -1,0 +1,51 @@
+"""Turn the scheduler's decision into the StepPlan protobuf that executors run (invariant 4: deltas).
+
+A sequence the executors don't mirror yet is sent in full once; afterwards only its newly appended
+block ids, its scheduled token count and, when newly known here, the token it sampled last. Executors
+append the tokens they sample to their mirrors themselves, so with async scheduling a step can be
+planned before the previous step's tokens reach the scheduler; last_token_id is then left out.
+"""
+from __future__ import annotations
+
+from protos import engine_pb2
+from scheduler_svc.core.scheduler import SchedulerOutput
+
+
+def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = True) -> engine_pb2.StepPlan:
+    """send_last_token: cross-check the executors' newest token; only exact when no other step is in
+    flight (with async scheduling the executors may already be a token ahead of this scheduler)."""
+    plan = engine_pb2.StepPlan(
+        step_id=step_id,
+        finished_seq_ids=out.finished_seq_ids,
+        preempted_seq_ids=out.preempted_seq_ids,
+    )
+    seq_ids, num_scheduled, num_new_blocks, new_block_ids, last_tokens = [], [], [], [], []
+    for item in out.scheduled:
+        seq = item.seq
+        if item.is_new:
+            plan.new_seqs.append(engine_pb2.NewSequence(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                block_ids=seq.block_table,
+                num_computed_tokens=item.start,
+                num_scheduled_tokens=item.num_new_tokens,
+                sampling=seq.sampling,
+            ))
+        else:
+            seq_ids.append(seq.seq_id)
+            num_scheduled.append(item.num_new_tokens)
+            new = seq.block_table[seq.num_blocks_sent:]
+            num_new_blocks.append(len(new))
+            new_block_ids += new
+            last_tokens.append(seq.token_ids[-1] if seq.last_token_unsent and send_last_token else -1)
+        seq.num_blocks_sent = len(seq.block_table)
+        seq.last_token_unsent = False
+    for copies, field in ((out.block_copies, plan.block_copies), (out.swap_out, plan.swap_out),
+                          (out.swap_in, plan.swap_in)):
+        field.extend(engine_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies)
+    if seq_ids:
+        plan.cached.CopyFrom(engine_pb2.CachedSequences(
+            seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,
+            new_block_ids=new_block_ids, last_token_ids=last_tokens))
+    return plan

@@ -1,0 +1,189 @@
+"""The `nanoserve` command: one entry point for every role and for offline generation."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from scheduler_svc.common.config import add_engine_args, engine_config_from_args
+from scheduler_svc.frontend.server_config import add_server_args
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--logprobs", type=int, default=0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams; 0 samples")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from scheduler_svc.entrypoints.llm import LLM
+    from scheduler_svc.frontend.sampling_params import SamplingParams
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("nanoserve generate: give prompts as arguments or with --prompts-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        beam_width=args.beam_width, length_penalty=args.length_penalty)
+    try:
+        params.validate()
+    except ValueError as exc:
+        print(f"nanoserve generate: {exc}", file=sys.stderr)
+        return 2
+    config = engine_config_from_args(args)
+    with LLM(**vars(config)) as llm:
+        inputs = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+        results = llm.generate(inputs, params, use_tqdm=not args.no_progress)
+        for prompt, result in zip(prompts, results):
+            for out in result.outputs:
+                if args.json:
+                    print(json.dumps({"prompt": prompt, "index": out.index, "text": out.text,
+                                      "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                      "num_prompt_tokens": len(result.prompt_token_ids),
+                                      "num_cached_tokens": result.num_cached_tokens}))
+                else:
+                    print(f"=== {prompt!r} [{out.index}] ({out.finish_reason}, {len(out.token_ids)} tokens)")
+                    print(out.text)
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s frontend %(levelname)s %(message)s")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import functools
+
+    from scheduler_svc.entrypoints.launcher import launch_engine
+    from scheduler_svc.frontend.server import run_frontend
+    from scheduler_svc.frontend.server_config import server_config_from_args
+    from scheduler_svc.entrypoints.supervisor import supervise
+
+    _setup_logging(args.log_level)
+    engine_config = engine_config_from_args(args)
+    server_config = server_config_from_args(args)
+    server_config.model = engine_config.model
+    procs = launch_engine(engine_config)
+    try:
+        return asyncio.run(run_frontend(server_config, procs.frontend_addr,
+                                        supervise=functools.partial(supervise, procs)))
+    finally:
+        procs.shutdown()
+
+
+def _cmd_frontend(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from scheduler_svc.frontend.server import run_frontend
+    from scheduler_svc.frontend.server_config import server_config_from_args
+
+    _setup_logging(args.log_level)
+    return asyncio.run(run_frontend(server_config_from_args(args), args.scheduler_addr))
+
+
+def _add_client_parsers(client: argparse.ArgumentParser) -> None:
+    from scheduler_svc.entrypoints.client import add_client_args
+
+    sub = client.add_subparsers(dest="client_command", required=True)
+    for name, help_text in [("generate", "generate from a text prompt"), ("chat", "one chat turn, templated"),
+                            ("tokenize", "text to tokens"), ("info", "the model and the engine"),
+                            ("stats", "scheduler counters"), ("health", "exit 0 when SERVING")]:
+        p = sub.add_parser(name, help=help_text)
+        add_client_args(p)
+        if name in ("generate", "chat"):
+            p.add_argument("message" if name == "chat" else "prompt")
+            if name == "chat":
+                p.add_argument("--system", default="", help="a system message first")
+            p.add_argument("--no-stream", action="store_true", help="one unary Generate call")
+            p.add_argument("--priority", type=int, default=0)
+            _add_sampling_args(p)
+        elif name == "tokenize":
+            p.add_argument("text")
+        elif name == "health":
+            p.add_argument("--service", default="", help='"" (the server) or nanoserve.v1.Generation')
+
+
+def _cmd_executor(argv: list[str]) -> int:
+    # exec, so that this process (part of scheduler_svc) never imports torch itself
+    os.execv(sys.executable, [sys.executable, "-m", "executor_svc", *argv])
+    return 1
+
+
+def _cmd_scheduler(argv: list[str]) -> int:
+    from scheduler_svc.core.scheduler_process import main
+
+    return main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # roles that parse their own flags
+    if argv and argv[0] == "executor":
+        return _cmd_executor(argv[1:])
+    if argv and argv[0] == "scheduler":
+        return _cmd_scheduler(argv[1:])
+    parser = argparse.ArgumentParser("nanoserve", description="nanoserve: an LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation for prompts")
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    serve = sub.add_parser("serve", help="serve gRPC with every role on this machine")
+    add_engine_args(serve)
+    add_server_args(serve, with_model=False)
+    serve.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    frontend = sub.add_parser("frontend", help="serve gRPC in front of a separately running scheduler")
+    frontend.add_argument("--scheduler-addr",
+                          default=os.environ.get("NANOSERVE_SCHEDULER_ADDR", "tcp://127.0.0.1:5559"),
+                          help="the scheduler's frontend socket (its --frontend-addr)")
+    add_server_args(frontend)
+    frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    _add_client_parsers(sub.add_parser("client", help="call a running server"))
+    sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
+    sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _cmd_generate(args)
+    if args.command == "serve":
+        return _cmd_serve(args)
+    if args.command == "frontend":
+        return _cmd_frontend(args)
+    if args.command == "client":
+        from scheduler_svc.entrypoints.client import run_client
+
+        return run_client(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

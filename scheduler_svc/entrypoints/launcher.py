@@ -1,0 +1,136 @@
+"""Start the scheduler and executor processes of one machine, and make sure none outlives us."""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+
+from scheduler_svc.common.config import EngineConfig
+from scheduler_svc.common.parent_watch import die_with_parent
+
+log = logging.getLogger("nanoserve.launcher")
+
+
+@dataclass(eq=False)
+class EngineProcesses:
+    frontend_addr: str
+    executor_addr: str
+    scheduler: subprocess.Popen
+    executors: list[subprocess.Popen]
+    config: EngineConfig
+    tmpdir: tempfile.TemporaryDirectory | None = None
+    executor_argvs: list[list[str]] = field(default_factory=list)  # to restart a rank with the same flags
+    env: dict | None = None
+    log_path: str | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    def all(self) -> list[subprocess.Popen]:
+        return [self.scheduler, *self.executors]
+
+    def dead(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every child that has exited."""
+        names = ["scheduler"] + [f"executor rank {r}" for r in range(len(self.executors))]
+        return [(n, p.returncode) for n, p in zip(names, self.all()) if p.poll() is not None]
+
+    def restart_dead_executors(self) -> list[int]:
+        """Start again every executor that exited, with the same flags; returns the restarted ranks.
+
+        With tensor parallelism the whole group restarts: a survivor is stuck in the old group's
+        collectives. Call it once the scheduler has declared the engine lost, so that it takes the
+        new handshakes as a fresh engine.
+        """
+        dead = [rank for rank, proc in enumerate(self.executors) if proc.poll() is not None]
+        if not dead or self._closed:
+            return []
+        ranks = dead
+        if len(self.executors) > 1:
+            ranks = list(range(len(self.executors)))
+            for proc in self.executors:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            dist_addr = f"127.0.0.1:{_free_port()}"
+            for argv in self.executor_argvs:
+                argv[argv.index("--dist-init-addr") + 1] = dist_addr
+        stdout = open(self.log_path, "ab") if self.log_path else None
+        for rank in ranks:
+            self.executors[rank] = _spawn(self.executor_argvs[rank], stdout, self.env or dict(os.environ))
+        if stdout:
+            stdout.close()
+        return ranks
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """SIGTERM the scheduler (it tells executors to exit), then make sure everyone is gone."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.scheduler.poll() is None:
+            self.scheduler.send_signal(signal.SIGTERM)
+        for proc in self.all():
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.all():
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.tmpdir is not None:
+            self.tmpdir.cleanup()
+
+
+_live: "weakref.WeakSet[EngineProcesses]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for procs in list(_live):
+        procs.shutdown(timeout=5)
+
+
+def _spawn(argv: list[str], stdout, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                            preexec_fn=die_with_parent, env=env)
+
+
+def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: int | None = None) -> EngineProcesses:
+    """Start one scheduler and tensor_parallel_size executors, linked over ipc:// sockets."""
+    tmp = tempfile.TemporaryDirectory(prefix="nanoserve-")
+    frontend_addr = f"ipc://{tmp.name}/frontend.sock"
+    executor_addr = f"ipc://{tmp.name}/executor.sock"
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    stdout = open(log_path, "ab") if log_path else None
+    flags = config.to_argv()
+    scheduler = _spawn([sys.executable, "-m", "scheduler_svc.core.scheduler_process", "--watch-parent",
+                        "--frontend-addr", frontend_addr, "--executor-addr", executor_addr, *flags], stdout, env)
+    dist_addr = f"127.0.0.1:{dist_port or _free_port()}"
+    executor_argvs = [
+        [sys.executable, "-m", "executor_svc", "--watch-parent", "--rank", str(rank),
+         "--world-size", str(config.tensor_parallel_size), "--scheduler-addr", executor_addr,
+         "--dist-init-addr", dist_addr, *flags]
+        for rank in range(config.tensor_parallel_size)
+    ]
+    executors = [_spawn(argv, stdout, env) for argv in executor_argvs]
+    if stdout:
+        stdout.close()
+    procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, tmp,
+                            executor_argvs=executor_argvs, env=env, log_path=log_path)
+    _live.add(procs)
+    return procs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,206 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`.
+
+It starts the real scheduler and executor processes, streams their outputs through the same
+detokenizer and stop-string matcher as the gRPC front end, and shuts the processes down on close,
+on an exception, on Ctrl-C and at interpreter exit.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from protos import engine_pb2
+from scheduler_svc.common.config import EngineConfig
+from scheduler_svc.entrypoints.engine_client import EngineClient, EngineError
+from scheduler_svc.entrypoints.launcher import EngineProcesses, launch_engine
+from scheduler_svc.text.output_tracker import OutputTracker
+from scheduler_svc.frontend.sampling_params import SamplingParams
+from scheduler_svc.text.tokenizer import Tokenizer, has_tokenizer
+
+FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+    engine_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[engine_pb2.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    error: str = ""
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+class _Tracker:
+    """Accumulates one sub-request's deltas (output_tracker.py) into its CompletionOutput."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, out: CompletionOutput):
+        self.out = out
+        self.tracker = OutputTracker(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
+
+    @property
+    def done(self) -> bool:
+        return self.tracker.done
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.tracker.num_cached_tokens
+
+    def apply(self, ro: engine_pb2.RequestOutput) -> bool:
+        """Returns True when a stop string ended it here (the engine must be told to abort)."""
+        delta = self.tracker.apply(ro)
+        if delta is None:
+            return False
+        self.out.text += delta.text
+        self.out.token_ids.extend(delta.token_ids)
+        self.out.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.out.finish_reason = FINISH_REASONS[delta.finish_reason]
+            self.out.stop_reason, self.out.error = delta.stop_reason, delta.error
+        return delta.stopped_by_string
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, startup_timeout_s: float = 600.0, log_path: str | None = None,
+                 **engine_args) -> None:
+        self.config = EngineConfig(model=model or "", **engine_args)
+        # a checkpoint without tokenizer.json still serves token-id prompts (text stays empty)
+        self.tokenizer = Tokenizer(self.config.model) if has_tokenizer(self.config.model) else None
+        self.processes: EngineProcesses | None = launch_engine(self.config, log_path=log_path)
+        self.client = EngineClient(self.processes.frontend_addr, name="llm")
+        try:
+            self.ready = self.client.wait_ready(startup_timeout_s, self._check_alive)
+        except BaseException:
+            self.close()
+            raise
+        self.max_model_len = self.ready.max_model_len
+        self.vocab_size = self.ready.model.vocab_size
+
+    def _check_alive(self) -> None:
+        dead = self.processes.dead() if self.processes else []
+        if dead:
+            raise EngineError("engine process exited: " + ", ".join(f"{n} (code {c})" for n, c in dead))
+
+    # ------------------------------------------------------------------ generation
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        return None, ids
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        """Generate for a prompt or a list of prompts (text or token ids); results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        results, trackers, requests = [], {}, []
+        batch_id = uuid.uuid4().hex[:12]
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            text, ids = self._tokenize(prompt)
+            self._validate(ids, params)
+            result = GenerationResult(f"{batch_id}-{i}", text, ids, [CompletionOutput(j) for j in range(params.n)])
+            results.append(result)
+            rids = [result.request_id] if params.n == 1 else [f"{result.request_id}#{j}" for j in range(params.n)]
+            for rid, out in zip(rids, result.outputs):
+                trackers[rid] = (_Tracker(self.tokenizer, ids, params, out), result)
+            requests += params.add_requests(rids, ids)  # beam search: outputs[j] is the j-th best
+        for request in requests:
+            self.client.add(request)
+        try:
+            self._run(trackers, use_tqdm)
+        except BaseException:
+            self.client.abort([rid for rid, (t, _) in trackers.items() if not t.done])
+            raise
+        for tracker, result in trackers.values():
+            result.num_cached_tokens = max(result.num_cached_tokens, tracker.num_cached_tokens)
+        return results
+
+    def _run(self, trackers: dict, use_tqdm: bool) -> None:
+        from tqdm import tqdm
+
+        pending = set(trackers)
+        bar = tqdm(total=len(pending), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        generated, t0 = 0, time.perf_counter()
+        try:
+            while pending:
+                msg = self.client.recv(500)
+                if msg is None:
+                    self._check_alive()
+                    continue
+                kind = msg.WhichOneof("kind")
+                if kind == "lost":
+                    raise EngineError(f"engine lost: {msg.lost.reason}")
+                if kind != "outputs":
+                    continue
+                for ro in msg.outputs.outputs:
+                    entry = trackers.get(ro.request_id)
+                    if entry is None or entry[0].done:
+                        continue
+                    tracker = entry[0]
+                    generated += len(ro.new_token_ids)
+                    if tracker.apply(ro):
+                        self.client.abort([ro.request_id])
+                    if tracker.done:
+                        pending.discard(ro.request_id)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
+        finally:
+            bar.close()
+
+    def stats(self) -> engine_pb2.SchedulerStats:
+        return self.client.stats()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
+        if getattr(self, "processes", None) is not None:
+            self.processes.shutdown()
+            self.processes = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,56 @@
+"""`nanoserve serve`: watch the engine processes started on this machine; restart dead executors.
+
+An executor that exits fails the in-flight streams at once (the front end sees the exit before
+the scheduler misses its heartbeats). The new executor starts only after the scheduler has declared
+the engine lost, so that its handshake is taken as a fresh engine. An executor that dies before
+the engine was ever ready is a configuration error, not a crash to retry: the server exits.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from scheduler_svc.frontend.async_engine_client import AsyncEngineClient
+from scheduler_svc.entrypoints.launcher import EngineProcesses
+
+log = logging.getLogger("nanoserve.supervisor")
+
+POLL_S = 0.2
+
+
+async def _wait_for_scheduler_loss(engine: AsyncEngineClient, timeout_s: float, stop: asyncio.Event) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.awaiting_scheduler_loss and time.monotonic() < deadline and not stop.is_set():
+        await asyncio.sleep(POLL_S)
+    engine.awaiting_scheduler_loss = False  # it did, or it never will: take its next `ready`
+
+
+async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asyncio.Event) -> int:
+    """Runs until stop is set; sets it itself (and returns 1) when the engine cannot be kept up."""
+    served = False  # the engine was ready since the executors last started
+    while not stop.is_set():
+        await asyncio.sleep(POLL_S)
+        served = served or engine.ready is not None
+        if procs.scheduler.poll() is not None:
+            log.error("the scheduler exited with code %s", procs.scheduler.returncode)
+            engine.mark_lost("the scheduler exited")
+            stop.set()
+            return 1
+        dead = [(name, code) for name, code in procs.dead() if name != "scheduler"]
+        if not dead:
+            continue
+        reason = ", ".join(f"{name} exited with code {code}" for name, code in dead)
+        if not served:
+            log.error("%s before the engine was ready; not restarting", reason)
+            stop.set()
+            return 1
+        if engine.ready is not None:
+            engine.mark_lost(reason, await_scheduler=True)
+            await _wait_for_scheduler_loss(engine, procs.config.executor_timeout_s + 10, stop)
+        if stop.is_set():
+            break
+        ranks = procs.restart_dead_executors()
+        log.warning("%s; restarted rank(s) %s", reason, ranks)
+        served = False
+    return 0

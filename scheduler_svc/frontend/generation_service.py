@@ -1,0 +1,202 @@
+"""The nanoserve.v1.Generation service: each RPC checked, run through the engine and answered.
+
+A request with n completions becomes n engine requests; their outputs share one queue and are
+merged into one response stream, each output carrying its index. With beam search the n requests
+share one search, and each receives its whole hypothesis (the index-th best) in one output.
+However the call ends (finished, failed, cancelled by the client, past its deadline), the engine
+requests still running are aborted in the scheduler, so their KV blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import uuid
+
+import grpc
+
+from protos import engine_pb2, generation_pb2, generation_pb2_grpc
+from scheduler_svc.frontend import api_messages
+from scheduler_svc.frontend.async_engine_client import AsyncEngineClient, EngineLost
+from scheduler_svc.frontend.metrics import Metrics
+from scheduler_svc.text.output_tracker import OutputTracker
+from scheduler_svc.frontend.server_config import ServerConfig
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.frontend.validation import InvalidArgument, chat_token_ids, check_token_ids, validate_generate
+
+NO_DEADLINE_S = 365 * 24 * 3600.0  # time_remaining() beyond this means the call has no deadline
+
+
+def engine_error_status(error: str) -> grpc.StatusCode:
+    """The engine reports failures as text (engine.proto has no code); map the known causes."""
+    if error.startswith(("engine lost", "engine not ready")):
+        return grpc.StatusCode.UNAVAILABLE
+    if "already in flight" in error:
+        return grpc.StatusCode.ALREADY_EXISTS
+    if "leaves no room" in error:
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngineClient, tokenizer: Tokenizer | None, config: ServerConfig,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.draining = False  # set on SIGTERM: new generations get UNAVAILABLE
+        self.requests: dict[str, list[str]] = {}  # in-flight public request id -> its engine request ids
+        self._incarnation = itertools.count()  # engine ids never repeat, so a late output can't reach a new stream
+
+    # ------------------------------------------------------------------ generation
+
+    async def GenerateStream(self, request, context):
+        async with contextlib.aclosing(self._generate(request, context)) as parts:
+            async for part in parts:
+                yield part
+
+    async def Generate(self, request, context):
+        response, outputs = generation_pb2.GenerateResponse(), {}
+        async with contextlib.aclosing(self._generate(request, context)) as parts:
+            async for part in parts:
+                response.request_id = part.request_id
+                for out in part.outputs:
+                    api_messages.merge_output(outputs.setdefault(out.index, generation_pb2.CompletionOutput(
+                        index=out.index)), out)
+                if part.HasField("usage"):
+                    response.usage.CopyFrom(part.usage)
+        response.outputs.extend(outputs[i] for i in sorted(outputs))
+        return response
+
+    async def _generate(self, request: generation_pb2.GenerateRequest, context):
+        """Yield one GenerateResponse per engine output: the deltas of one completion."""
+        ready = await self._admit(context)
+        try:
+            valid = validate_generate(request, self.tokenizer, ready, self.config.limits)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid, params = request.request_id or uuid.uuid4().hex, valid.params
+        if rid in self.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+        limit = self.config.max_pending_requests
+        if self.engine.num_in_flight + params.n > limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.engine.num_in_flight} sequences in flight; --max-pending-requests is {limit}")
+        incarnation = next(self._incarnation)
+        engine_ids = [f"{rid}#{i}/{incarnation}" for i in range(params.n)]
+        index = {eid: i for i, eid in enumerate(engine_ids)}
+        trackers = {eid: OutputTracker(self.tokenizer, valid.prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output) for eid in engine_ids}
+        queue = self.engine.open_stream(engine_ids)
+        self.requests[rid] = engine_ids
+        pending = set(engine_ids)
+        timer, outcome = self.metrics.start_request(), "cancelled"
+        try:
+            for add in params.add_requests(engine_ids, valid.prompt_token_ids, priority=request.priority):
+                self.engine.add(add)
+            while pending:
+                item = await self._next(queue, context)
+                if item is None:
+                    outcome = "deadline_exceeded"
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
+                if isinstance(item, EngineLost):
+                    outcome = "unavailable"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, item.reason)
+                delta = trackers[item.request_id].apply(item)
+                if delta is None:
+                    continue
+                if delta.stopped_by_string:
+                    self.engine.abort([item.request_id])
+                if delta.finish_reason == engine_pb2.FINISH_REASON_ERROR:
+                    code = engine_error_status(delta.error)
+                    outcome = code.name.lower()
+                    await context.abort(code, delta.error)
+                if delta.finished:
+                    pending.discard(item.request_id)
+                timer.on_tokens(len(delta.token_ids))
+                response = generation_pb2.GenerateResponse(
+                    request_id=rid, outputs=[api_messages.completion_output(index[item.request_id], delta)])
+                if not pending:
+                    response.usage.CopyFrom(api_messages.usage(len(valid.prompt_token_ids), trackers.values()))
+                    outcome = "finished"
+                yield response
+        finally:
+            self.engine.abort([eid for eid in engine_ids if eid in pending])
+            self.engine.close_stream(engine_ids)
+            self.requests.pop(rid, None)
+            timer.finish(outcome, len(valid.prompt_token_ids))
+
+    async def _admit(self, context) -> engine_pb2.EngineReady:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.engine.ready is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not ready: executors are starting or lost")
+        return self.engine.ready
+
+    @staticmethod
+    async def _next(queue: asyncio.Queue, context):
+        """The next engine output or EngineLost; None once the call's deadline has passed."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            return None
+
+    async def Abort(self, request, context):
+        aborted = []
+        for rid in dict.fromkeys(request.request_ids):
+            engine_ids = self.requests.get(rid)
+            if engine_ids:
+                self.engine.abort(engine_ids)
+                aborted.append(rid)
+        return generation_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    # ------------------------------------------------------------------ tokenizer
+
+    async def _tokenizer(self, context) -> Tokenizer:
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        return self.tokenizer
+
+    async def Tokenize(self, request, context):
+        tokenizer = await self._tokenizer(context)
+        kind = request.WhichOneof("input")
+        try:
+            if kind is None:
+                raise InvalidArgument("one input is required: text or messages")
+            if kind == "text":
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+            else:
+                add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+                ids = chat_token_ids(request.messages, tokenizer, "messages", add_generation_prompt=add_prompt)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(t) or "" for t in ids])
+
+    async def Detokenize(self, request, context):
+        tokenizer = await self._tokenizer(context)
+        try:
+            check_token_ids(request.token_ids, tokenizer.vocab_size, "token_ids")
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        text = tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        return generation_pb2.DetokenizeResponse(text=text)
+
+    # ------------------------------------------------------------------ engine facts
+
+    async def GetModelInfo(self, request, context):
+        ready = self.engine.ready
+        if ready is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not ready: executors are starting or lost")
+        return api_messages.model_info(ready)
+
+    async def GetStats(self, request, context):
+        try:
+            stats = await self.engine.stats(timeout_s=5.0)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer")
+        return api_messages.stats(stats)

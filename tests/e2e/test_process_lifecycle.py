@@ -1,0 +1,95 @@
+"""The scheduler and executors are OS processes apart from the caller, and none outlives it:
+not after close(), not after an exception, not after Ctrl-C, not after the caller is SIGKILLed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from support.tiny_checkpoints import tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(line for line in f if line.startswith("State:"))
+        return "Z" not in state.split()[1]  # a zombie has already exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_all_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return tiny_checkpoint("llama", tmp_path_factory)
+
+
+def test_engine_roles_are_separate_processes_and_close_leaves_none(model):
+    from scheduler_svc.entrypoints.llm import LLM
+
+    llm = LLM(model)
+    procs = llm.processes
+    pids = [p.pid for p in procs.all()]
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(alive(p) for p in pids)
+    out = llm.generate([[1, 2, 3]], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
+    llm.close()
+    assert wait_all_gone(pids) == []
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from scheduler_svc.entrypoints.llm import LLM
+    from scheduler_svc.frontend.sampling_params import SamplingParams
+    llm = LLM({model!r})
+    print("PIDS", *[p.pid for p in llm.processes.all()], flush=True)
+    mode = {mode!r}
+    if mode == "exception":
+        raise RuntimeError("boom")
+    # keep the engine busy so the signal lands mid-generation
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    time.sleep(60)
+""")
+
+
+def start_child(model: str, mode: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=REPO, model=model, mode=mode)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    for line in proc.stdout:
+        if line.startswith("PIDS"):
+            return proc, [int(p) for p in line.split()[1:]]
+    proc.wait()
+    raise AssertionError(f"child exited with {proc.returncode} before starting the engine")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM"])
+def test_no_child_process_survives_a_killed_caller(model, how):
+    proc, pids = start_child(model, "busy")
+    time.sleep(1.0)
+    proc.send_signal(getattr(signal, how))
+    proc.wait(timeout=30)
+    assert wait_all_gone(pids) == [], f"orphans after {how}"
+
+
+def test_no_child_process_survives_an_exception_in_the_caller(model):
+    proc, pids = start_child(model, "exception")
+    assert proc.wait(timeout=30) != 0
+    assert wait_all_gone(pids) == []

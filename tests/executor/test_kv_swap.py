@@ -1,0 +1,153 @@
+"""Preemption by swap, executor side: KV blocks go to the host pool and come back bit for bit, and a
+plan's swap-out reads its blocks before the same plan's swap-ins, copies and forward write them."""
+import pytest
+import torch
+
+from executor_svc.executor import StepLoop
+from executor_svc.model_runner import ModelRunner
+from executor_svc.seq_mirror import SequenceMirrors
+from protos import engine_pb2
+from scheduler_svc.common.config import EngineConfig
+from support.tiny_checkpoints import make_tiny_llama
+
+NUM_BLOCKS, NUM_HOST_BLOCKS, BLOCK_SIZE = 10, 6, 4
+CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("swap") / "llama"))
+
+
+def make_runner(model: str, device: str = "cpu", **overrides) -> ModelRunner:
+    args = dict(model=model, device=device, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
+                num_host_blocks=NUM_HOST_BLOCKS, max_num_seqs=4, enforce_eager=True, attention_backend="torch")
+    return ModelRunner(EngineConfig(**{**args, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama) -> ModelRunner:
+    return make_runner(tiny_llama)
+
+
+def fill_random(runner: ModelRunner) -> torch.Tensor:
+    """Fresh random values in every KV block (never zeros); returns a copy of the pool."""
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, dtype=runner.kv_cache.dtype) + 3.0)
+    return runner.kv_cache.cpu().clone()
+
+
+def copies(*pairs: tuple[int, int]) -> list[engine_pb2.BlockCopy]:
+    return [engine_pb2.BlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
+
+
+def block(pool: torch.Tensor, b: int) -> torch.Tensor:
+    return pool[:, :, b].cpu()  # every layer, K and V
+
+
+def host_block(host: torch.Tensor, b: int) -> torch.Tensor:
+    return host[b]  # the host pool is block-major
+
+
+def round_trip(runner: ModelRunner) -> None:
+    before = fill_random(runner)
+    runner.swap_out(copies((1, 4), (7, 0), (3, 5)))
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, dtype=runner.kv_cache.dtype) - 3.0)
+    runner.swap_in(copies((4, 8), (0, 2), (5, 6)))
+    for kv_src, kv_dst in ((1, 8), (7, 2), (3, 6)):
+        assert torch.equal(block(runner.kv_cache, kv_dst), block(before, kv_src))
+
+
+def test_swapped_out_blocks_come_back_bit_for_bit_into_other_blocks(runner):
+    round_trip(runner)
+
+
+def test_a_swap_in_touches_only_its_destination_blocks(runner):
+    runner.swap_out(copies((2, 3)))
+    before = fill_random(runner)
+    runner.swap_in(copies((3, 9)))
+    after = runner.kv_cache.cpu()
+    untouched = [b for b in range(NUM_BLOCKS) if b != 9]
+    assert torch.equal(after[:, :, untouched], before[:, :, untouched])
+
+
+def test_a_plan_swaps_out_before_it_swaps_in_copies_or_runs_its_forward(runner):
+    """Block 2 is swapped out and receives a swap-in; block 5 is swapped out and receives a copy;
+    block 6 is swapped out and a new sequence's forward writes its K/V there, all in one plan."""
+    sent = []
+    loop = StepLoop(runner, SequenceMirrors(), type("Sock", (), {"send": lambda self, m: sent.append(m)})(), rank=0)
+    before = fill_random(runner)
+    loop.run_plan(engine_pb2.StepPlan(step_id=0, swap_out=copies((1, 0))))  # host block 0 holds block 1
+    loop.run_plan(engine_pb2.StepPlan(
+        step_id=1,
+        swap_out=copies((2, 3), (5, 4), (6, 1)),
+        swap_in=copies((0, 2)),
+        block_copies=copies((2, 8), (7, 5)),  # 2 -> 8 sees the swapped-in block
+        new_seqs=[engine_pb2.NewSequence(seq_id=1, token_ids=[5, 6, 7], num_prompt_tokens=3, block_ids=[6],
+                                         num_scheduled_tokens=3, sampling=engine_pb2.SamplingOptions())],
+    ))
+    loop.reply_pending()
+    results = [engine_pb2.ExecutorToScheduler.FromString(m).result for m in sent]
+    assert [r.error for r in results] == [""] * len(results) and results[-1].sampled[0].seq_id == 1
+    host, kv = runner.host_pool.cache, runner.kv_cache
+    for kv_src, host_dst in ((1, 0), (2, 3), (5, 4), (6, 1)):
+        assert torch.equal(host_block(host, host_dst), block(before, kv_src))
+    assert torch.equal(block(kv, 2), block(before, 1))
+    assert torch.equal(block(kv, 8), block(before, 1))
+    assert torch.equal(block(kv, 5), block(before, 7))
+    written, kept = kv[:, :, 6, :3], kv[:, :, 6, 3:]  # the forward wrote 3 tokens' K/V into block 6
+    assert not torch.equal(written, before[:, :, 6, :3]) and torch.equal(kept, before[:, :, 6, 3:])
+
+
+def test_a_plan_naming_a_block_outside_a_pool_fails_on_the_host(runner):
+    with pytest.raises(RuntimeError, match="swap_out"):
+        runner.swap_out(copies((0, NUM_HOST_BLOCKS)))
+    with pytest.raises(RuntimeError, match="swap_in"):
+        runner.swap_in(copies((0, NUM_BLOCKS)))
+
+
+def block_bytes(runner: ModelRunner) -> int:
+    f = runner.facts  # the tiny Llama: 2 layers, 2 KV heads of 16, fp32
+    assert (f.num_layers, f.num_kv_heads, f.head_dim) == (2, 2, 16)
+    return 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("swap_args, expected", [
+    (dict(num_host_blocks=None, swap_space_gb=0.001), lambda b: int(0.001 * 2**30) // b),
+    (dict(num_host_blocks=3, swap_space_gb=1.0), lambda b: 3),  # the block count overrides the budget
+])
+def test_the_handshake_reports_the_host_pool_size(tiny_llama, swap_args, expected):
+    r = make_runner(tiny_llama, **swap_args)
+    n = expected(block_bytes(r))
+    assert r.handshake().num_host_blocks == n > 0
+    assert r.host_pool.cache.shape == (n, 2, 2, BLOCK_SIZE, 2, 16) and r.host_pool.cache.dtype == r.kv_cache.dtype
+
+
+@pytest.mark.parametrize("swap_args", [dict(num_host_blocks=None), dict(num_host_blocks=0, swap_space_gb=1.0)])
+def test_no_swap_space_means_no_host_pool(tiny_llama, swap_args):
+    r = make_runner(tiny_llama, **swap_args)
+    assert r.handshake().num_host_blocks == 0 and r.host_pool is None
+    r.swap_out([])  # an empty swap is no swap
+    with pytest.raises(RuntimeError, match="no host pool"):
+        r.swap_out(copies((0, 0)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_swap_round_trip_on_cuda_through_pinned_memory(tiny_llama, device):
+    r = make_runner(tiny_llama, device=device, dtype="bfloat16")
+    assert r.host_pool.cache.is_pinned() and r.host_pool.cache.dtype == torch.bfloat16
+    round_trip(r)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_cuda_swap_out_sees_writes_still_queued_on_the_stream(tiny_llama, device):
+    r = make_runner(tiny_llama, device=device)
+    fill_random(r)
+    x = torch.randn(2048, 2048, device=device)
+    for _ in range(20):  # keep the stream busy so the write below is still queued
+        x = torch.tanh(x @ x / 2048**0.5)  # bounded: no inf or nan
+    r.kv_cache[:, :, 4] = x.flatten()[: r.kv_cache[:, :, 4].numel()].view_as(r.kv_cache[:, :, 4]) + 1.0
+    expected = r.kv_cache[:, :, 4].clone()
+    r.swap_out(copies((4, 2)))
+    torch.cuda.synchronize()  # the copy is queued, not waited for: only later copies read the host block
+    assert torch.equal(r.host_pool.cache[2], expected.cpu())

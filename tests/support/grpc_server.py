@@ -1,0 +1,104 @@
+"""Start `nanoserve serve` as a real process (frontend + scheduler + executor on the CPU) for tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import generation_pb2_grpc
+from scheduler_svc.common.model_paths import default_model_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Small engine: a 512-token context keeps "prompt too long" cheap; 1024 blocks hold 200 short streams.
+ENGINE_FLAGS = ["--device", "cpu", "--num-gpu-blocks", "1024", "--max-model-len", "512"]
+
+
+def smol_dir() -> str:
+    path = default_model_dir()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise RuntimeError(f"embedded model missing at {path}: run `make model`")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+    channel: grpc.Channel
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+    def health(self, service: str = "", metadata=None) -> int:
+        return health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5, metadata=metadata).status
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.channel.close()
+        return self.proc.returncode
+
+
+def wait_serving(server: RunningServer, timeout: float, metadata=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if server.health(metadata=metadata) == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server not SERVING after {timeout:.0f}s:\n{server.log()[-4000:]}")
+
+
+def start_server(log_dir, *flags: str, channel_factory=None, startup_timeout: float = 180.0,
+                 wait: bool = True) -> RunningServer:
+    """`nanoserve serve` on a free port with the embedded model; waits for SERVING unless wait=False."""
+    port = free_port()
+    log_path = os.path.join(str(log_dir), f"serve-{port}.log")
+    argv = [sys.executable, "-m", "scheduler_svc.entrypoints.cli", "serve", "--model", smol_dir(), "--port", str(port),
+            *ENGINE_FLAGS, *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    addr = f"127.0.0.1:{port}"
+    channel = channel_factory(addr) if channel_factory else grpc.insecure_channel(addr)
+    server = RunningServer(proc, port, log_path, channel)
+    if wait:
+        try:
+            wait_serving(server, startup_timeout)
+        except BaseException:
+            server.stop()
+            raise
+    return server
