@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from executor_svc.seq_mirror import SequenceMirrors  # noqa: E402  (no torch: mirrors are plain python)
 from protos import engine_pb2  # noqa: E402
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
+from scheduler_svc.core.scheduler_config import SchedulerConfig  # noqa: E402
 from scheduler_svc.core.sequence import Sequence  # noqa: E402
 from scheduler_svc.core.step_plan import build_step_plan  # noqa: E402
 

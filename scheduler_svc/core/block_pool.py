@@ -43,10 +43,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return len(self.blocks) - len(self.free_queue)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.hash_to_block)
-
     def is_cached(self, block: Block) -> bool:
         return block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block.block_id
 

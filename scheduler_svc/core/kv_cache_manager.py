@@ -1,25 +1,12 @@
-"""KV block policy: which blocks a sequence gets, prefix-cache lookups, hashing, fork and copy-on-write,
-and swapping a sequence's blocks to the executors' host pool and back."""
+"""The KV cache manager: policy over the block pool. Which blocks a sequence gets (prefix-cache hits first),
+fork and copy-on-write, and swapping a sequence's blocks to the executors' host pool and back."""
 from __future__ import annotations
 
-import secrets
-from array import array
-
-import xxhash
-
 from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.prefix_cache import find_cached_prefix, hash_full_blocks
 from scheduler_svc.core.sequence import Sequence
 
 BlockIds = list[int] | tuple[int, ...]
-
-# A per-process seed, so colliding token blocks cannot be prepared offline. Lookups verify tokens anyway.
-_HASH_SEED = secrets.randbits(64)
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...] | list[int]) -> int:
-    """Chained hash of one full block: it names the block's tokens and everything before them."""
-    parent = b"" if parent_hash is None else parent_hash.to_bytes(16, "little")
-    return xxhash.xxh3_128_intdigest(parent + array("i", token_ids).tobytes(), seed=_HASH_SEED)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,25 +34,14 @@ class BlockManager:
         return self.pool.num_free_blocks
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        """Cached blocks that hold seq's leading full blocks, and how many tokens they cover.
+        """Cached blocks that hold seq's leading full blocks (prefix_cache.py), and how many tokens they cover.
 
-        The hit never covers every token: the last one must be computed to get logits.
         Takes no references; pass the blocks to allocate().
         """
         if not self.enable_prefix_caching:
             return [], 0
-        bs, tokens = self.block_size, seq.token_ids
-        block_ids: list[int] = []
-        parent = None
-        for i in range((len(tokens) - 1) // bs):
-            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
-            block_hash = hash_block(parent, block_tokens)
-            block_id = self.pool.lookup(block_hash, parent, block_tokens)
-            if block_id is None:
-                break
-            block_ids.append(block_id)
-            parent = block_hash
-        return block_ids, len(block_ids) * bs
+        block_ids = find_cached_prefix(self.pool, self.block_size, seq.token_ids)
+        return block_ids, len(block_ids) * self.block_size
 
     def num_blocks_to_take(self, seq: Sequence, num_tokens: int, computed_blocks: BlockIds = ()) -> int:
         """Free-pool blocks that growing seq to num_tokens tokens would use (revived hits included)."""
@@ -146,16 +122,8 @@ class BlockManager:
 
     def hash_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Make the full blocks covered by computed tokens findable. Call only after their step succeeded."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), num_computed_tokens // bs):  # usually empty: cheap to call
-            parent = seq.block_hashes[i - 1] if i else None
-            block_tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block_hash = hash_block(parent, block_tokens)
-            # If another block already holds these contents, it keeps the index entry.
-            self.pool.set_hash(seq.block_table[i], block_hash, parent, block_tokens)
-            seq.block_hashes.append(block_hash)
+        if self.enable_prefix_caching:
+            hash_full_blocks(self.pool, self.block_size, seq, num_computed_tokens)
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
         """Give child the blocks holding parent's first num_tokens tokens (all by default), shared.

@@ -5,8 +5,9 @@ chunked prefill, so decodes and several prefill chunks share one step. When bloc
 recently admitted sequence is preempted: swapped to the executors' host pool when it has room (its KV
 comes back with swap-in copies, before waiting sequences are admitted), else by recompute.
 
-Beam search runs its beams as sequences of the scheduler's own (beam_scheduler.py); parallel samples
-fork their first sibling's computed prompt. Forked sequences copy the shared block they write first.
+Request groups act through the small GroupHost interface (groups/group_host.py): parallel samples fork
+their first sibling's computed prompt, and beam search runs its beams as sequences of its own. Forked
+sequences copy the shared block they write first.
 
 schedule() may run again before the previous step's result is back (async scheduling): it advances
 num_computed_tokens at once and counts each sample still in flight as a placeholder token, which the
@@ -15,17 +16,20 @@ executors fill in on their side; postprocess() later replaces the placeholder wi
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos import engine_pb2
 from scheduler_svc.core.groups.beam_scheduler import BeamScheduler
+from scheduler_svc.core.groups.parallel_samples import ParallelSamples
 from scheduler_svc.core.kv_cache_manager import BlockManager
+from scheduler_svc.core.scheduler_config import SchedulerConfig
+from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_rule_for
 
-STOP = engine_pb2.FINISH_REASON_STOP
-LENGTH = engine_pb2.FINISH_REASON_LENGTH
 ABORT = engine_pb2.FINISH_REASON_ABORT
-UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
+RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
+                                       SequenceStatus.FINISHED)
 
 
 def _queue_order(seq: Sequence) -> tuple[int, int]:
@@ -34,67 +38,18 @@ def _queue_order(seq: Sequence) -> tuple[int, int]:
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    enable_prefix_caching: bool = True
-    eos_token_ids: tuple[int, ...] = ()
-    num_host_blocks: int = 0  # the executors' host (swap) pool; 0 preempts by recompute only
+class SchedulerCounters:
+    """Cumulative counts, named as the fields of engine_pb2.SchedulerStats."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # compute tokens [start, start + num_new_tokens)
-    is_new: bool  # the executors must receive it in full (first admission or after preemption)
-    start: int = 0  # num_computed_tokens before this step
-    samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
-    epoch: int = 0  # seq.epoch when planned
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    preempted_seq_ids: list[int]  # dropped from the executors; they come back as new
-    finished_seq_ids: list[int]  # finished or aborted since the last step that ran, mirrored by executors
-    num_batched_tokens: int
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV block, host block), run first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    seq: Sequence
-    new_token_id: int | None  # None for a prefill chunk that did not reach the end
-    finish_reason: int  # engine_pb2.FinishReason; UNSPECIFIED while running
-
-
-@dataclass(frozen=True, slots=True)
-class StopRule:
-    """A sequence's stop conditions, resolved once at add() so checking a token is cheap."""
-
-    token_ids: frozenset[int]  # EOS (unless ignore_eos) and the request's stop token ids
-    min_tokens: int  # outputs before which those tokens do not stop it
-    max_num_tokens: int  # total length at which it ends with LENGTH (max_tokens or the length limit)
-
-
-@dataclass
-class _Counters:
     num_preemptions: int = 0
     num_swap_outs: int = 0
     num_finished: int = 0
     num_aborted: int = 0
     num_generated_tokens: int = 0
-    num_steps: int = 0
+    num_steps: int = 0  # steps whose result was applied (failed ones included)
+    num_partial_prefill_chunks: int = 0  # chunks that did not reach their sequence's end
+    num_mixed_steps: int = 0  # steps with both decodes and prefill chunks
+    num_prefill_tokens: int = 0
 
 
 class Scheduler:
@@ -111,12 +66,19 @@ class Scheduler:
         self.pending_swap_outs: list[tuple[int, int]] = []  # for the next plan that runs
         self.requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
-        self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished only
-        self.group_leaders: dict[str, Sequence] = {}  # group_id -> the first of its parallel samples
-        self.num_waiting_samples = 0  # parallel samples waiting to fork their first sibling's prompt
+        self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished requests only
+        self.samples = ParallelSamples(self)
         self.beams = BeamScheduler(self)
-        self.counters = _Counters()
+        self.counters = SchedulerCounters()
         self._next_arrival = 0
+        self._next_seq_id = 1
+
+    def new_seq_id(self) -> int:
+        """A fresh id for a request's sequence (beams draw from a range of their own)."""
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    # ------------------------------------------------------------------ requests
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. Raises ValueError for one that could never run."""
@@ -132,21 +94,18 @@ class Scheduler:
                 f" x block_size={cfg.block_size} = {cfg.num_blocks * cfg.block_size} tokens")
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight")
-        rule = self._stop_rule(seq)
+        rule = stop_rule_for(seq, self.eos_token_ids, self.max_seq_len)
         search = self.beams.check(seq, rule) if seq.beam_options is not None else None
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         self.requests[seq.request_id] = seq
         self.stop_rules[seq.seq_id] = rule
         if search is not None:  # a member waits outside the queues; its search's beams run for it
             self.beams.join(search, seq)
             return
         if seq.group_id:
-            leader = self.group_leaders.setdefault(seq.group_id, seq)
-            if leader is not seq:
-                seq.leader = leader
-                self.num_waiting_samples += 1
+            self.samples.add(seq)
         self.push_waiting(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -156,27 +115,50 @@ class Scheduler:
             return None
         if seq.beam_options is not None:
             self.beams.leave(seq)
-        else:
-            self.unlink(seq)
-        self.finish(seq, ABORT)
+        self.retire(seq, ABORT)
         self.counters.num_aborted += 1
         return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def request_ids(self, seq: Sequence) -> list[str]:
+        """The requests a sequence serves: its own, or for a beam its search's members."""
+        if seq.beam is None:
+            return [seq.request_id]
+        return [m.request_id for m in seq.beam.members]
+
+    # ------------------------------------------------------------------ schedule
+
     def schedule(self) -> SchedulerOutput:
         """This step's work. Build the plan from it right away: an abort changes the sequences it names."""
-        budget = self.config.max_num_batched_tokens
+        if self.samples.num_waiting:
+            self.samples.fork_ready()
         scheduled: list[ScheduledSeq] = []
         preempted: list[int] = []
         block_copies: list[tuple[int, int]] = []
         num_preemptions = self.counters.num_preemptions
-        bm = self.block_manager
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, block_copies)
+        swap_in: list[tuple[int, int]] = []
+        # Admit only while memory is not short (nothing was preempted this step).
+        if self.counters.num_preemptions == num_preemptions:
+            self._schedule_waiting(budget, scheduled, swap_in)
+        for s in scheduled:  # running ones are mirrored already; admitted ones are sent in full now
+            s.seq.in_executor = True
+        # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
+        finished, swap_out = [], []
+        if scheduled:
+            finished, self.finished_to_drop = self.finished_to_drop, []
+            swap_out, self.pending_swap_outs = self.pending_swap_outs, []
+        num_batched = sum(s.num_new_tokens for s in scheduled)
+        return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
+                               has_prefill=self._count_step(scheduled) if scheduled else False)
 
-        bs = self.config.block_size
-        if self.num_waiting_samples:
-            self._fork_parallel_samples()
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[int],
+                          block_copies: list[tuple[int, int]]) -> int:
+        """Decodes and unfinished prefill chunks of running sequences, preempting when blocks run out.
+        Returns the token budget left."""
+        bm, bs = self.block_manager, self.config.block_size
         running, stop_rules = self.running, self.stop_rules
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
@@ -189,36 +171,30 @@ class Scheduler:
                 i += 1  # nothing to compute, a beam waiting for its round, or samples in flight reach its limit
                 continue
             end = start + num_new
-            is_new = not seq.in_executor  # forked since the last step: it may write a shared block
-            if is_new:
+            if not seq.in_executor:  # forked since the last step: it may write a shared block
                 if not self._make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
                 block_copies += bm.copy_on_write(seq)
                 bm.allocate(seq, end)
-                seq.in_executor = True
             elif end > len(seq.block_table) * bs:  # most decodes fit in the table they have
                 if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
                     break
                 bm.allocate(seq, end)
-            samples = end == total
-            seq.num_computed_tokens = end
-            if samples:
-                seq.num_placeholders = placeholders + 1
-            scheduled.append(ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch))
+            scheduled.append(self._advance(seq, num_new, is_new=not seq.in_executor))
             budget -= num_new
             i += 1
+        return budget
 
-        num_running_scheduled = len(scheduled)
-        # Admit waiting sequences in order, unless memory is already short (something was preempted).
-        # Stopping at the first that does not fit keeps it from starving.
-        admit = self.counters.num_preemptions == num_preemptions
-        index = 0
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> None:
+        """Resume swapped sequences, then admit waiting ones in order while they fit. Stopping at the first
+        that does not fit keeps it from starving."""
         # started beam searches hold room for all their beams, so forking never passes max_num_seqs
         reserved = self.beams.slots_reserved() if self.beams.searches else 0
-        swap_in: list[tuple[int, int]] = []
-        if admit and self.swapped:
+        if self.swapped:
             budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
-        while admit and index < len(self.waiting) and budget > 0:
+        bm = self.block_manager
+        index = 0
+        while index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
             if not self._has_room(seq, reserved):
                 break
@@ -239,16 +215,6 @@ class Scheduler:
             self._run_new(seq, num_new, scheduled)
             reserved -= seq.beam is not None
             budget -= num_new
-
-        for s in scheduled[num_running_scheduled:]:  # running ones are mirrored; admitted ones are sent in full now
-            s.seq.in_executor = True
-        # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
-        finished, swap_out = [], []
-        if scheduled:
-            finished, self.finished_to_drop = self.finished_to_drop, []
-            swap_out, self.pending_swap_outs = self.pending_swap_outs, []
-        return SchedulerOutput(scheduled, preempted, finished, self.config.max_num_batched_tokens - budget,
-                               block_copies, swap_out, swap_in)
 
     def _resume_swapped(self, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
                         reserved: int) -> tuple[int, int]:
@@ -277,7 +243,7 @@ class Scheduler:
 
     def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
         """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
-        seq.status = SequenceStatus.RUNNING
+        seq.status = RUNNING
         self.running.append(seq)
         scheduled.append(self._advance(seq, num_new, is_new=True))
 
@@ -290,7 +256,8 @@ class Scheduler:
                 return False
         return True
 
-    def _advance(self, seq: Sequence, num_new: int, is_new: bool) -> ScheduledSeq:
+    @staticmethod
+    def _advance(seq: Sequence, num_new: int, is_new: bool) -> ScheduledSeq:
         """Commit a chunk at schedule time; a chunk that reaches the end leaves a placeholder token."""
         start = seq.num_computed_tokens
         samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
@@ -298,64 +265,83 @@ class Scheduler:
         seq.num_placeholders += samples
         return ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch)
 
+    def _count_step(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Count the step's shape; True when it computes prefill tokens."""
+        c = self.counters
+        decodes = prefills = 0
+        for s in scheduled:
+            c.num_partial_prefill_chunks += not s.samples
+            if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefills += 1
+                c.num_prefill_tokens += s.num_new_tokens
+        c.num_mixed_steps += bool(decodes and prefills)
+        return prefills > 0
+
+    # ------------------------------------------------------------------ postprocess
+
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
                     candidates: dict[int, tuple[list[int], list[float]]] | None = None) -> list[StepUpdate]:
-        """Apply a successful step: hash newly full blocks, append samples, check stops.
+        """Apply a successful step: hash newly full blocks, append samples, check stops. A failed step is
+        applied with nothing sampled, after its requests were aborted.
 
-        candidates: a beam's top continuations (token ids, logprobs; best first), by seq id.
+        candidates: each sampled sequence's top continuations (token ids, logprobs; best first), which beams
+        choose among; plain sequences ignore them.
         """
-        finished = SequenceStatus.FINISHED
-        live = [s for s in out.scheduled if s.seq.status is not finished]  # skip ones aborted while in flight
+        live = [s for s in out.scheduled if s.seq.status is not FINISHED]  # skip ones aborted while in flight
         for s in live:
             if s.samples and s.seq.seq_id not in sampled:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
         updates: list[StepUpdate] = []
-        num_finished = 0
+        c = self.counters
+        any_finished = False
         rounds = []  # beam searches whose every beam has reported
         for s in live:
             seq = s.seq
-            token, reason = None, UNFINISHED
             if seq.beam is not None:
                 self.beams.report(s, candidates, rounds)
                 continue
+            token, reason = None, UNFINISHED
             if s.samples:
                 token = sampled[seq.seq_id]
                 seq.num_placeholders -= 1
                 seq.token_ids.append(token)
                 seq.last_token_unsent = True
-                reason = self._check_stop(seq, token)
+                reason = check_stop(seq, self.stop_rules[seq.seq_id], token)
+                c.num_generated_tokens += 1
             self.hash_computed(s)
             if not seq.prompt_computed and s.start + s.num_new_tokens >= seq.num_prompt_tokens \
-                    and s.epoch == seq.epoch and seq.status is SequenceStatus.RUNNING:
+                    and s.epoch == seq.epoch and seq.status is RUNNING:
                 seq.prompt_computed = True  # its parallel samples may fork it now
             if reason != UNFINISHED:
-                if seq.status is not SequenceStatus.RUNNING:  # preempted after this step was sent
-                    self.unlink(seq)
-                self.finish(seq, reason)
-                num_finished += 1
+                if seq.status is RUNNING:
+                    self._release(seq, reason)  # taken out of running below, all at once
+                    any_finished = True
+                else:  # preempted after this step was sent
+                    self.retire(seq, reason)
+                c.num_finished += 1
             updates.append(StepUpdate(seq, token, reason))
         for search in rounds:
-            members = self.beams.advance(search)  # those that got their hypotheses
-            updates += [StepUpdate(m, None, m.finish_reason) for m in members]
-            num_finished += len(members)
-        c = self.counters
+            for member in self.beams.advance(search):  # the members that got their hypotheses
+                updates.append(StepUpdate(member, None, member.finish_reason))
+                c.num_finished += 1
+                c.num_generated_tokens += member.num_output_tokens
         c.num_steps += 1
-        c.num_finished += num_finished
-        c.num_generated_tokens += sum(u.new_token_id is not None for u in updates)
-        if num_finished:
-            self.running = [seq for seq in self.running if seq.status is not finished]
+        if any_finished:
+            self.running = [seq for seq in self.running if seq.status is not FINISHED]
         return updates
 
     def hash_computed(self, s: ScheduledSeq) -> None:
-        """Blocks this step filled, with every token known, are now safe to share."""
+        """Blocks this step filled, with every token known, are now safe to share (invariant 6)."""
         seq = s.seq
         computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
-        if computed // self.config.block_size > len(seq.block_hashes) and seq.status is SequenceStatus.RUNNING \
+        if computed // self.config.block_size > len(seq.block_hashes) and seq.status is RUNNING \
                 and s.epoch == seq.epoch:
             self.block_manager.hash_full_blocks(seq, computed)
 
     def stats(self) -> dict:
-        """Counters, named as the fields of engine_pb2.SchedulerStats."""
+        """Queue sizes, KV blocks and counters, named as the fields of engine_pb2.SchedulerStats."""
         bm = self.block_manager
         return dict(
             num_running=len(self.running),
@@ -368,67 +354,46 @@ class Scheduler:
             **vars(self.counters),
         )
 
-    def _stop_rule(self, seq: Sequence) -> StopRule:
-        stopping = seq.stopping
-        token_ids = set(stopping.stop_token_ids)
-        if not stopping.ignore_eos:
-            token_ids |= self.eos_token_ids
-        max_num_tokens = self.max_seq_len
-        if stopping.max_tokens > 0:  # 0 means unset: only the length limit applies
-            max_num_tokens = min(max_num_tokens, seq.num_prompt_tokens + stopping.max_tokens)
-        return StopRule(frozenset(token_ids), stopping.min_tokens, max_num_tokens)
-
-    def _check_stop(self, seq: Sequence, token: int) -> int:
-        rule = self.stop_rules[seq.seq_id]
-        if token in rule.token_ids and len(seq.token_ids) - seq.num_prompt_tokens >= rule.min_tokens:
-            seq.stop_token_id = token
-            return STOP
-        if len(seq.token_ids) >= rule.max_num_tokens:
-            return LENGTH
-        return UNFINISHED
-
-    def request_ids(self, seq: Sequence) -> list[str]:
-        """The requests a sequence serves: its own, or for a beam its search's members."""
-        if seq.beam is None:
-            return [seq.request_id]
-        return [m.request_id for m in seq.beam.members]
-
-    # ------------------------------------------------------------------ parallel samples
-
-    def _fork_parallel_samples(self) -> None:
-        """Parallel samples share one prompt: once a step that computed all of it for the first sibling has
-        succeeded, the others fork its prompt blocks and compute only the prompt's last token, for their own
-        logits. The running loop then copies the block they write (copy-on-write)."""
-        reserved = self.beams.slots_reserved() if self.beams.searches else 0
-        for seq in [s for s in self.waiting if s.leader is not None]:
-            leader = seq.leader
-            if leader.status is SequenceStatus.FINISHED:
-                seq.leader = None  # admitted on its own, through the prefix cache
-                self.num_waiting_samples -= 1
-                continue
-            if leader.status is not SequenceStatus.RUNNING or not leader.prompt_computed:
-                continue
-            if len(self.running) + reserved >= self.config.max_num_seqs:
-                return
-            self.waiting.remove(seq)
-            self.block_manager.fork(leader, seq, seq.num_prompt_tokens)
-            seq.leader = None
-            self.num_waiting_samples -= 1
-            seq.num_computed_tokens = seq.num_prompt_tokens - 1
-            seq.status = SequenceStatus.RUNNING
-            if not seq.admitted_once:
-                seq.admitted_once, seq.num_cached_tokens = True, seq.num_computed_tokens
-            self.running.append(seq)  # sent in full with its first step (in_executor is False)
+    # ------------------------------------------------------------------ queues (the GroupHost interface)
 
     def push_waiting(self, seq: Sequence) -> None:
         # A preempted sequence is older than every waiting one of its priority, so it lands at the front.
+        seq.status = WAITING
         bisect.insort(self.waiting, seq, key=_queue_order)
 
-    def unlink(self, seq: Sequence) -> None:
-        """Take an unfinished sequence out of its queue."""
-        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.WAITING: self.waiting,
-                 SequenceStatus.SWAPPED: self.swapped}[seq.status]
-        queue.remove(seq)
+    def run_forked(self, seq: Sequence, num_computed_tokens: int) -> None:
+        seq.num_computed_tokens = num_computed_tokens
+        if not seq.admitted_once:
+            seq.admitted_once, seq.num_cached_tokens = True, num_computed_tokens
+        seq.status = RUNNING
+        self.running.append(seq)  # sent in full with its first step (in_executor is False)
+
+    def running_has_room(self) -> bool:
+        reserved = self.beams.slots_reserved() if self.beams.searches else 0
+        return len(self.running) + reserved < self.config.max_num_seqs
+
+    def retire(self, seq: Sequence, reason: int) -> None:
+        """The one way a sequence ends (finished, aborted, or a beam no longer needed): out of its queue, its
+        blocks back to the pool in this same step (invariant 7), the executors told to drop their mirror."""
+        queue = {RUNNING: self.running, WAITING: self.waiting, SWAPPED: self.swapped}.get(seq.status)
+        if queue is not None and seq.beam_options is None:  # beam-search members wait outside the queues
+            queue.remove(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: int) -> None:
+        """retire() without taking seq out of its queue: the caller does that."""
+        self.block_manager.free(seq)
+        seq.status = FINISHED
+        seq.finish_reason = reason
+        seq.num_placeholders = 0  # samples still in flight for it are discarded
+        if self.requests.get(seq.request_id) is seq:
+            del self.requests[seq.request_id]
+            del self.stop_rules[seq.seq_id]
+            if seq.group_id and seq.beam_options is None:
+                self.samples.on_retire(seq)
+        if seq.in_executor:
+            self.finished_to_drop.append(seq.seq_id)
+        self._drop_mirror(seq)
 
     def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
         """Swap it out when the host pool has room, else preempt by recompute: drop its KV and send it back
@@ -436,40 +401,22 @@ class Scheduler:
         self.running.remove(seq)
         if seq.in_executor:
             preempted.append(seq.seq_id)  # resent in full when it runs again, with its new block table
-        self.drop_mirror(seq)
+        self._drop_mirror(seq)
         seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
         self.counters.num_preemptions += 1
         if self.block_manager.can_swap_out(seq):
             self.pending_swap_outs += self.block_manager.swap_out(seq)
-            seq.status = SequenceStatus.SWAPPED
+            seq.status = SWAPPED
             bisect.insort(self.swapped, seq, key=_queue_order)
             self.counters.num_swap_outs += 1
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.prompt_computed = False
-        seq.status = SequenceStatus.WAITING
         self.push_waiting(seq)
 
-    def finish(self, seq: Sequence, reason: int) -> None:
-        """Terminal: blocks go back to the pool in this same step (invariant 7). Caller unlinks the queue."""
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.num_placeholders = 0  # samples still in flight for it are discarded
-        if seq.leader is not None:
-            self.num_waiting_samples -= 1
-            seq.leader = None
-        if self.group_leaders.get(seq.group_id) is seq:
-            del self.group_leaders[seq.group_id]
-        del self.requests[seq.request_id]
-        del self.stop_rules[seq.seq_id]
-        if seq.in_executor:
-            self.finished_to_drop.append(seq.seq_id)
-        self.drop_mirror(seq)
-
     @staticmethod
-    def drop_mirror(seq: Sequence) -> None:
+    def _drop_mirror(seq: Sequence) -> None:
         seq.in_executor = False
         seq.num_blocks_sent = 0
         seq.last_token_unsent = False

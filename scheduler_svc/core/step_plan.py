@@ -8,7 +8,7 @@ planned before the previous step's tokens reach the scheduler; last_token_id is 
 from __future__ import annotations
 
 from protos import engine_pb2
-from scheduler_svc.core.scheduler import SchedulerOutput
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 
 
 def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = True) -> engine_pb2.StepPlan:

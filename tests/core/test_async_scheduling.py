@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from support.fake_executor import FakeExecutor, check_block_references
 from protos import engine_pb2
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 
 EOS = 0

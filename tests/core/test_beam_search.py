@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 from protos import engine_pb2
 from scheduler_svc.core.groups.beam_search import LENGTH, STOP, BeamSearch
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 from support.fake_executor import FakeExecutor, check_block_references
 

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from protos import engine_pb2
-from scheduler_svc.core import kv_cache_manager as bm_module
-from scheduler_svc.core.kv_cache_manager import BlockManager, hash_block
+from scheduler_svc.core import prefix_cache as prefix_cache_module
+from scheduler_svc.core.kv_cache_manager import BlockManager
+from scheduler_svc.core.prefix_cache import hash_block
 from scheduler_svc.core.sequence import Sequence
 
 _ids = itertools.count()
@@ -122,7 +123,7 @@ def test_a_repurposed_block_drops_its_stale_hash():
 
 
 def test_a_forged_hash_collision_is_rejected_by_token_verification(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 42)
+    monkeypatch.setattr(prefix_cache_module, "hash_block", lambda parent, tokens: 42)
     bm = BlockManager(num_blocks=8, block_size=2)
     a = admit(bm, [1, 2, 3, 4, 5])
     assert bm.pool.hash_to_block == {42: a.block_table[0]}  # the colliding second block is not indexed

@@ -8,7 +8,8 @@ import zlib
 from hypothesis import given, settings, strategies as st
 
 from protos import engine_pb2
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 from support.fake_executor import FakeExecutor, check_block_references
 from support.tiny_checkpoints import tiny_checkpoint
@@ -115,7 +116,7 @@ def test_forked_samples_read_only_their_own_history_under_pressure(n, prompt_len
         check_block_references(sched)
     assert not sched.has_unfinished()
     assert all(s.num_output_tokens == max_tokens for s in seqs)
-    assert sched.block_manager.num_free_blocks == num_blocks and sched.num_waiting_samples == 0
+    assert sched.block_manager.num_free_blocks == num_blocks and sched.samples.num_waiting == 0
 
 
 def test_greedy_parallel_samples_through_the_engine_match_one_sample_and_share_the_prompt(tmp_path_factory):

@@ -6,27 +6,25 @@ which continuations survive; this file moves sequences and blocks accordingly.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from protos import engine_pb2
 from scheduler_svc.core.groups.beam_search import BeamSearch
+from scheduler_svc.core.groups.group_host import GroupHost
+from scheduler_svc.core.scheduler_output import ScheduledSeq
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from scheduler_svc.core.scheduler import ScheduledSeq, Scheduler, StopRule
+from scheduler_svc.core.stop_rules import StopRule
 
 BEAM_SEQ_ID_BASE = 1 << 62  # beams get seq ids from here, apart from those of requests
 
 
 class BeamScheduler:
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self.sched = scheduler
+    def __init__(self, host: GroupHost) -> None:
+        self.host = host
         self.searches: dict[str, BeamSearch] = {}  # group_id -> its search, from its first member on
         self._next_seq_id = BEAM_SEQ_ID_BASE
 
-    def check(self, member: Sequence, rule: "StopRule") -> BeamSearch:
+    def check(self, member: Sequence, rule: StopRule) -> BeamSearch:
         """The search a new member joins (made with the first one). Raises ValueError for a bad member."""
-        opts, cfg = member.beam_options, self.sched.config
+        opts, cfg = member.beam_options, self.host.config
         if not 1 <= opts.num_requests <= opts.beam_width:
             raise ValueError(f"beam search: num_requests must be in [1, beam_width={opts.beam_width}], "
                              f"got {opts.num_requests}")
@@ -74,10 +72,10 @@ class BeamScheduler:
         return sum(s.width - sum(b.status is SequenceStatus.RUNNING for b in s.beams)
                    for s in self.searches.values() if s.started)
 
-    def report(self, s: "ScheduledSeq", candidates, rounds: list[BeamSearch]) -> None:
+    def report(self, s: ScheduledSeq, candidates, rounds: list[BeamSearch]) -> None:
         """A beam's step is back: hash its full blocks; a sampling step reports its candidates to the search."""
         seq, search = s.seq, s.seq.beam
-        self.sched.hash_computed(s)
+        self.host.hash_computed(s)
         if not s.samples:
             return
         seq.num_placeholders -= 1
@@ -103,12 +101,10 @@ class BeamScheduler:
             if c.logprobs is not None:
                 child.beam_logprobs = [*parent.beam_logprobs, c.logprobs]
             if parent.status is SequenceStatus.RUNNING:
-                self.sched.block_manager.fork(parent, child)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = SequenceStatus.RUNNING
-                self.sched.running.append(child)  # sent in full with its first step (in_executor is False)
+                self.host.block_manager.fork(parent, child)
+                self.host.run_forked(child, parent.num_computed_tokens)
             else:  # preempted: it recomputes from the prefix cache like any preempted sequence
-                self.sched.push_waiting(child)
+                self.host.push_waiting(child)
             children.append(child)
         for parent in parents:
             self.drop(parent)
@@ -117,16 +113,9 @@ class BeamScheduler:
         return []
 
     def drop(self, beam: Sequence) -> None:
-        """A beam that no continuation chose, or one of an ended search: free it and drop its mirror."""
-        sched = self.sched
+        """A beam that no continuation chose, or one of an ended search: retire it."""
         if beam.status is not SequenceStatus.FINISHED:
-            sched.unlink(beam)
-        sched.block_manager.free(beam)
-        beam.status = SequenceStatus.FINISHED
-        beam.num_placeholders = 0
-        if beam.in_executor:
-            sched.finished_to_drop.append(beam.seq_id)
-        sched.drop_mirror(beam)
+            self.host.retire(beam, engine_pb2.FINISH_REASON_ABORT)
 
     def _start(self, search: BeamSearch) -> None:
         first = search.members[0]
@@ -134,7 +123,7 @@ class BeamScheduler:
         search.started = True
         search.beams = [root]
         search.unreported = {root.seq_id}
-        self.sched.push_waiting(root)
+        self.host.push_waiting(root)
 
     def _new_beam(self, search: BeamSearch, token_ids: list[int], like: Sequence, cum_logprob: float) -> Sequence:
         beam = Sequence(
@@ -159,5 +148,5 @@ class BeamScheduler:
             member.stop_token_id = hyp.stop_token_id
             member.beam_logprobs = list(hyp.logprobs)
             member.num_cached_tokens = num_cached
-            self.sched.finish(member, hyp.finish_reason)
+            self.host.retire(member, hyp.finish_reason)
         return search.members

@@ -1,0 +1,38 @@
+"""What one step schedules (SchedulerOutput) and what its result does to each sequence (StepUpdate).
+
+The scheduler fills these; step_plan.py turns a SchedulerOutput into the StepPlan protobuf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # compute tokens [start, start + num_new_tokens)
+    is_new: bool  # the executors must receive it in full (first admission or after preemption)
+    start: int = 0  # num_computed_tokens before this step
+    samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
+    epoch: int = 0  # seq.epoch when planned
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted_seq_ids: list[int]  # dropped from the executors; they come back as new
+    finished_seq_ids: list[int]  # finished or aborted since the last step that ran, mirrored by executors
+    num_batched_tokens: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV block, host block), run first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
+    has_prefill: bool = False  # some chunk is not a decode (prompt tokens, or several new tokens)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    seq: Sequence
+    new_token_id: int | None  # None for a prefill chunk that did not reach the end
+    finish_reason: int  # engine_pb2.FinishReason; UNSPECIFIED while running
