@@ -1,7 +1,6 @@
 """User-facing sampling parameters, their validation, and their wire form."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from protos import engine_pb2
@@ -113,8 +112,7 @@ class SamplingParams:
         """
         beam = self.beam_search_options()
         group_id = request_ids[0] if beam is not None or len(request_ids) > 1 else ""
-        now = time.time()
         return [engine_pb2.AddRequest(
             request_id=rid, prompt_token_ids=prompt_token_ids, sampling=self.sampling_options(seed_offset=i),
-            stopping=self.stopping_options(), priority=priority, arrival_time=now, group_id=group_id,
+            stopping=self.stopping_options(), priority=priority, group_id=group_id,
             beam_search=beam) for i, rid in enumerate(request_ids)]
