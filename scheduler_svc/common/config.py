@@ -33,6 +33,8 @@ class EngineConfig:
     num_host_blocks: int | None = None  # host pool size in blocks; overrides swap_space_gb (tests)
     enforce_eager: bool = False
     executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
+    frontend_timeout_s: float = 10.0  # a front end silent this long is gone: its requests are aborted
+    beam_group_timeout_s: float = 30.0  # a beam search whose members have not all arrived by then fails
     load_format: str = "auto"  # auto: safetensors from --model; dummy: random weights (benchmarks)
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
@@ -67,6 +69,8 @@ class EngineConfig:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
+        need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
+             "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
         need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
         need(self.swap_space_gb >= 0, f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
@@ -113,6 +117,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
+    g.add_argument("--frontend-timeout-s", type=float, default=d["frontend_timeout_s"].default,
+                   help="abort the requests of a front end not heard from for this long")
+    g.add_argument("--beam-group-timeout-s", type=float, default=d["beam_group_timeout_s"].default,
+                   help="fail a beam search whose member requests have not all arrived by then")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d["async_scheduling"].default, help="plan the next step while the current one runs")
     g.add_argument("--max-steps-in-flight", type=int, default=d["max_steps_in_flight"].default,

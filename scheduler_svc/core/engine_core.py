@@ -4,18 +4,28 @@ prefix index (invariant 1).
 Each iteration it takes requests and aborts from front ends, plans a step, sends the plan to every
 executor rank, waits for rank 0's result, applies it, and sends per-request outputs back. The sockets
 are behind a Transport (scheduler_process.py has the ZeroMQ one), so the loop can be driven in tests.
+
+Every message is checked before it touches any state (message_checks.py); a bad one is dropped, logged
+with its peer's identity and counted. Every message out carries this process's epoch, so peers notice
+a restarted scheduler, and nothing an executor sent for an earlier epoch is ever applied.
 """
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from google.protobuf.message import DecodeError
+
 from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.common.profiling import PythonProfileWindow
+from scheduler_svc.core.executor_registry import EngineLostError, ExecutorRegistry, ExecutorReplaced
+from scheduler_svc.core.message_checks import (BadMessage, check_add_request, check_handshake, check_heartbeat,
+                                               check_step_result)
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
@@ -25,26 +35,16 @@ from scheduler_svc.core.step_plan import build_step_plan
 log = logging.getLogger("nanoserve.scheduler")
 
 IDLE_POLL_MS = 50
+HOUSEKEEPING_INTERVAL_S = 0.5  # how often silent front ends and incomplete beam searches are looked for
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
-
-
-class EngineLostError(Exception):
-    """An executor died or stopped answering."""
-
-
-class ExecutorReplaced(EngineLostError):
-    """A rank shook hands again from a new process: the old one is gone, with its KV pool."""
-
-    def __init__(self, handshake: engine_pb2.ExecutorHandshake) -> None:
-        super().__init__(f"executor rank {handshake.rank} restarted (now pid {handshake.pid})")
-        self.handshake = handshake
+ERROR = engine_pb2.FINISH_REASON_ERROR
 
 
 class Transport(Protocol):
     """The scheduler's two sockets: front ends and executors, each peer known by an opaque identity."""
 
     def send_frontend(self, identity: bytes, msg: engine_pb2.SchedulerToFrontend) -> None:
-        """Best effort: a front end that is gone loses the message."""
+        """Best effort, never blocking: a front end that is gone or not reading loses the message."""
 
     def send_executor(self, rank: int, msg: engine_pb2.SchedulerToExecutor) -> None:
         """Raises EngineLostError when the rank cannot be reached."""
@@ -75,11 +75,12 @@ class EngineCore:
         self.config = config
         self.transport = transport
         self.world_size = config.tensor_parallel_size
-        self.handshakes: dict[int, engine_pb2.ExecutorHandshake] = {}
-        self.last_seen: dict[int, float] = {}
+        self.epoch = secrets.randbits(63) | 1  # this process's incarnation; never 0, the "not yet known" value
+        self.executors = ExecutorRegistry(self.world_size, config.executor_timeout_s)
         self.scheduler: Scheduler | None = None  # made once every rank has shaken hands
         self.ready: engine_pb2.EngineReady | None = None
-        self.frontends: set[bytes] = set()
+        self.frontends: dict[bytes, float] = {}  # identity -> when it was last heard from (monotonic)
+        self.num_rejected_messages = 0
         self.step_id = 0
         self.stopping = False
         # async scheduling: plan step N+1 while step N runs (the executors fill in its sampled tokens)
@@ -87,29 +88,60 @@ class EngineCore:
         self.in_flight: deque[InFlightStep] = deque()
         self.results: dict[int, engine_pb2.StepResult] = {}
         self.last_result_at = 0.0
+        self.next_housekeeping = 0.0
         self.timings = StepTimings()
         self.py_profile = PythonProfileWindow.from_env("scheduler")
+
+    # ------------------------------------------------------------------ messages out
+
+    def to_frontend(self, identity: bytes, msg: engine_pb2.SchedulerToFrontend) -> None:
+        msg.epoch = self.epoch
+        self.transport.send_frontend(identity, msg)
+
+    def to_executor(self, rank: int, msg: engine_pb2.SchedulerToExecutor) -> None:
+        msg.epoch = self.epoch
+        self.transport.send_executor(rank, msg)
+
+    def reject_message(self, identity: bytes, reason: str) -> None:
+        """A message that is malformed or breaks a rule: dropped whole, logged and counted."""
+        self.num_rejected_messages += 1
+        log.warning("dropped a message from %r: %s", identity, reason)
 
     # ------------------------------------------------------------------ front ends
 
     def on_frontend(self, identity: bytes, payload: bytes) -> None:
-        msg = engine_pb2.FrontendToScheduler.FromString(payload)
+        try:
+            msg = engine_pb2.FrontendToScheduler.FromString(payload)
+        except DecodeError as exc:
+            return self.reject_message(identity, f"not a FrontendToScheduler: {exc}")
         kind = msg.WhichOneof("kind")
-        self.frontends.add(identity)
-        if kind == "hello":
+        if kind is None:
+            return self.reject_message(identity, "a FrontendToScheduler with no message in it")
+        self.frontends[identity] = time.monotonic()
+        if kind == "hello":  # a heartbeat: the answer is the front end's heartbeat from us
+            answer = engine_pb2.SchedulerToFrontend()
             if self.ready is not None:
-                self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(ready=self.ready))
+                answer.ready.CopyFrom(self.ready)
+            else:
+                answer.not_ready.CopyFrom(engine_pb2.NotReady(num_executors=len(self.executors.handshakes),
+                                                              world_size=self.world_size))
+            self.to_frontend(identity, answer)
         elif kind == "add":
             self._add_request(identity, msg.add)
         elif kind == "abort":
             for request_id in msg.abort.request_ids:
-                self._abort(request_id, engine_pb2.FINISH_REASON_ABORT)
+                self._abort(identity, request_id, engine_pb2.FINISH_REASON_ABORT)
         elif kind == "stats":
-            self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(stats=self._stats(msg.stats.query_id)))
+            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(stats=self._stats(msg.stats.query_id)))
 
     def _add_request(self, identity: bytes, add: engine_pb2.AddRequest) -> None:
         if self.scheduler is None:
             return self._reject(identity, add, "engine not ready: executors have not finished their handshake")
+        try:
+            check_add_request(add, self.ready.model.vocab_size, self.config.max_num_seqs)
+        except BadMessage as exc:
+            self.reject_message(identity, f"AddRequest {add.request_id[:64]!r}: {exc}")
+            return self._reject(identity, add, f"rejected by the scheduler: {exc}")
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), request_id=add.request_id, token_ids=list(add.prompt_token_ids),
             num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
@@ -122,25 +154,26 @@ class EngineCore:
             self._reject(identity, add, str(exc))
 
     def _reject(self, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
-        out = engine_pb2.RequestOutput(request_id=add.request_id, finish_reason=engine_pb2.FINISH_REASON_ERROR,
-                                       error=reason, stop_token_id=-1, num_prompt_tokens=len(add.prompt_token_ids))
-        self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(
-            outputs=engine_pb2.StepOutputs(outputs=[out])))
+        out = engine_pb2.RequestOutput(request_id=add.request_id, finish_reason=ERROR, error=reason,
+                                       stop_token_id=-1, num_prompt_tokens=len(add.prompt_token_ids))
+        self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
 
-    def _abort(self, request_id: str, reason: int, error: str = "") -> None:
-        """End a request now with one terminal output (invariant 7); unknown or finished ids are ignored."""
-        seq = self.scheduler.abort(request_id) if self.scheduler is not None else None
-        if seq is None:
-            return
+    def _abort(self, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
+        """End a front end's request now with one terminal output (invariant 7); unknown or finished ids
+        are ignored."""
+        seq = self.scheduler.abort(request_id, identity) if self.scheduler is not None else None
+        if seq is not None:
+            self._tell_ended(seq, reason, error)
+
+    def _tell_ended(self, seq: Sequence, reason: int, error: str) -> None:
         out = engine_pb2.RequestOutput(
-            request_id=request_id, finish_reason=reason, error=error, stop_token_id=-1,
+            request_id=seq.request_id, finish_reason=reason, error=error, stop_token_id=-1,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
-        self.transport.send_frontend(seq.reply_to, engine_pb2.SchedulerToFrontend(
-            outputs=engine_pb2.StepOutputs(outputs=[out])))
+        self.to_frontend(seq.reply_to, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
 
     def _stats(self, query_id: int) -> engine_pb2.SchedulerStats:
         stats = engine_pb2.SchedulerStats(query_id=query_id, engine_ready=self.ready is not None,
-                                          **vars(self.timings))
+                                          num_rejected_messages=self.num_rejected_messages, **vars(self.timings))
         if self.scheduler is not None:
             for key, value in self.scheduler.stats().items():
                 setattr(stats, key, value)
@@ -149,56 +182,57 @@ class EngineCore:
     # ------------------------------------------------------------------ executors
 
     def on_executor(self, identity: bytes, payload: bytes) -> None:
-        msg = engine_pb2.ExecutorToScheduler.FromString(payload)
+        try:
+            msg = engine_pb2.ExecutorToScheduler.FromString(payload)
+        except DecodeError as exc:
+            return self.reject_message(identity, f"not an ExecutorToScheduler: {exc}")
         kind = msg.WhichOneof("kind")
-        if kind == "heartbeat":
-            self.last_seen[msg.heartbeat.rank] = time.monotonic()
-        elif kind == "handshake":
-            self._on_handshake(msg.handshake)
-        elif kind == "result":
-            self.results[msg.result.step_id] = msg.result
+        try:
+            if kind == "heartbeat":  # of any epoch: a live executor this scheduler may not know yet
+                self._on_heartbeat(identity, msg.heartbeat, msg.epoch)
+            elif msg.epoch not in (0, self.epoch):
+                raise BadMessage(f"a {kind} of scheduler epoch {msg.epoch}, not this one's ({self.epoch})")
+            elif kind == "handshake":
+                check_handshake(msg.handshake, identity, self.world_size, self.config.block_size)
+                self._join(msg.handshake)
+            elif kind == "result":
+                check_step_result(msg.result, identity, {s.step_id for s in self.in_flight})
+                self.results[msg.result.step_id] = msg.result
+            else:
+                raise BadMessage("an ExecutorToScheduler with no message in it")
+        except BadMessage as exc:
+            self.reject_message(identity, str(exc))
 
-    def _on_handshake(self, hs: engine_pb2.ExecutorHandshake) -> None:
-        log.info("executor rank %d/%d joined (pid %d): %d blocks of %d on %s, %s, backend %s", hs.rank,
-                 hs.world_size, hs.pid, hs.num_blocks, hs.block_size, hs.device, hs.dtype, hs.attention_backend)
-        if hs.world_size != self.world_size or hs.block_size != self.config.block_size:
-            log.error("executor rank %d disagrees on world size or block size; ignored", hs.rank)
-            return
-        old = self.handshakes.get(hs.rank)
-        if old is not None and old.pid != hs.pid and self.scheduler is not None:
-            raise ExecutorReplaced(hs)
-        self.handshakes[hs.rank] = hs
-        self.last_seen[hs.rank] = time.monotonic()
-        if len(self.handshakes) == self.world_size and self.scheduler is None:
+    def _on_heartbeat(self, identity: bytes, hb: engine_pb2.Heartbeat, epoch: int) -> None:
+        check_heartbeat(hb, identity, self.world_size)
+        self.executors.heard_from(hb.rank)
+        if hb.rank not in self.executors.handshakes or epoch not in (0, self.epoch):
+            # alive, but unknown to this scheduler (it restarted, or the engine was lost and this rank survived):
+            # it shakes hands again, dropping whatever it held for an earlier scheduler
+            self.to_executor(hb.rank, engine_pb2.SchedulerToExecutor(handshake_request=engine_pb2.HandshakeRequest()))
+
+    def _join(self, hs: engine_pb2.ExecutorHandshake) -> None:
+        self.executors.join(hs, serving=self.scheduler is not None)
+        if self.executors.complete and self.scheduler is None:
             self._start_serving()
 
     def _start_serving(self) -> None:
-        rank0 = self.handshakes[0]
-        num_blocks = min(h.num_blocks for h in self.handshakes.values())  # the scheduler serves the smallest pool
-        max_model_len = min(self.config.max_model_len or rank0.max_position_embeddings, rank0.max_position_embeddings)
+        self.ready = self.executors.engine_facts(self.config.max_model_len)
+        facts = self.ready.model
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_model_len=self.ready.max_model_len,
             block_size=self.config.block_size,
-            num_blocks=num_blocks,
+            num_blocks=facts.num_blocks,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            eos_token_ids=tuple(rank0.eos_token_ids),
-            num_host_blocks=min(h.num_host_blocks for h in self.handshakes.values()),
+            eos_token_ids=tuple(facts.eos_token_ids),
+            num_host_blocks=facts.num_host_blocks,
         ))
-        facts = engine_pb2.ExecutorHandshake()
-        facts.CopyFrom(rank0)
-        facts.num_blocks = num_blocks
-        self.ready = engine_pb2.EngineReady(model=facts, max_model_len=max_model_len)
-        log.info("serving %s: %d KV blocks, max_model_len %d", rank0.model_name, num_blocks, max_model_len)
+        log.info("serving %s: %d KV blocks, max_model_len %d", facts.model_name, facts.num_blocks,
+                 self.ready.max_model_len)
         for identity in self.frontends:
-            self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(ready=self.ready))
-
-    def _check_liveness(self) -> None:
-        now = time.monotonic()
-        for rank in self.handshakes:
-            if now - self.last_seen.get(rank, now) > self.config.executor_timeout_s:
-                raise EngineLostError(f"executor rank {rank} sent no heartbeat for {self.config.executor_timeout_s:.0f}s")
+            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(ready=self.ready))
 
     def _engine_lost(self, reason: str, spare_rank: int | None = None) -> None:
         """Fail every in-flight request, free every block, and wait for executors to shake hands again.
@@ -208,43 +242,61 @@ class EngineCore:
         self.in_flight.clear()
         self.results.clear()
         if self.scheduler is not None:
-            for request_id in list(self.scheduler.requests):
-                self._abort(request_id, engine_pb2.FINISH_REASON_ERROR, error=f"engine lost: {reason}")
+            for identity, request_id in list(self.scheduler.requests):
+                self._abort(identity, request_id, ERROR, error=f"engine lost: {reason}")
         for identity in self.frontends:
-            self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(
-                lost=engine_pb2.EngineLost(reason=reason)))
-        self._shutdown_executors(reason, spare_rank)
-        self.handshakes.clear()
-        self.last_seen.clear()
+            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(lost=engine_pb2.EngineLost(reason=reason)))
+        self._shutdown_executors(self.executors.forget(), reason, spare_rank)
         self.scheduler = None
         self.ready = None
 
-    def _shutdown_executors(self, reason: str, spare_rank: int | None = None) -> None:
-        for rank in list(self.handshakes):
+    def _shutdown_executors(self, ranks: list[int], reason: str, spare_rank: int | None = None) -> None:
+        for rank in ranks:
             if rank == spare_rank:
                 continue
             try:
-                self.transport.send_executor(rank, engine_pb2.SchedulerToExecutor(
-                    shutdown=engine_pb2.Shutdown(reason=reason)))
+                self.to_executor(rank, engine_pb2.SchedulerToExecutor(shutdown=engine_pb2.Shutdown(reason=reason)))
             except EngineLostError:
                 pass  # already gone
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        log.info("scheduler waiting for %d executor(s)", self.world_size)
+        log.info("scheduler (epoch %x) waiting for %d executor(s)", self.epoch, self.world_size)
         while not self.stopping:
             busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
             try:
                 self.transport.poll(0 if busy else IDLE_POLL_MS, self)
-                self._check_liveness()
+                self.executors.check_liveness()
+                self._housekeeping()
                 self._advance()
             except EngineLostError as exc:
                 fresh = exc.handshake if isinstance(exc, ExecutorReplaced) else None
                 self._engine_lost(str(exc), spare_rank=fresh.rank if fresh else None)
                 if fresh is not None:
-                    self._on_handshake(fresh)
-        self._shutdown_executors("stop")
+                    self._join(fresh)
+        self._shutdown_executors(list(self.executors.handshakes), "stop")
+
+    def _housekeeping(self) -> None:
+        """Now and then: forget silent front ends, aborting their requests, and fail beam searches whose
+        members never all arrived."""
+        now = time.monotonic()
+        if now < self.next_housekeeping:
+            return
+        self.next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+        for identity in [f for f, seen in self.frontends.items() if now - seen > self.config.frontend_timeout_s]:
+            del self.frontends[identity]
+            mine = [rid for f, rid in self.scheduler.requests if f == identity] if self.scheduler else []
+            if mine:
+                log.warning("front end %r silent for %.0fs: aborting its %d requests", identity,
+                            self.config.frontend_timeout_s, len(mine))
+            for request_id in mine:
+                self.scheduler.abort(request_id, identity)
+        if self.scheduler is not None and self.scheduler.beams.searches:
+            timeout = self.config.beam_group_timeout_s
+            for member in self.scheduler.abort_incomplete_beam_searches(older_than=now - timeout):
+                self._tell_ended(member, ERROR, f"beam search group {member.group_id!r}: not all its requests "
+                                                f"arrived within {timeout:.0f}s")
 
     def _advance(self) -> None:
         """Plan ahead while fewer than pipeline_depth steps are in flight, else apply the oldest result."""
@@ -271,7 +323,7 @@ class EngineCore:
             self.py_profile.on_step()
         msg = engine_pb2.SchedulerToExecutor(plan=build_step_plan(self.step_id, out, self.pipeline_depth == 1))
         for rank in range(self.world_size):
-            self.transport.send_executor(rank, msg)
+            self.to_executor(rank, msg)
         self.in_flight.append(InFlightStep(self.step_id, out, time.perf_counter()))
         return True
 
@@ -293,8 +345,8 @@ class EngineCore:
         if result.error:
             log.error("step %d failed: %s", step.step_id, result.error)
             for item in out.scheduled:
-                for request_id in self.scheduler.request_ids(item.seq):
-                    self._abort(request_id, engine_pb2.FINISH_REASON_ERROR, error=f"executor: {result.error}")
+                for request in self.scheduler.requests_served_by(item.seq):
+                    self._abort(request.reply_to, request.request_id, ERROR, error=f"executor: {result.error}")
             self.scheduler.postprocess(out, {})
             return [], {}
         sampled = {s.seq_id: s for s in result.sampled}
@@ -307,7 +359,7 @@ class EngineCore:
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:
         while step_id not in self.results:
             self.transport.poll(IDLE_POLL_MS, self)
-            self._check_liveness()
+            self.executors.check_liveness()
         return self.results.pop(step_id)
 
     def _emit(self, updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]) -> None:
@@ -332,4 +384,4 @@ class EngineCore:
                     for lp, rank, ids, lps in seq.beam_logprobs)
             by_frontend.setdefault(seq.reply_to, engine_pb2.StepOutputs()).outputs.append(out)
         for identity, outputs in by_frontend.items():
-            self.transport.send_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=outputs))
+            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=outputs))

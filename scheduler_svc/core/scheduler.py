@@ -64,7 +64,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.swapped: list[Sequence] = []  # sorted like waiting; resumed before waiting ones are admitted
         self.pending_swap_outs: list[tuple[int, int]] = []  # for the next plan that runs
-        self.requests: dict[str, Sequence] = {}  # unfinished, by request_id
+        self.requests: dict[tuple[bytes, str], Sequence] = {}  # unfinished, by request key (front end, id)
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished requests only
         self.samples = ParallelSamples(self)
@@ -92,14 +92,14 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {n} tokens leaves no room to generate within the KV pool: num_blocks={cfg.num_blocks}"
                 f" x block_size={cfg.block_size} = {cfg.num_blocks * cfg.block_size} tokens")
-        if seq.request_id in self.requests:
+        if seq.request_key in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight")
         rule = stop_rule_for(seq, self.eos_token_ids, self.max_seq_len)
         search = self.beams.check(seq, rule) if seq.beam_options is not None else None
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = WAITING
-        self.requests[seq.request_id] = seq
+        self.requests[seq.request_key] = seq
         self.stop_rules[seq.seq_id] = rule
         if search is not None:  # a member waits outside the queues; its search's beams run for it
             self.beams.join(search, seq)
@@ -108,9 +108,10 @@ class Scheduler:
             self.samples.add(seq)
         self.push_waiting(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request now, its blocks back to the pool. None if it is unknown or already finished."""
-        seq = self.requests.get(request_id)
+    def abort(self, request_id: str, reply_to: bytes = b"") -> Sequence | None:
+        """Finish a request of this front end now, its blocks back to the pool. None if it is unknown or
+        already finished."""
+        seq = self.requests.get((reply_to, request_id))
         if seq is None:
             return None
         if seq.beam_options is not None:
@@ -122,11 +123,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def request_ids(self, seq: Sequence) -> list[str]:
-        """The requests a sequence serves: its own, or for a beam its search's members."""
-        if seq.beam is None:
-            return [seq.request_id]
-        return [m.request_id for m in seq.beam.members]
+    def requests_served_by(self, seq: Sequence) -> list[Sequence]:
+        """The requests a sequence serves: itself, or for a beam its search's members."""
+        return [seq] if seq.beam is None else list(seq.beam.members)
+
+    def abort_incomplete_beam_searches(self, older_than: float) -> list[Sequence]:
+        """Abort the members of beam searches still missing members since before older_than (monotonic
+        seconds): a front end that never sends the rest must not hold them forever."""
+        stale = [m for s in self.beams.searches.values() if not s.started and s.created_at < older_than
+                 for m in s.members]
+        for member in stale:
+            self.abort(member.request_id, member.reply_to)
+        return stale
 
     # ------------------------------------------------------------------ schedule
 
@@ -386,8 +394,8 @@ class Scheduler:
         seq.status = FINISHED
         seq.finish_reason = reason
         seq.num_placeholders = 0  # samples still in flight for it are discarded
-        if self.requests.get(seq.request_id) is seq:
-            del self.requests[seq.request_id]
+        if self.requests.get(seq.request_key) is seq:
+            del self.requests[seq.request_key]
             del self.stop_rules[seq.seq_id]
             if seq.group_id and seq.beam_options is None:
                 self.samples.on_retire(seq)

@@ -16,9 +16,12 @@ import zmq
 from protos import engine_pb2
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args
 from scheduler_svc.common.parent_watch import watch_parent
-from scheduler_svc.core.engine_core import EngineCore, EngineLostError
+from scheduler_svc.core.engine_core import EngineCore
+from scheduler_svc.core.executor_registry import EngineLostError
 
 log = logging.getLogger("nanoserve.scheduler")
+
+MAX_MESSAGE_BYTES = 64 << 20  # a peer that sends more is disconnected (no legitimate message comes near)
 
 
 class ZmqTransport:
@@ -26,9 +29,11 @@ class ZmqTransport:
         self.ctx = zmq.Context()
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.frontend.bind(frontend_addr)
         self.executors = self.ctx.socket(zmq.ROUTER)
         self.executors.setsockopt(zmq.LINGER, 0)
+        self.executors.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.executors.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor reclaims its identity
         self.executors.bind(executor_addr)
         self.poller = zmq.Poller()
@@ -54,10 +59,13 @@ class ZmqTransport:
                 continue
             while True:
                 try:
-                    identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                handle(identity, payload)
+                if len(frames) != 2:  # a ROUTER frame is [identity, payload]: one message per send
+                    core.reject_message(frames[0], f"a message of {len(frames) - 1} frames, not one")
+                    continue
+                handle(frames[0], frames[1])
 
     def close(self) -> None:
         self.frontend.close()

@@ -51,6 +51,15 @@ class Sequence:
     admitted_once: bool = False
 
     @property
+    def request_key(self) -> tuple[bytes, str]:
+        """Request ids are the front end's own: two front ends may use the same one."""
+        return self.reply_to, self.request_id
+
+    @property
+    def group_key(self) -> tuple[bytes, str]:
+        return self.reply_to, self.group_id
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

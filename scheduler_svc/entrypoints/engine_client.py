@@ -10,6 +10,9 @@ import zmq
 from protos import engine_pb2
 
 
+HELLO_INTERVAL_S = 1.0
+
+
 class EngineError(RuntimeError):
     """The engine failed or could not start."""
 
@@ -23,7 +26,16 @@ class EngineClient:
         self.sock.connect(frontend_addr)
         self.ready: engine_pb2.EngineReady | None = None
         self._query_ids = itertools.count(1)
-        self._send(engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(frontend_name=name)))
+        self._hello = engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(frontend_name=name))
+        self._next_hello = 0.0
+        self._say_hello()
+
+    def _say_hello(self) -> None:
+        """The heartbeat: the scheduler aborts the requests of a front end it stops hearing from."""
+        now = time.monotonic()
+        if now >= self._next_hello:
+            self._send(self._hello)
+            self._next_hello = now + HELLO_INTERVAL_S
 
     def _send(self, msg: engine_pb2.FrontendToScheduler) -> None:
         self.sock.send(msg.SerializeToString())
@@ -36,6 +48,7 @@ class EngineClient:
             self._send(engine_pb2.FrontendToScheduler(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 
     def recv(self, timeout_ms: int) -> engine_pb2.SchedulerToFrontend | None:
+        self._say_hello()
         if not self.sock.poll(timeout_ms):
             return None
         msg = engine_pb2.SchedulerToFrontend.FromString(self.sock.recv())

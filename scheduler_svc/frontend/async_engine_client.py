@@ -2,13 +2,18 @@
 
 One reader task receives everything the scheduler sends and routes it: RequestOutputs to the
 queue of the stream that owns the request id, stats replies to the caller waiting on that query
-id, and EngineReady / EngineLost to the `ready` state. A lost engine ends every open stream.
+id, and EngineReady / NotReady / EngineLost to the `ready` state. A lost engine ends every open stream.
+
+A Hello goes out every HELLO_INTERVAL_S and the scheduler answers each: a scheduler silent for
+SCHEDULER_TIMEOUT_S is taken as gone, and one whose epoch changed has restarted and forgotten our
+requests. Either way the open streams fail at once (UNAVAILABLE), and serving resumes when it answers.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -16,11 +21,14 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from google.protobuf.message import DecodeError
+
 from protos import engine_pb2
 
 log = logging.getLogger("nanoserve.frontend")
 
-HELLO_INTERVAL_S = 1.0  # while not ready, say hello again so a restarted scheduler learns about us
+HELLO_INTERVAL_S = 0.5  # the heartbeat: also how a restarted scheduler learns about us
+SCHEDULER_TIMEOUT_S = 1.5  # no answer for this long while serving: the scheduler is gone
 
 
 @dataclass
@@ -49,6 +57,8 @@ class AsyncEngineClient:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self.epoch = 0  # the scheduler's incarnation, once it has answered
+        self.last_heard = time.monotonic()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._hello_loop())]
@@ -115,7 +125,18 @@ class AsyncEngineClient:
 
     async def _read_loop(self) -> None:
         while True:
-            msg = engine_pb2.SchedulerToFrontend.FromString(await self.sock.recv())
+            payload = await self.sock.recv()
+            try:
+                msg = engine_pb2.SchedulerToFrontend.FromString(payload)
+            except DecodeError as exc:
+                log.warning("dropped a malformed message from the scheduler: %s", exc)
+                continue
+            self.last_heard = time.monotonic()
+            if msg.epoch != self.epoch:
+                if self.epoch:  # a new scheduler process: what we had in flight is gone with the old one
+                    self.awaiting_scheduler_loss = False
+                    self.mark_lost("the scheduler restarted")
+                self.epoch = msg.epoch
             kind = msg.WhichOneof("kind")
             if kind == "outputs":
                 for ro in msg.outputs.outputs:
@@ -136,13 +157,20 @@ class AsyncEngineClient:
             elif kind == "lost":
                 self.awaiting_scheduler_loss = False
                 self.mark_lost(msg.lost.reason)
+            elif kind == "not_ready":
+                self.awaiting_scheduler_loss = False  # it knows the engine is down
+                if self.ready is not None:
+                    self.mark_lost(f"the scheduler has {msg.not_ready.num_executors} of "
+                                   f"{msg.not_ready.world_size} executors")
 
     async def _hello_loop(self) -> None:
         hello = engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(frontend_name=self.name))
         while True:
-            if self.ready is None:
-                self._send(hello)
+            self._send(hello)
             await asyncio.sleep(HELLO_INTERVAL_S)
+            silent = time.monotonic() - self.last_heard
+            if self.ready is not None and silent > SCHEDULER_TIMEOUT_S:
+                self.mark_lost(f"no answer from the scheduler for {silent:.1f}s")
 
     def _notify(self, ready: bool) -> None:
         for callback in self.on_ready_change:

@@ -195,7 +195,7 @@ def test_forked_beams_share_the_prompt_blocks_and_copy_only_the_partial_one():
     lps = fake_logprobs(tuple(prompt), 0)
     order = sorted(range(VOCAB), key=lambda v: -lps[v])
     sched.postprocess(out, {root.seq_id: order[0]}, {root.seq_id: (order[:6], [lps[v] for v in order[:6]])})
-    beams = sched.beams.searches["g"].beams
+    beams = sched.beams.searches[(b"", "g")].beams
     assert len(beams) == 3 and root.is_finished
     assert all(b.block_table[:2] == beams[0].block_table[:2] for b in beams)  # the full blocks stay shared
     out = sched.schedule()

@@ -6,6 +6,8 @@ which continuations survive; this file moves sequences and blocks accordingly.
 """
 from __future__ import annotations
 
+import time
+
 from protos import engine_pb2
 from scheduler_svc.core.groups.beam_search import BeamSearch
 from scheduler_svc.core.groups.group_host import GroupHost
@@ -19,7 +21,7 @@ BEAM_SEQ_ID_BASE = 1 << 62  # beams get seq ids from here, apart from those of r
 class BeamScheduler:
     def __init__(self, host: GroupHost) -> None:
         self.host = host
-        self.searches: dict[str, BeamSearch] = {}  # group_id -> its search, from its first member on
+        self.searches: dict[tuple[bytes, str], BeamSearch] = {}  # group key -> its search, from its first member on
         self._next_seq_id = BEAM_SEQ_ID_BASE
 
     def check(self, member: Sequence, rule: StopRule) -> BeamSearch:
@@ -37,11 +39,12 @@ class BeamScheduler:
         if need > cfg.num_blocks:
             raise ValueError(f"beam search of width {opts.beam_width} over {rule.max_num_tokens} tokens leaves no room "
                              f"within the KV pool: it may need {need} blocks, the pool has {cfg.num_blocks}")
-        search = self.searches.get(member.group_id)
+        search = self.searches.get(member.group_key)
         if search is None:
             return BeamSearch(member.group_id, opts.beam_width, opts.length_penalty, opts.num_requests,
                               rule.token_ids, rule.min_tokens, rule.max_num_tokens - member.num_prompt_tokens,
-                              num_logprobs=member.sampling.logprobs)
+                              num_logprobs=member.sampling.logprobs, key=member.group_key,
+                              created_at=time.monotonic())
         first = search.members[0]
         if search.started or first.beam_options != opts or first.token_ids != member.token_ids:
             raise ValueError(f"request {member.request_id!r} does not match beam search group {member.group_id!r}")
@@ -49,19 +52,19 @@ class BeamScheduler:
 
     def join(self, search: BeamSearch, member: Sequence) -> None:
         """A checked member waits outside the queues; the search starts once all its members are here."""
-        self.searches[member.group_id] = search
+        self.searches[search.key] = search
         search.members.append(member)
         if len(search.members) == search.num_requests:
             self._start(search)
 
     def leave(self, member: Sequence) -> None:
         """An aborted member leaves its search; the last one to leave ends it."""
-        search = self.searches[member.group_id]
+        search = self.searches[member.group_key]
         search.members.remove(member)
         if not search.members:
             for beam in search.beams:
                 self.drop(beam)
-            del self.searches[search.group_id]
+            del self.searches[search.key]
         elif not search.started:
             search.num_requests -= 1
             if len(search.members) == search.num_requests:
@@ -140,7 +143,7 @@ class BeamScheduler:
         """Member i gets the i-th best hypothesis, as its whole output."""
         for beam in search.beams:
             self.drop(beam)
-        del self.searches[search.group_id]
+        del self.searches[search.key]
         num_cached = search.beams[0].num_cached_tokens
         for i, member in enumerate(search.members):
             hyp = search.finished[min(i, len(search.finished) - 1)]

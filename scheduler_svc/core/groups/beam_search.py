@@ -69,6 +69,8 @@ class BeamSearch:
     reports: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # seq_id -> candidates
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most width
     started: bool = False
+    key: tuple = ()  # (front end, group_id): how the scheduler finds the search
+    created_at: float = 0.0  # time.monotonic() when its first member arrived
 
     @property
     def num_candidates(self) -> int:

@@ -11,12 +11,12 @@ from scheduler_svc.core.sequence import Sequence, SequenceStatus
 class ParallelSamples:
     def __init__(self, host: GroupHost) -> None:
         self.host = host
-        self.leaders: dict[str, Sequence] = {}  # group_id -> the first of its samples
+        self.leaders: dict[tuple[bytes, str], Sequence] = {}  # group key -> the first of its samples
         self.num_waiting = 0  # samples waiting to fork their leader's prompt
 
     def add(self, seq: Sequence) -> None:
         """A grouped sample joins its group before it is queued; all but the first wait for the leader."""
-        leader = self.leaders.setdefault(seq.group_id, seq)
+        leader = self.leaders.setdefault(seq.group_key, seq)
         if leader is not seq:
             seq.leader = leader
             self.num_waiting += 1
@@ -41,8 +41,8 @@ class ParallelSamples:
     def on_retire(self, seq: Sequence) -> None:
         if seq.leader is not None:
             self._release_follower(seq)
-        if self.leaders.get(seq.group_id) is seq:
-            del self.leaders[seq.group_id]
+        if self.leaders.get(seq.group_key) is seq:
+            del self.leaders[seq.group_key]
 
     def _release_follower(self, seq: Sequence) -> None:
         seq.leader = None

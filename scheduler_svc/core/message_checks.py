@@ -1,0 +1,86 @@
+"""What the scheduler checks of every message at its boundary, before any of it touches its state.
+
+A front end or an executor may be buggy, outdated or hostile: a message that breaks a rule is
+rejected with a reason (logged with the peer's identity and counted), never half-applied. The public
+API's validator (frontend/validation.py) gives the friendly messages; these checks are the engine's
+own, so nothing a peer sends can crash the scheduler or reach the executors out of range.
+"""
+from __future__ import annotations
+
+import math
+
+from protos import engine_pb2
+
+MAX_ID_LENGTH = 512  # request and group ids
+MAX_LOGPROBS = 1024
+MAX_BEAM_WIDTH = 1024
+INT32_MAX = 2**31 - 1
+
+
+class BadMessage(ValueError):
+    """A message the scheduler will not apply; the text says why."""
+
+
+def _require(ok: bool, reason: str) -> None:
+    if not ok:
+        raise BadMessage(reason)
+
+
+def _finite(name: str, value: float, low: float, high: float) -> None:
+    _require(math.isfinite(value) and low <= value <= high, f"{name} = {value} is not in [{low}, {high}]")
+
+
+def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs: int) -> None:
+    """Raise BadMessage unless every field of the request is in range for this engine."""
+    _require(0 < len(add.request_id) <= MAX_ID_LENGTH, f"request_id must have 1 to {MAX_ID_LENGTH} characters")
+    _require(len(add.group_id) <= MAX_ID_LENGTH, f"group_id has more than {MAX_ID_LENGTH} characters")
+    ids = add.prompt_token_ids
+    _require(len(ids) > 0, "prompt_token_ids is empty")
+    _require(min(ids) >= 0 and max(ids) < vocab_size, f"prompt_token_ids outside the vocabulary [0, {vocab_size})")
+    s = add.sampling
+    _finite("sampling.temperature", s.temperature, 0.0, 1e6)
+    _finite("sampling.top_p", s.top_p, 0.0, 1.0)  # 0 is the wire's unset value: off
+    _finite("sampling.min_p", s.min_p, 0.0, 1.0)
+    _require(0 <= s.top_k <= vocab_size, f"sampling.top_k must be in [0, {vocab_size}]")
+    _require(0 <= s.logprobs <= MAX_LOGPROBS, f"sampling.logprobs must be in [0, {MAX_LOGPROBS}]")
+    _finite("sampling.presence_penalty", s.presence_penalty, -100.0, 100.0)
+    _finite("sampling.frequency_penalty", s.frequency_penalty, -100.0, 100.0)
+    # 0 is the wire's unset value (no penalty); otherwise its reciprocal must stay a sane float32
+    _require(s.repetition_penalty == 0 or 0.01 <= s.repetition_penalty <= 100.0,
+             f"sampling.repetition_penalty = {s.repetition_penalty} is not 0 (off) or in [0.01, 100]")
+    _require(math.isfinite(s.repetition_penalty), "sampling.repetition_penalty is not finite")
+    st = add.stopping
+    _require(st.max_tokens >= 0, f"stopping.max_tokens = {st.max_tokens} is negative (0 means no limit)")
+    _require(st.min_tokens >= 0, f"stopping.min_tokens = {st.min_tokens} is negative")
+    _require(all(0 <= t < vocab_size for t in st.stop_token_ids),
+             f"stopping.stop_token_ids outside the vocabulary [0, {vocab_size})")
+    beam = add.beam_search
+    if beam.beam_width:
+        _require(0 < beam.beam_width <= min(MAX_BEAM_WIDTH, max_num_seqs),
+                 f"beam_search.beam_width must be in [1, {min(MAX_BEAM_WIDTH, max_num_seqs)}]")
+        _finite("beam_search.length_penalty", beam.length_penalty, -100.0, 100.0)
+        _require(bool(add.group_id), "a beam search request needs a group_id")
+
+
+def check_handshake(hs: engine_pb2.ExecutorHandshake, identity: bytes, world_size: int, block_size: int) -> None:
+    """Raise BadMessage unless the handshake describes a rank of this engine, from that rank's socket."""
+    _require(hs.world_size == world_size, f"world_size {hs.world_size}, but the scheduler serves {world_size}")
+    _require(0 <= hs.rank < world_size, f"rank {hs.rank} is outside [0, {world_size})")
+    _require(identity == f"rank{hs.rank}".encode(), f"rank {hs.rank}'s handshake came from socket {identity!r}")
+    _require(hs.block_size == block_size, f"block_size {hs.block_size}, but the scheduler uses {block_size}")
+    _require(0 < hs.num_blocks <= INT32_MAX, f"num_blocks = {hs.num_blocks} must be positive")
+    _require(hs.num_host_blocks >= 0, f"num_host_blocks = {hs.num_host_blocks} is negative")
+    _require(hs.vocab_size > 0, f"vocab_size = {hs.vocab_size} must be positive")
+    _require(hs.max_position_embeddings > 1, f"max_position_embeddings = {hs.max_position_embeddings} is too small")
+    _require(all(0 <= t < hs.vocab_size for t in hs.eos_token_ids), "eos_token_ids outside the vocabulary")
+
+
+def check_heartbeat(hb: engine_pb2.Heartbeat, identity: bytes, world_size: int) -> None:
+    _require(0 <= hb.rank < world_size, f"heartbeat for rank {hb.rank}, outside [0, {world_size})")
+    _require(identity == f"rank{hb.rank}-hb".encode(), f"rank {hb.rank}'s heartbeat came from socket {identity!r}")
+
+
+def check_step_result(result: engine_pb2.StepResult, identity: bytes, in_flight_step_ids: set[int]) -> None:
+    """Only rank 0 replies, and only to a step this scheduler has in flight."""
+    _require(identity == b"rank0", f"a step result came from socket {identity!r}, not rank 0's")
+    _require(result.step_id in in_flight_step_ids, f"step {result.step_id} is not in flight")
