@@ -306,7 +306,7 @@ class EngineCore:
             if self._launch_step():
                 return
         if self.in_flight:
-            updates, sampled = self._finish_step(self.in_flight.popleft())
+            updates, sampled = self._finish_step(self.in_flight[0])  # still in flight until its result is in
             # the executor may be waiting for a plan: send the next one before telling the front ends
             if self.scheduler.has_unfinished() and len(self.in_flight) < self.pipeline_depth:
                 self._launch_step()
@@ -330,6 +330,7 @@ class EngineCore:
     def _finish_step(self, step: InFlightStep) -> tuple[list[StepUpdate], dict[int, engine_pb2.SampledToken]]:
         """Apply a step's result to the scheduler; returns what _emit tells the front ends."""
         result = self._wait_result(step.step_id)
+        self.in_flight.popleft()
         now = time.perf_counter()
         # steps overlap, so a step's share of the wall clock runs from the later of its launch and the last reply
         elapsed = now - max(step.launched_at, self.last_result_at)
