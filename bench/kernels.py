@@ -260,7 +260,7 @@ class Bench:
         return row
 
     def decode_sweep(self) -> list[dict]:
-        """Every decode config on a few shapes; pick the defaults in kernels/attention/triton_backend.py from it."""
+        """Every decode config on a few shapes; pick the defaults in kernels/attention/triton_tuning.py from it."""
         ta = self.ta
         hq, hkv, d = self.heads
         shapes = [(64, 512), (64, 4096), (256, 1024)] if self.device.type == "cuda" else self.decode_shapes

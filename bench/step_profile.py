@@ -96,8 +96,7 @@ def main() -> None:
                 step(False)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    kv_bytes = (2 * runner.facts.num_layers * runner.num_kv_heads_local * runner.facts.head_dim
-                * runner.kv_cache.element_size() * args.batch * args.context)
+    kv_bytes = runner.kv_pool.layout.bytes_per_block // runner.block_size * args.batch * args.context
     print(f"\ndecode step, batch {args.batch}, context {args.context}, {runner.device}, graphs "
           f"{'on' if runner.graphs else 'off'}; median ms")
     print(" ".join(f"{k:>15}" for k in phases))

@@ -1,5 +1,8 @@
 """The executor process: rank r of the tensor-parallel group. It loads its shard, shakes hands with
-the scheduler, then runs every StepPlan it receives; rank 0 replies with the sampled tokens."""
+the scheduler, then runs every StepPlan it receives; rank 0 replies with the sampled tokens.
+
+The protobuf side of the executor: this loop reads the plan (the mirrors apply its deltas) and writes
+the replies; the model runner and the KV pool take and return plain Python and numpy data."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -19,6 +23,9 @@ from protos import engine_pb2
 from scheduler_svc.common.parent_watch import watch_parent
 from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from executor_svc.model_runner import ModelRunner, SampledToken
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -46,6 +53,35 @@ def _heartbeat_loop(ctx: zmq.Context, addr: str, rank: int, stop: threading.Even
             pass
         stop.wait(HEARTBEAT_INTERVAL_S)
     sock.close()
+
+
+def block_pairs(copies) -> list[tuple[int, int]]:
+    """A plan's repeated BlockCopy as (source, destination) block ids."""
+    return [(c.src_block_id, c.dst_block_id) for c in copies]
+
+
+def sampled_token_message(token: SampledToken) -> engine_pb2.SampledToken:
+    """The runner's SampledToken as the reply's message."""
+    message = engine_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id)
+    lp = token.logprobs
+    if lp is not None:
+        message.logprobs.CopyFrom(engine_pb2.TokenLogprobs(
+            sampled_logprob=lp.sampled_logprob, sampled_rank=lp.sampled_rank,
+            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs))
+    return message
+
+
+def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
+    """What this rank tells the scheduler before it serves: its KV pool sizes and the model's facts."""
+    f = runner.facts
+    return engine_pb2.ExecutorHandshake(
+        rank=runner.rank, world_size=runner.world_size, num_blocks=runner.kv_pool.num_blocks,
+        block_size=runner.block_size, model_name=f.model_name, architecture=f.architecture,
+        vocab_size=f.vocab_size, max_position_embeddings=f.max_position_embeddings,
+        eos_token_ids=f.eos_token_ids, dtype=str(runner.dtype).removeprefix("torch."),
+        device=str(runner.device), attention_backend=runner.backend.name, pid=os.getpid(),
+        num_host_blocks=runner.kv_pool.num_host_blocks,
+    )
 
 
 class StepLoop:
@@ -77,8 +113,9 @@ class StepLoop:
         self.pending = None
         result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
         try:
-            result.sampled.extend(self.runner.finalize(pending))
-            for token in result.sampled:
+            sampled = self.runner.finalize(pending)
+            result.sampled.extend(sampled_token_message(token) for token in sampled)
+            for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id)
         except Exception as exc:
             log.error("rank %d step %d failed:\n%s", self.rank, step_id, traceback.format_exc())
@@ -103,12 +140,8 @@ class StepLoop:
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
         try:
             chunks = self.mirrors.apply(plan)
-            # this order exactly: a block swapped out may be written by a swap-in or a copy of this plan
-            if plan.swap_out:
-                self.runner.swap_out(plan.swap_out)
-            if plan.swap_in:
-                self.runner.swap_in(plan.swap_in)
-            self.runner.copy_blocks(plan.block_copies)
+            self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
+                                            block_pairs(plan.block_copies))
             inputs = self.runner.launch(chunks)
             self.mirrors.commit(chunks)
         except Exception as exc:  # the scheduler fails this step's requests; we keep serving
@@ -137,7 +170,7 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     runner = ModelRunner(config, rank, world_size)
     log.info("rank %d ready in %.1fs: %s on %s, %s, %d KV blocks of %d, backend %s", rank,
              time.perf_counter() - t0, runner.facts.architecture, runner.device, runner.dtype,
-             runner.num_blocks, runner.block_size, runner.backend.name)
+             runner.kv_pool.num_blocks, runner.block_size, runner.backend.name)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -146,7 +179,7 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.connect(scheduler_addr)
     stop = threading.Event()
     threading.Thread(target=_heartbeat_loop, args=(ctx, scheduler_addr, rank, stop), daemon=True).start()
-    sock.send(engine_pb2.ExecutorToScheduler(handshake=runner.handshake()).SerializeToString())
+    sock.send(engine_pb2.ExecutorToScheduler(handshake=handshake(runner)).SerializeToString())
 
     mirrors = SequenceMirrors()
     loop = StepLoop(runner, mirrors, sock, rank)

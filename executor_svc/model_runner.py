@@ -1,5 +1,6 @@
-"""The model runner: owns the weights and the paged KV pool, turns a step's chunks into tensors,
-runs the forward and samples (rank 0)."""
+"""The model runner: owns the weights, the KV pool and the sampler; launches a step's forward,
+samples it (rank 0) and brings the sampled ids to the host. Plain Python and numpy in and out: the
+executor loop (executor_svc/executor.py) converts from and to protobuf."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,15 @@ import numpy as np
 import torch
 
 from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.host_kv_pool import HostKVPool, num_host_blocks
+from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
+                                      one_token_chunks_first, profiling_chunks)
+from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
+from executor_svc.model_loader import load_model
 from executor_svc.pinned_staging import PinnedStaging
-from executor_svc.model_loader import ModelFacts, load_model
-from executor_svc.sampler import Sampler, build_for_sequences, plain_sampling_columns
+from executor_svc.sampler import Sampler, build_for_sequences
+from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from kernels.attention.base import AttentionMetadata, get_backend
-from protos import engine_pb2
+from kernels.attention.registry import get_backend
 from scheduler_svc.common.config import EngineConfig
 
 log = logging.getLogger("nanoserve.executor")
@@ -40,28 +43,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor | None  # int64 [S]: the last token of each chunk that samples; None: every row
-    sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
-    logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
-    sampled: torch.Tensor | None = None  # [S] token ids when the decode graph sampled them
+@dataclass(slots=True)
+class TokenLogprobs:
+    sampled_logprob: float
+    sampled_rank: int  # 1-based, in the raw distribution
+    top_token_ids: list[int]  # the sequence's `logprobs` best
+    top_logprobs: list[float]
 
 
-@dataclass
-class HostInputs:
-    """A step's inputs as host arrays, before they go to the device."""
-
-    # input_ids, positions, slot_mapping, cu_seqlens_q, seqlens_k, block_tables, logits_indices;
-    # decode_order over the leading one-token chunks; fill_at/fill_from for inputs the last step sampled
-    arrays: dict[str, np.ndarray]
-    sampling_chunks: list[ScheduledChunk]
-    max_seqlen_q: int
-    max_seqlen_k: int
-    num_decodes: int  # leading chunks of one token
+@dataclass(slots=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprobs: TokenLogprobs | None = None  # when the sequence asked for them
 
 
 @dataclass
@@ -75,20 +69,6 @@ class PendingStep:
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
-
-
-def slot_mapping(block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Where each token's K/V goes in the pool: block_id * block_size + offset in the block."""
-    return block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-
-
-def one_token_chunks_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    """A mixed step's decode-like chunks (one new token) ahead of the rest, so attention can run them
-    in a decode kernel; results are keyed by sequence, so the order is free."""
-    ones = [c for c in chunks if c.end - c.start == 1]
-    if not ones or len(ones) == len(chunks):
-        return chunks
-    return ones + [c for c in chunks if c.end - c.start != 1]
 
 
 class ModelRunner:
@@ -114,13 +94,16 @@ class ModelRunner:
         self._pinned_sampled: dict[int, torch.Tensor] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
-        self.num_blocks = self._size_kv_pool()
-        self._allocate_kv_pool(self.num_blocks)
-        self.num_host_blocks = num_host_blocks(config.num_host_blocks, config.swap_space_gb, self._bytes_per_block())
-        self.host_pool = HostKVPool(self.kv_cache, self.num_host_blocks) if self.num_host_blocks else None
+        f = self.facts
+        layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
+                          f.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
+        self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward))
+        host_blocks = num_host_blocks(config.num_host_blocks, config.swap_space_gb, layout.bytes_per_block)
+        if host_blocks:
+            self.kv_pool.allocate_host(host_blocks)
         self.graphs: DecodeGraphs | None = None
-        # the torch reference backend syncs the host inside store_kvcache, so it cannot be captured
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.capabilities.cuda_graph_safe:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
                                        self.facts.hidden_size, self.dtype, self.device,
                                        vocab_size=self.facts.vocab_size if world_size == 1 else None)
@@ -130,189 +113,27 @@ class ModelRunner:
 
             sampling.warm_up(config.max_num_seqs, self.facts.vocab_size, self.dtype, self.device)
 
-    # ------------------------------------------------------------------ KV pool
-
     @property
     def max_model_len(self) -> int:
         limit = self.facts.max_position_embeddings
         return min(self.config.max_model_len or limit, limit)
 
-    @property
-    def num_kv_heads_local(self) -> int:
-        return self.facts.num_kv_heads // self.world_size  # the layers check divisibility
-
-    def _bytes_per_block(self) -> int:
-        f = self.facts
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * f.num_layers * self.block_size * self.num_kv_heads_local * f.head_dim * elem
-
-    def _size_kv_pool(self) -> int:
-        if self.config.num_gpu_blocks is not None:
-            return self.config.num_gpu_blocks
-        if self.device.type == "cpu":
-            return max(1, int(self.config.cpu_kv_cache_gb * 2**30) // self._bytes_per_block())
-        return self._profile_gpu_blocks()
-
-    def _profile_gpu_blocks(self) -> int:
-        """Run one forward at max_num_batched_tokens, then give the KV pool what memory is left."""
+    def _peak_forward(self) -> None:
+        """The step that peaks memory, for sizing the KV pool on a GPU: a forward at
+        max_num_batched_tokens over a pool just large enough, released after."""
         cfg = self.config
-        num_tokens = cfg.max_num_batched_tokens
-        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        lengths = [num_tokens // num_seqs] * num_seqs
-        lengths[-1] += num_tokens - sum(lengths)
-        chunks, next_block = [], 0
-        for i, n in enumerate(lengths):
-            nb = -(-n // self.block_size)
-            ids = torch.randint(0, self.facts.vocab_size, (n,)).tolist()
-            seq = MirroredSeq(i, ids, n, list(range(next_block, next_block + nb)), 0, engine_pb2.SamplingOptions())
-            chunks.append(ScheduledChunk(seq, 0, n))
-            next_block += nb
-        self._allocate_kv_pool(next_block)
+        chunks, num_blocks = profiling_chunks(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.block_size,
+                                              self.facts.vocab_size)
+        self.kv_pool.allocate(num_blocks)
         inputs = self.prepare_inputs(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self.model.compute_logits(hidden[inputs.logits_indices])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden, inputs
-        self._release_kv_pool()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * cfg.gpu_memory_utilization - used_by_others - peak
-        num_blocks = int(budget // self._bytes_per_block())
-        if num_blocks <= 0:
-            raise RuntimeError(
-                f"no GPU memory left for the KV pool (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
-                "lower --max-num-batched-tokens or raise --gpu-memory-utilization")
-        log.info("KV pool: %d blocks (profiled peak %.2f GiB)", num_blocks, peak / 2**30)
-        return num_blocks
-
-    def _release_kv_pool(self) -> None:
-        self.kv_cache = None
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = torch.tensor([])
-
-    def _allocate_kv_pool(self, num_blocks: int) -> None:
-        f = self.facts
-        shape = (2, f.num_layers, num_blocks, self.block_size, self.num_kv_heads_local, f.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache = self.kv_cache[0, i]
-            attn.v_cache = self.kv_cache[1, i]
-
-    def copy_blocks(self, copies) -> None:
-        """Copy-on-write: duplicate whole blocks, in every layer, before the forward."""
-        if not copies:
-            return
-        dev = self.staging.upload({"src": np.fromiter((c.src_block_id for c in copies), np.int64),
-                                   "dst": np.fromiter((c.dst_block_id for c in copies), np.int64)}, "copies")
-        src, dst = dev["src"], dev["dst"]
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def swap_out(self, copies) -> None:
-        """Preemption by swap: KV pool blocks to host blocks. Run first in a plan: its sources may be
-        the destinations of the plan's swap-ins and copies."""
-        if copies:
-            self._host_pool("swap_out").swap_out(self.kv_cache, copies)
-
-    def swap_in(self, copies) -> None:
-        """A swapped sequence resumes: host blocks back to KV pool blocks, after swap_out."""
-        if copies:
-            self._host_pool("swap_in").swap_in(self.kv_cache, copies)
-
-    def _host_pool(self, what: str) -> HostKVPool:
-        if self.host_pool is None:
-            raise RuntimeError(f"the plan asks for {what}, but this executor has no host pool "
-                               "(--swap-space-gb 0 and no --num-host-blocks)")
-        return self.host_pool
-
-    # ------------------------------------------------------------------ inputs
-
-    def host_inputs(self, chunks: list[ScheduledChunk]) -> HostInputs:
-        """Flatten the step's chunks into host arrays; one python pass, the rest vectorised."""
-        bs = self.block_size
-        ids: list[int] = []
-        starts, ends, tables, sampling, logits_idx = [], [], [], [], []
-        fill_at, fill_from = [], []  # inputs whose token the previous step sampled, still on the device
-        for c in chunks:
-            seq = c.seq
-            if len(seq.block_table) * bs < c.end:
-                raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
-            ids.extend(seq.token_ids[c.start:c.end])
-            if c.needs_pending_token:
-                if c.end != len(seq.token_ids) + 1 or seq.seq_id not in self.prev_rows:
-                    raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
-                fill_at.append(len(ids))
-                fill_from.append(self.prev_rows[seq.seq_id])
-                ids.append(0)
-            starts.append(c.start)
-            ends.append(c.end)
-            tables.append(seq.block_array)
-            if c.samples:
-                logits_idx.append(len(ids) - 1)
-                sampling.append(c)
-        k_lens = np.asarray(ends, dtype=np.int64)
-        q_lens = k_lens - np.asarray(starts, dtype=np.int64)
-        cu_q = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
-        # token t of sequence i sits at position starts[i] + (t - cu_q[i])
-        row = np.repeat(np.arange(len(chunks)), q_lens)
-        positions = k_lens[row] - q_lens[row] + np.arange(len(ids)) - cu_q[row]
-        block_tables = self._block_tables(tables, -(-k_lens // bs))
-        arrays = {
-            "input_ids": np.asarray(ids, dtype=np.int64), "positions": positions,
-            "slot_mapping": slot_mapping(block_tables, row, positions, bs),
-            "cu_seqlens_q": cu_q.astype(np.int32), "seqlens_k": k_lens.astype(np.int32),
-            "block_tables": block_tables, "logits_indices": np.asarray(logits_idx, dtype=np.int64),
-        }
-        num_decodes = len(chunks) if (q_lens == 1).all() else int(np.argmax(q_lens != 1))  # leading one-token chunks
-        if num_decodes:  # the decode kernel takes the longest contexts first
-            arrays["decode_order"] = np.argsort(-k_lens[:num_decodes], kind="stable").astype(np.int32)
-        if fill_at:
-            arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
-            arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-        return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()), num_decodes)
+        self.kv_pool.release()
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs on the device, in one copy."""
-        host = self.host_inputs(chunks)
-        dev = self.staging.upload(host.arrays)
-        meta = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
-            block_tables=dev["block_tables"], max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,
-            block_size=self.block_size, decode_order=dev.get("decode_order"), num_decodes=host.num_decodes,
-        )
-        input_ids = dev["input_ids"]
-        if "fill_at" in dev:
-            input_ids[dev["fill_at"]] = self.prev_sampled[dev["fill_from"]]
-        return StepInputs(input_ids=input_ids, positions=dev["positions"], meta=meta,
-                          logits_indices=dev["logits_indices"], sampling_chunks=host.sampling_chunks)
-
-    def _load_decode_graph(self, chunks: list[ScheduledChunk], bucket: int, graph_samples: bool) -> StepInputs:
-        """Stage a decode step straight into the graph's static inputs (one copy, no per-input copies)."""
-        host = self.host_inputs(chunks)
-        a = host.arrays
-        gather = np.arange(self.graphs.capacity, self.graphs.capacity + len(chunks))  # the host's own ids
-        if "fill_at" in a:
-            gather[a["fill_at"]] = a["fill_from"]  # decode: token i is row i
-        rows = {"tokens": a["input_ids"], "gather": gather, "positions": a["positions"],
-                "slot_mapping": a["slot_mapping"], "seqlens_k": a["seqlens_k"], "decode_order": a["decode_order"]}
-        if graph_samples:
-            rows.update(plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng))
-        self.graphs.load(bucket, rows, a["block_tables"])
-        input_ids, positions, meta = self.graphs.step_inputs(bucket, len(chunks))
-        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, logits_indices=None,
-                          sampling_chunks=host.sampling_chunks)
-
-    @staticmethod
-    def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
-        """Each sequence's blocks in use this step, padded with 0 to the longest."""
-        out = np.zeros((len(tables), int(num_blocks.max())), dtype=np.int32)
-        for i, (table, n) in enumerate(zip(tables, num_blocks.tolist())):
-            out[i, :n] = table[:n]
-        return out
+        host = host_inputs(chunks, self.block_size, self.prev_rows)
+        return device_inputs(host, self.staging, self.block_size, self.prev_sampled)
 
     # ------------------------------------------------------------------ step
 
@@ -333,7 +154,10 @@ class ModelRunner:
         else:
             # a decode graph samples in place when every row samples plainly (temperature alone)
             graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain for c in chunks)
-            inputs = self._load_decode_graph(chunks, bucket, graph_samples)
+            columns = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) \
+                if graph_samples else None
+            host = host_inputs(chunks, self.block_size, self.prev_rows)
+            inputs = decode_graph_inputs(host, self.graphs, bucket, columns)
             hidden = self.graphs.run(bucket, len(chunks))
             if self.graphs.samples:
                 inputs.logits = self.graphs.logits[: len(chunks)]
@@ -387,8 +211,8 @@ class ModelRunner:
             host = token_ids
         return PendingStep(seqs, host, lp, event)
 
-    def finalize(self, pending: PendingStep) -> list[engine_pb2.SampledToken]:
-        """Wait for a sampled step's ids on the host and turn them into the reply."""
+    def finalize(self, pending: PendingStep) -> list[SampledToken]:
+        """Wait for a sampled step's ids on the host: one SampledToken per sampling sequence."""
         if not pending.seqs:
             return []
         if pending.event is not None:
@@ -399,12 +223,10 @@ class ModelRunner:
             lp = [t.tolist() for t in pending.logprobs]
         results = []
         for i, seq in enumerate(pending.seqs):
-            sampled = engine_pb2.SampledToken(seq_id=seq.seq_id, token_id=token_ids[i])
-            n = seq.sampling.logprobs
+            sampled = SampledToken(seq.seq_id, token_ids[i])
+            n = seq.sampling_row.logprobs
             if lp is not None and n > 0:
-                sampled.logprobs.CopyFrom(engine_pb2.TokenLogprobs(
-                    sampled_logprob=lp[0][i], sampled_rank=lp[1][i],
-                    top_token_ids=lp[2][i][:n], top_logprobs=lp[3][i][:n]))
+                sampled.logprobs = TokenLogprobs(lp[0][i], lp[1][i], lp[2][i][:n], lp[3][i][:n])
             results.append(sampled)
         return results
 
@@ -414,15 +236,3 @@ class ModelRunner:
             buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64).pin_memory()
             self._pinned_sampled[self.staging.parity] = buf
         return buf[:n]
-
-    def handshake(self) -> engine_pb2.ExecutorHandshake:
-        f: ModelFacts = self.facts
-        return engine_pb2.ExecutorHandshake(
-            rank=self.rank, world_size=self.world_size, num_blocks=self.num_blocks,
-            block_size=self.block_size, model_name=f.model_name, architecture=f.architecture,
-            vocab_size=f.vocab_size, max_position_embeddings=f.max_position_embeddings,
-            eos_token_ids=f.eos_token_ids, dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device), attention_backend=self.backend.name, pid=os.getpid(),
-            num_host_blocks=self.num_host_blocks,
-        )
-

@@ -1,6 +1,7 @@
 """The executor's mirror of the scheduler's sequences, kept in step by applying each plan's deltas.
 
 Executors never decide anything (invariant 1): they copy block ids and tokens they are told about.
+Torch-free: the mirrors are plain Python and numpy.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from executor_svc.sampler import SamplingRow
+from executor_svc.sampling_row import SamplingRow
 from protos import engine_pb2
 
 
@@ -19,7 +20,7 @@ class MirroredSeq:
     num_prompt_tokens: int
     block_table: list[int]
     num_computed_tokens: int
-    sampling: engine_pb2.SamplingOptions
+    sampling: engine_pb2.SamplingOptions | SamplingRow  # a SamplingRow for sequences the executor makes up
     num_pending: int = 0  # tokens sampled by launched steps, not yet appended (on the device)
     # block_table as an int32 array with spare room, so building a step's block tables is a memcpy a row
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -118,6 +119,3 @@ class SequenceMirrors:
         if seq is not None and seq.num_pending:
             seq.token_ids.append(token_id)
             seq.num_pending -= 1
-
-    def clear(self) -> None:
-        self.seqs.clear()

@@ -1,12 +1,16 @@
-"""The attention layer: write this step's K/V into the paged pool, then attend over it.
+"""The attention layer: position-encode q and k, write this step's K/V into the paged pool, then attend.
 
-The math lives in a kernels/ backend; this layer only owns its slice of the KV pool, which the
-model runner assigns after allocating the pool. On CUDA with the Triton backend the K/V store is
-fused into the q/k norm + RoPE kernel before this layer (kernels/fused_ops.qk_norm_rope_store).
+This is the one place a token's K/V is written: by the backend's store_kvcache at the slots of
+meta.slot_mapping (computed in executor_svc/input_batch.py), or, on CUDA when the backend's
+capabilities say fused_norm_rope_store, by one kernel that also does the q/k norm and RoPE. The math
+lives in a kernels/ backend; this layer only owns its slice of the KV pool, which the KV pool
+(executor_svc/kv_cache.py) assigns after allocating it.
 """
 import torch
 from torch import nn
 
+from executor_svc.layers.layernorm import RMSNorm
+from executor_svc.layers.rotary import RotaryEmbedding
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -17,22 +21,34 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads  # local to this rank
-        # [N, block_size, H_kv, D] views into the pool, set by the model runner.
+        # [N, block_size, H_kv, D] views into the pool, set by the KV pool.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None  # set by the model loader
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_stored: bool = False) -> torch.Tensor:
-        """q [T, H*D], k/v [T, H_kv*D] -> [T, H*D]. kv_stored: a fused kernel already wrote k/v to the pool."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """q [T, H, D], k [T, H_kv, D], v [T, H_kv*D] -> [T, H*D]: q/k RMSNorm (when given), RoPE,
+        the K/V store, attention."""
         if self.k_cache.numel() == 0:
-            raise RuntimeError("attention layer has no KV cache: the model runner must assign k_cache/v_cache")
+            raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
         if self.backend is None:
             raise RuntimeError("attention layer has no backend: load the model with model_loader.load_model")
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not kv_stored:
+        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store:
+            # q/k norm, RoPE and the K/V store in one kernel: the same rounding as the chain below
+            q_w = q_norm.weight if q_norm is not None else None
+            k_w = k_norm.weight if k_norm is not None else None
+            eps = q_norm.eps if q_norm is not None else 1e-6
+            q, k = self.backend.norm_rope_store_kvcache(positions, q, k, v, rotary_emb.cos, rotary_emb.sin,
+                                                        self.k_cache, self.v_cache, meta.slot_mapping, q_w, k_w, eps)
+        else:
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = rotary_emb(positions, q, k)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = q.view(-1, self.num_heads, self.head_dim)
         out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -14,11 +14,6 @@ from executor_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLi
 from executor_svc.layers.rotary import RotaryEmbedding, rope_config
 from kernels.attention.base import AttentionMetadata
 
-try:
-    from kernels import fused_ops
-except ImportError:  # no Triton: the torch chain everywhere
-    fused_ops = None
-
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -43,18 +38,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.attn.num_heads, self.attn.head_dim))
         k = k.unflatten(-1, (self.attn.num_kv_heads, self.attn.head_dim))
-        if fused_ops is not None and q.is_cuda and self.attn.backend is not None and self.attn.backend.name == "triton":
-            # q/k norm, RoPE and the K/V store in one kernel: the same rounding as the chain below
-            q_w = self.q_norm.weight if self.q_norm is not None else None
-            k_w = self.k_norm.weight if self.k_norm is not None else None
-            eps = self.q_norm.eps if self.q_norm is not None else 1e-6
-            q, k = fused_ops.qk_norm_rope_store(positions, q, k, v, self.rotary_emb.cos, self.rotary_emb.sin,
-                                                self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, q_w, k_w, eps)
-            return self.o_proj(self.attn(q, k, v, meta, kv_stored=True))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        # q/k norm (Qwen3) and RoPE run inside the attention layer, fused with the K/V store when it can
+        return self.o_proj(self.attn(positions, q, k, v, meta, self.rotary_emb, self.q_norm, self.k_norm))
 
 
 class LlamaMLP(nn.Module):

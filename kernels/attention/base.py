@@ -1,4 +1,5 @@
-"""The attention-backend interface every implementation (torch, triton, flash_attn) follows.
+"""The attention-backend interface every implementation (torch, triton, flash_attn) follows, and
+what each can do (AttentionCapabilities). kernels/attention/registry.py picks one.
 
 Shapes, with T = tokens in the step, B = sequences in the step:
   q                 [T, H_q, D]
@@ -69,8 +70,25 @@ class AttentionMetadata:
             block_size=self.block_size)
 
 
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend can do. Callers ask these, never a backend's name."""
+
+    # it has norm_rope_store_kvcache (FusedNormRopeStore): q/k RMSNorm, RoPE and the K/V store in one
+    # CUDA launch, rounding as the unfused chain does
+    fused_norm_rope_store: bool
+    # store_kvcache and forward never sync with the host, so a decode step can be captured in a CUDA graph
+    cuda_graph_safe: bool
+    # its paged cache reads blocks whose token count is a multiple of this
+    block_size_multiple: int = 1
+
+    def supports_block_size(self, block_size: int) -> bool:
+        return block_size % self.block_size_multiple == 0
+
+
 class AttentionBackend(Protocol):
-    name: str
+    name: str  # a fact for logs and the handshake; callers ask `capabilities`
+    capabilities: AttentionCapabilities
 
     def store_kvcache(
         self,
@@ -93,35 +111,13 @@ class AttentionBackend(Protocol):
         """Causal paged attention of q over each sequence's cached context; returns [T, H_q, D]."""
 
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+class FusedNormRopeStore(Protocol):
+    """What a backend whose capabilities say fused_norm_rope_store has besides AttentionBackend."""
 
-
-def get_backend(name: str, device: torch.device, block_size: int = 16) -> AttentionBackend:
-    """Pick a backend by name. 'auto': on CUDA flash_attn when it imports and the block size suits
-    its paged cache, else triton; on the CPU the torch reference."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKEND_NAMES}")
-    if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            from kernels.attention.flash_backend import supports_block_size
-
-            name = "triton"
-            try:
-                import flash_attn  # noqa: F401
-
-                if supports_block_size(block_size):
-                    name = "flash_attn"
-            except ImportError:
-                pass
-    if name == "torch":
-        from kernels.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from kernels.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from kernels.attention.flash_backend import FlashAttentionBackend
-
-    return FlashAttentionBackend()
+    def norm_rope_store_kvcache(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(q), rms_norm(k) (when the weights are given) and RoPE on both, in place (CUDA
+        tensors only), then store_kvcache(k, v); returns q and k."""

@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionMetadata
+from kernels.attention.base import AttentionCapabilities, AttentionMetadata
+from kernels.attention.names import FLASH_ATTN
 
 FLASH_PAGE_MULTIPLE = 256
 
 
-def supports_block_size(block_size: int) -> bool:
-    return block_size % FLASH_PAGE_MULTIPLE == 0
-
-
 class FlashAttentionBackend:
-    name = "flash_attn"
+    name = FLASH_ATTN
+    # its K/V store is the Triton kernel, which is graph-safe; q/k norm and RoPE stay unfused here
+    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=True,
+                                         block_size_multiple=FLASH_PAGE_MULTIPLE)
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -35,7 +35,7 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not supports_block_size(meta.block_size):
+        if not self.capabilities.supports_block_size(meta.block_size):
             raise ValueError(f"flash_attn needs a block size that is a multiple of {FLASH_PAGE_MULTIPLE}, "
                              f"got {meta.block_size}; use --attention-backend triton")
         if meta.is_decode:

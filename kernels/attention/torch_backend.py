@@ -7,11 +7,14 @@ encodes both causality and each sequence's length.
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionMetadata
+from kernels.attention.base import AttentionCapabilities, AttentionMetadata
+from kernels.attention.names import TORCH
 
 
 class TorchAttentionBackend:
-    name = "torch"
+    name = TORCH
+    # store_kvcache asks the host whether any slot is -1, a sync no CUDA graph can capture
+    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False)
 
     def store_kvcache(
         self,

@@ -7,71 +7,18 @@ interpreter computes bf16 wrongly, and every tl.dot keeps its tiles >= 16 as the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.base import AttentionMetadata
+from kernels import fused_ops
+from kernels.attention.base import AttentionCapabilities, AttentionMetadata
+from kernels.attention.names import TRITON
+from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
+                                              prefill_config)
 from kernels.triton_runtime import INTERPRET, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
-MAX_SPLITS = 32
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    block_m: int  # query rows per program
-    block_n: int  # context tokens per loop step
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_n: int  # context tokens per loop step; several KV blocks when block_size is small
-    num_warps: int
-    num_stages: int
-
-
-def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
-    if INTERPRET:
-        return PrefillConfig(16, 16, 4, 1)  # smallest tiles tl.dot allows on a GPU
-    if dtype == torch.float32:
-        return PrefillConfig(64, 32, 8, 2)  # exact fp32 dots run on CUDA cores: keep tiles small
-    if block_d <= 128:
-        # bench/kernels.py --prefill-sweep (H200, D=128): 204 TFLOP/s on the workload's ragged
-        # 16k-token batch against 163 for (128, 64, 8, 3); 187 against 164 on 4 x 1024
-        return PrefillConfig(64, 32, 4, 3)
-    return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
-
-
-def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
-    if INTERPRET:
-        return DecodeConfig(16, 4, 1)
-    if dtype == torch.float32:
-        return DecodeConfig(32, 8, 3)
-    if block_d <= 128:
-        # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
-        # shared). 3 stages let the pipeliner fetch the next step's block ids ahead of its K/V.
-        return DecodeConfig(64, 4, 3)
-    return DecodeConfig(32, 4, 3)
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sm_count: int, block_n: int) -> int:
-    """Flash-decoding split count: split the context only when (seq, kv head) programs are too few.
-
-    With the programs visiting sequences longest first (decode_order), two per SM already keep the
-    device busy to the end: on the H200's ragged throughput batches (bench/kernels.py --ragged) one
-    split beat two at B = 59, 153 and 256. Below that, splits aim at ~4 programs per SM; each keeps
-    at least 2 tiles so the partial results stay small next to the K/V it read.
-    """
-    programs = num_seqs * num_kv_heads
-    if programs >= 2 * sm_count:
-        return 1
-    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(triton.cdiv(4 * sm_count, programs), tiles // 2, MAX_SPLITS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,11 +377,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 class TritonAttentionBackend:
     """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
 
-    name = "triton"
+    name = TRITON
+    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True)
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+    def norm_rope_store_kvcache(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                q_norm_weight, k_norm_weight, eps):
+        """FusedNormRopeStore: kernels/fused_ops.qk_norm_rope_store, CUDA tensors only."""
+        return fused_ops.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                            q_norm_weight, k_norm_weight, eps)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -5,11 +5,11 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
 from scheduler_svc.common.model_paths import default_model_dir
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -52,8 +52,8 @@ class EngineConfig:
 
         need(self.device in DEVICES, f"--device must be one of {DEVICES}, got {self.device!r}")
         need(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(self.attention_backend in ATTENTION_BACKENDS,
-             f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.attention_backend in ATTENTION_BACKEND_CHOICES,
+             f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
              f"--block-size must be a power of two, got {self.block_size}")
         need(self.num_gpu_blocks is None or self.num_gpu_blocks > 0,
@@ -108,7 +108,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d["enable_prefix_caching"].default)
     g.add_argument("--seed", type=int, default=d["seed"].default)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"].default)
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d["attention_backend"].default)
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKEND_CHOICES, default=d["attention_backend"].default)
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"].default)
     g.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"].default,

@@ -3,7 +3,8 @@ plan's swap-out reads its blocks before the same plan's swap-ins, copies and for
 import pytest
 import torch
 
-from executor_svc.executor import StepLoop
+from executor_svc.executor import StepLoop, handshake
+from executor_svc.kv_cache import KVPool
 from executor_svc.model_runner import ModelRunner
 from executor_svc.seq_mirror import SequenceMirrors
 from protos import engine_pb2
@@ -31,13 +32,14 @@ def runner(tiny_llama) -> ModelRunner:
     return make_runner(tiny_llama)
 
 
-def fill_random(runner: ModelRunner) -> torch.Tensor:
+def fill_random(pool: KVPool) -> torch.Tensor:
     """Fresh random values in every KV block (never zeros); returns a copy of the pool."""
-    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, dtype=runner.kv_cache.dtype) + 3.0)
-    return runner.kv_cache.cpu().clone()
+    pool.cache.copy_(torch.randn(pool.cache.shape, dtype=pool.cache.dtype) + 3.0)
+    return pool.cache.cpu().clone()
 
 
 def copies(*pairs: tuple[int, int]) -> list[engine_pb2.BlockCopy]:
+    """As a plan carries them; the KV pool takes the (src, dst) pairs themselves."""
     return [engine_pb2.BlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
 
 
@@ -49,24 +51,25 @@ def host_block(host: torch.Tensor, b: int) -> torch.Tensor:
     return host[b]  # the host pool is block-major
 
 
-def round_trip(runner: ModelRunner) -> None:
-    before = fill_random(runner)
-    runner.swap_out(copies((1, 4), (7, 0), (3, 5)))
-    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, dtype=runner.kv_cache.dtype) - 3.0)
-    runner.swap_in(copies((4, 8), (0, 2), (5, 6)))
+def round_trip(pool: KVPool) -> None:
+    before = fill_random(pool)
+    pool.swap_out([(1, 4), (7, 0), (3, 5)])
+    pool.cache.copy_(torch.randn(pool.cache.shape, dtype=pool.cache.dtype) - 3.0)
+    pool.swap_in([(4, 8), (0, 2), (5, 6)])
     for kv_src, kv_dst in ((1, 8), (7, 2), (3, 6)):
-        assert torch.equal(block(runner.kv_cache, kv_dst), block(before, kv_src))
+        assert torch.equal(block(pool.cache, kv_dst), block(before, kv_src))
 
 
 def test_swapped_out_blocks_come_back_bit_for_bit_into_other_blocks(runner):
-    round_trip(runner)
+    round_trip(runner.kv_pool)
 
 
 def test_a_swap_in_touches_only_its_destination_blocks(runner):
-    runner.swap_out(copies((2, 3)))
-    before = fill_random(runner)
-    runner.swap_in(copies((3, 9)))
-    after = runner.kv_cache.cpu()
+    pool = runner.kv_pool
+    pool.swap_out([(2, 3)])
+    before = fill_random(pool)
+    pool.swap_in([(3, 9)])
+    after = pool.cache.cpu()
     untouched = [b for b in range(NUM_BLOCKS) if b != 9]
     assert torch.equal(after[:, :, untouched], before[:, :, untouched])
 
@@ -76,7 +79,7 @@ def test_a_plan_swaps_out_before_it_swaps_in_copies_or_runs_its_forward(runner):
     block 6 is swapped out and a new sequence's forward writes its K/V there, all in one plan."""
     sent = []
     loop = StepLoop(runner, SequenceMirrors(), type("Sock", (), {"send": lambda self, m: sent.append(m)})(), rank=0)
-    before = fill_random(runner)
+    before = fill_random(runner.kv_pool)
     loop.run_plan(engine_pb2.StepPlan(step_id=0, swap_out=copies((1, 0))))  # host block 0 holds block 1
     loop.run_plan(engine_pb2.StepPlan(
         step_id=1,
@@ -89,7 +92,7 @@ def test_a_plan_swaps_out_before_it_swaps_in_copies_or_runs_its_forward(runner):
     loop.reply_pending()
     results = [engine_pb2.ExecutorToScheduler.FromString(m).result for m in sent]
     assert [r.error for r in results] == [""] * len(results) and results[-1].sampled[0].seq_id == 1
-    host, kv = runner.host_pool.cache, runner.kv_cache
+    host, kv = runner.kv_pool.host_cache, runner.kv_pool.cache
     for kv_src, host_dst in ((1, 0), (2, 3), (5, 4), (6, 1)):
         assert torch.equal(host_block(host, host_dst), block(before, kv_src))
     assert torch.equal(block(kv, 2), block(before, 1))
@@ -101,9 +104,9 @@ def test_a_plan_swaps_out_before_it_swaps_in_copies_or_runs_its_forward(runner):
 
 def test_a_plan_naming_a_block_outside_a_pool_fails_on_the_host(runner):
     with pytest.raises(RuntimeError, match="swap_out"):
-        runner.swap_out(copies((0, NUM_HOST_BLOCKS)))
+        runner.kv_pool.swap_out([(0, NUM_HOST_BLOCKS)])
     with pytest.raises(RuntimeError, match="swap_in"):
-        runner.swap_in(copies((0, NUM_BLOCKS)))
+        runner.kv_pool.swap_in([(0, NUM_BLOCKS)])
 
 
 def block_bytes(runner: ModelRunner) -> int:
@@ -119,35 +122,36 @@ def block_bytes(runner: ModelRunner) -> int:
 def test_the_handshake_reports_the_host_pool_size(tiny_llama, swap_args, expected):
     r = make_runner(tiny_llama, **swap_args)
     n = expected(block_bytes(r))
-    assert r.handshake().num_host_blocks == n > 0
-    assert r.host_pool.cache.shape == (n, 2, 2, BLOCK_SIZE, 2, 16) and r.host_pool.cache.dtype == r.kv_cache.dtype
+    assert handshake(r).num_host_blocks == n > 0
+    host = r.kv_pool.host_cache
+    assert host.shape == (n, 2, 2, BLOCK_SIZE, 2, 16) and host.dtype == r.kv_pool.cache.dtype
 
 
 @pytest.mark.parametrize("swap_args", [dict(num_host_blocks=None), dict(num_host_blocks=0, swap_space_gb=1.0)])
 def test_no_swap_space_means_no_host_pool(tiny_llama, swap_args):
     r = make_runner(tiny_llama, **swap_args)
-    assert r.handshake().num_host_blocks == 0 and r.host_pool is None
-    r.swap_out([])  # an empty swap is no swap
+    assert handshake(r).num_host_blocks == 0 and r.kv_pool.host_cache is None
+    r.kv_pool.swap_out([])  # an empty swap is no swap
     with pytest.raises(RuntimeError, match="no host pool"):
-        r.swap_out(copies((0, 0)))
+        r.kv_pool.swap_out([(0, 0)])
 
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_swap_round_trip_on_cuda_through_pinned_memory(tiny_llama, device):
     r = make_runner(tiny_llama, device=device, dtype="bfloat16")
-    assert r.host_pool.cache.is_pinned() and r.host_pool.cache.dtype == torch.bfloat16
-    round_trip(r)
+    assert r.kv_pool.host_cache.is_pinned() and r.kv_pool.host_cache.dtype == torch.bfloat16
+    round_trip(r.kv_pool)
 
 
 @pytest.mark.parametrize("device", [CUDA])
 def test_a_cuda_swap_out_sees_writes_still_queued_on_the_stream(tiny_llama, device):
-    r = make_runner(tiny_llama, device=device)
-    fill_random(r)
+    pool = make_runner(tiny_llama, device=device).kv_pool
+    fill_random(pool)
     x = torch.randn(2048, 2048, device=device)
     for _ in range(20):  # keep the stream busy so the write below is still queued
         x = torch.tanh(x @ x / 2048**0.5)  # bounded: no inf or nan
-    r.kv_cache[:, :, 4] = x.flatten()[: r.kv_cache[:, :, 4].numel()].view_as(r.kv_cache[:, :, 4]) + 1.0
-    expected = r.kv_cache[:, :, 4].clone()
-    r.swap_out(copies((4, 2)))
+    pool.cache[:, :, 4] = x.flatten()[: pool.cache[:, :, 4].numel()].view_as(pool.cache[:, :, 4]) + 1.0
+    expected = pool.cache[:, :, 4].clone()
+    pool.swap_out([(4, 2)])
     torch.cuda.synchronize()  # the copy is queued, not waited for: only later copies read the host block
-    assert torch.equal(r.host_pool.cache[2], expected.cpu())
+    assert torch.equal(pool.host_cache[2], expected.cpu())

@@ -278,7 +278,7 @@ def test_plain_rows_build_only_temperature_and_noise_seeds():
     """Temperature-only rows (what a decode graph samples in place) skip every other column."""
     import numpy as np
 
-    from executor_svc.sampler import SamplingRow, plain_sampling_columns
+    from executor_svc.sampling_row import SamplingRow, plain_sampling_columns
 
     options = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=0.7)]
     rows = [SamplingRow.of(o) for o in options]

@@ -20,6 +20,7 @@ from kernels.attention.base import AttentionMetadata  # noqa: E402
 if KERNELS_RUN_HERE:
     # Not imported otherwise: compiled-mode kernels would stick in sys.modules for this process.
     from kernels.attention import triton_backend as ta
+    from kernels.attention import triton_tuning as tuning
 
 
 
@@ -232,13 +233,13 @@ def test_backend_stores_new_tokens_then_attends_over_prefix_and_new_tokens():
 @interpreter
 def test_decode_splits_the_context_only_when_seqs_times_kv_heads_leave_sms_idle():
     # H200: 132 SMs; Qwen3-0.6B has 8 KV heads; decode tiles of 64 tokens.
-    assert ta.decode_num_splits(256, 8, 1024, 132, 64) == 1
-    assert ta.decode_num_splits(64, 8, 4096, 132, 64) == 1  # two programs per SM are enough
-    assert ta.decode_num_splits(8, 8, 4096, 132, 64) == 9
-    assert ta.decode_num_splits(1, 8, 4096, 132, 64) == 32  # capped at MAX_SPLITS
-    assert ta.decode_num_splits(1, 8, 4096, 132, 64) <= ta.MAX_SPLITS
-    assert ta.decode_num_splits(4, 8, 256, 132, 64) == 2  # each split keeps >= 2 tiles
-    assert ta.decode_num_splits(4, 8, 64, 132, 64) == 1
+    assert tuning.decode_num_splits(256, 8, 1024, 132, 64) == 1
+    assert tuning.decode_num_splits(64, 8, 4096, 132, 64) == 1  # two programs per SM are enough
+    assert tuning.decode_num_splits(8, 8, 4096, 132, 64) == 9
+    assert tuning.decode_num_splits(1, 8, 4096, 132, 64) == 32  # capped at MAX_SPLITS
+    assert tuning.decode_num_splits(1, 8, 4096, 132, 64) <= tuning.MAX_SPLITS
+    assert tuning.decode_num_splits(4, 8, 256, 132, 64) == 2  # each split keeps >= 2 tiles
+    assert tuning.decode_num_splits(4, 8, 64, 132, 64) == 1
 
 
 # ---------------------------------------------------------------------------------------------
