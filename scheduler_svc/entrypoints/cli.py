@@ -12,7 +12,7 @@ from scheduler_svc.frontend.server_config import add_server_args
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=None, help="default 256, cut to fit max_model_len")
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -33,6 +33,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from scheduler_svc.entrypoints.llm import LLM
     from scheduler_svc.frontend.sampling_params import SamplingParams
+    from scheduler_svc.frontend.validation import check_sampling
 
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -48,7 +49,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
         beam_width=args.beam_width, length_penalty=args.length_penalty)
     try:
-        params.validate()
+        check_sampling(params)  # the engine-independent checks, before the engine starts
     except ValueError as exc:
         print(f"nanoserve generate: {exc}", file=sys.stderr)
         return 2

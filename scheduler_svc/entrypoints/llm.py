@@ -16,6 +16,8 @@ from scheduler_svc.entrypoints.engine_client import EngineClient, EngineError
 from scheduler_svc.entrypoints.launcher import EngineProcesses, launch_engine
 from scheduler_svc.text.output_tracker import OutputTracker
 from scheduler_svc.frontend.sampling_params import SamplingParams
+from scheduler_svc.frontend.server_config import RequestLimits
+from scheduler_svc.frontend.validation import ValidRequest, validate_request
 from scheduler_svc.text.tokenizer import Tokenizer, has_tokenizer
 
 FINISH_REASONS = {
@@ -77,8 +79,9 @@ class _Tracker:
 
 class LLM:
     def __init__(self, model: str | None = None, *, startup_timeout_s: float = 600.0, log_path: str | None = None,
-                 **engine_args) -> None:
+                 limits: RequestLimits | None = None, **engine_args) -> None:
         self.config = EngineConfig(model=model or "", **engine_args)
+        self.limits = limits or RequestLimits()  # the gRPC server's defaults unless given
         # a checkpoint without tokenizer.json still serves token-id prompts (text stays empty)
         self.tokenizer = Tokenizer(self.config.model) if has_tokenizer(self.config.model) else None
         self.processes: EngineProcesses | None = launch_engine(self.config, log_path=log_path)
@@ -88,8 +91,14 @@ class LLM:
         except BaseException:
             self.close()
             raise
-        self.max_model_len = self.ready.max_model_len
-        self.vocab_size = self.ready.model.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ready.model.vocab_size
 
     def _check_alive(self) -> None:
         dead = self.processes.dead() if self.processes else []
@@ -106,15 +115,9 @@ class LLM:
         ids = [int(t) for t in prompt]
         return None, ids
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+    def _validate(self, ids: list[int], params: SamplingParams) -> ValidRequest:
+        """The gRPC service's checks and messages (validation.py); raises InvalidArgument, a ValueError."""
+        return validate_request(ids, params, self.ready, self.limits)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[GenerationResult]:
@@ -130,7 +133,7 @@ class LLM:
         batch_id = uuid.uuid4().hex[:12]
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self._tokenize(prompt)
-            self._validate(ids, params)
+            params = self._validate(ids, params).params  # max_tokens set, fitted to this prompt when unset
             result = GenerationResult(f"{batch_id}-{i}", text, ids, [CompletionOutput(j) for j in range(params.n)])
             results.append(result)
             rids = [result.request_id] if params.n == 1 else [f"{result.request_id}#{j}" for j in range(params.n)]

@@ -1,9 +1,13 @@
-"""User-facing sampling parameters, their validation, and their wire form."""
+"""User-facing sampling parameters and their wire forms.
+
+SamplingParams mirrors nanoserve.v1.SamplingParams field for field. It holds no checks: validation.py
+is the one place that checks it, for the gRPC service and the offline LLM alike.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos import engine_pb2
+from protos import engine_pb2, generation_pb2
 
 
 @dataclass
@@ -13,7 +17,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = None  # None: the default limit, cut to fit max_model_len (validation.py sets it)
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -27,57 +31,6 @@ class SamplingParams:
     beam_width: int = 0  # 0 samples; k >= 1 runs beam search and returns the n best of k beams
     length_penalty: float = 1.0  # beam search: score = sum(logprob) / generated_len ** length_penalty
 
-    def validate(self, *, max_n: int = 16, max_logprobs: int = 20, max_stop: int = 16,
-                 max_stop_len: int = 256, max_beam_width: int = 16) -> None:
-        """Raise ValueError naming the field and the limit."""
-        problems = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (1 <= self.n <= max_n, f"n must be in [1, {max_n}], got {self.n}"),
-            (0 <= self.logprobs <= max_logprobs, f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}"),
-            (len(self.stop) <= max_stop, f"stop has {len(self.stop)} strings, the limit is {max_stop}"),
-            (all(0 < len(s) <= max_stop_len for s in self.stop),
-             f"each stop string must have 1 to {max_stop_len} characters"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0 < self.repetition_penalty <= 10,
-             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"),
-            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
-            (0 <= self.beam_width <= max_beam_width,
-             f"beam_width must be in [0, {max_beam_width}] (0 samples), got {self.beam_width}"),
-            (-10 <= self.length_penalty <= 10,  # also false for NaN
-             f"length_penalty must be a finite number in [-10, 10], got {self.length_penalty}"),
-        ]
-        if self.beam_width > 0:
-            problems += self._beam_search_problems()
-        for ok, message in problems:
-            if not ok:
-                raise ValueError(message)
-
-    def _beam_search_problems(self) -> list[tuple[bool, str]]:
-        """Beam search scores with the raw log-softmax: the sampling knobs would be silently ignored."""
-        off = "does not apply to beam search (beam_width > 0)"
-        return [
-            (self.n <= self.beam_width,
-             f"n ({self.n}) must be <= beam_width ({self.beam_width}): beam search returns the n best of its beams"),
-            (self.top_p == 1, f"top_p {off}; leave it at 1, got {self.top_p}"),
-            (self.top_k == 0, f"top_k {off}; leave it at 0, got {self.top_k}"),
-            (self.min_p == 0, f"min_p {off}; leave it at 0, got {self.min_p}"),
-            (self.seed is None, f"seed {off}: beam search is deterministic; leave it unset"),
-            (self.presence_penalty == 0, f"presence_penalty {off}; leave it at 0, got {self.presence_penalty}"),
-            (self.frequency_penalty == 0, f"frequency_penalty {off}; leave it at 0, got {self.frequency_penalty}"),
-            (self.repetition_penalty == 1,
-             f"repetition_penalty {off}; leave it at 1, got {self.repetition_penalty}"),
-        ]
-
     def sampling_options(self, seed_offset: int = 0) -> engine_pb2.SamplingOptions:
         """Wire form for the executor; seed_offset separates the n parallel samples of one request."""
         opts = engine_pb2.SamplingOptions(
@@ -90,6 +43,8 @@ class SamplingParams:
         return opts
 
     def stopping_options(self) -> engine_pb2.StoppingOptions:
+        if self.max_tokens is None:  # 0 on the wire would end the request before its first token
+            raise ValueError("max_tokens is unset: send params that validation.validate_request returned")
         return engine_pb2.StoppingOptions(
             max_tokens=self.max_tokens, min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -116,3 +71,20 @@ class SamplingParams:
             request_id=rid, prompt_token_ids=prompt_token_ids, sampling=self.sampling_options(seed_offset=i),
             stopping=self.stopping_options(), priority=priority, group_id=group_id,
             beam_search=beam) for i, rid in enumerate(request_ids)]
+
+
+def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:
+    """The public message as SamplingParams, unset optional fields at their documented defaults.
+    Nothing is checked here."""
+    def optional(name: str, default):
+        return getattr(sp, name) if sp.HasField(name) else default
+
+    return SamplingParams(
+        temperature=optional("temperature", 1.0), top_p=optional("top_p", 1.0), top_k=sp.top_k, min_p=sp.min_p,
+        seed=optional("seed", None), max_tokens=optional("max_tokens", None), min_tokens=sp.min_tokens,
+        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output, n=optional("n", 1), logprobs=sp.logprobs,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=optional("repetition_penalty", 1.0), beam_width=sp.beam_width,
+        length_penalty=optional("length_penalty", 1.0),
+    )

@@ -1,19 +1,27 @@
-"""Public requests checked and turned into what the engine runs: prompt token ids and SamplingParams.
+"""Every check of a request against the engine's facts and the request limits, in one place.
 
-Every rejection is an InvalidArgument whose message names the field and the limit, so the client
-can fix the request without reading the server's logs.
+The gRPC service (validate_generate) and the offline LLM (validate_request) run the same checks and
+raise the same InvalidArgument. Its message names the field as nanoserve.v1 spells it
+("sampling.top_p", "prompt_token_ids.ids[3]") and the limit, so the caller can fix the request
+without reading the server's logs; the gRPC service answers it as INVALID_ARGUMENT (invariant 8).
+Every number it passes reaches the executor finite and in range as a 32-bit float: a repetition_penalty
+of 1e-45 was inside (0, 10] once, and the executor's logits / penalty overflowed to inf.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import struct
 from dataclasses import dataclass
 
 from protos import engine_pb2, generation_pb2
-from scheduler_svc.frontend.sampling_params import SamplingParams
+from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits
 from scheduler_svc.text.tokenizer import Tokenizer
 
 MAX_REQUEST_ID_LENGTH = 256
+INT32_END = 2**31  # the wire's int32 fields hold values below this
 
 
 class InvalidArgument(ValueError):
@@ -23,12 +31,151 @@ class InvalidArgument(ValueError):
 @dataclass
 class ValidRequest:
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # max_tokens is always set
 
 
 def check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidArgument(message)
+
+
+# ---------------------------------------------------------------- numbers as the executor sees them
+
+
+def as_float32(x: float) -> float:
+    """x rounded to the wire's 32-bit float: 1e39 becomes inf there, 1e-46 becomes 0."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    why: str = ""  # said in the message when the bound is not the obvious one
+
+    def holds(self, x: float) -> bool:
+        """Compared in float32, the bounds rounded too, so a bound such as 0.01 accepts itself."""
+        low, x = as_float32(self.low), as_float32(x)
+        return (low < x if self.low_open else low <= x) and x <= as_float32(self.high)
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f">= {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+FLOAT_RANGES = {
+    "temperature": Interval(0),
+    "top_p": Interval(0, 1, low_open=True),
+    "min_p": Interval(0, 1),
+    "presence_penalty": Interval(-2, 2),
+    "frequency_penalty": Interval(-2, 2),
+    "repetition_penalty": Interval(0.01, 10, why=" (the executor divides logits by it; a smaller one overflows)"),
+    "length_penalty": Interval(-10, 10),
+}
+INT_FIELDS = ("top_k", "min_tokens", "n", "logprobs", "beam_width")
+OPTIONAL_INT_FIELDS = ("max_tokens", "seed")  # None means unset
+
+
+def _check_types(p: SamplingParams) -> None:
+    """The offline LLM takes any Python value; the wire takes numbers and strings of its field's type."""
+    for name in FLOAT_RANGES:
+        value = getattr(p, name)
+        check(isinstance(value, numbers.Real), f"sampling.{name} must be a number, got {value!r}")
+    for name in INT_FIELDS + OPTIONAL_INT_FIELDS:
+        value = getattr(p, name)
+        check(isinstance(value, numbers.Integral) or (value is None and name in OPTIONAL_INT_FIELDS),
+              f"sampling.{name} must be an integer, got {value!r}")
+    check(isinstance(p.stop, (list, tuple)) and all(isinstance(s, str) for s in p.stop),
+          f"sampling.stop must be a list of strings, got {p.stop!r}")
+    check(isinstance(p.stop_token_ids, (list, tuple)) and all(isinstance(t, numbers.Integral)
+                                                              for t in p.stop_token_ids),
+          f"sampling.stop_token_ids must be a list of integers, got {p.stop_token_ids!r}")
+
+
+def _check_floats(p: SamplingParams) -> None:
+    for name, interval in FLOAT_RANGES.items():
+        value = getattr(p, name)
+        check(math.isfinite(as_float32(value)),
+              f"sampling.{name} must be a finite number (a 32-bit float), got {value}")
+        check(interval.holds(value), f"sampling.{name} must be {interval}{interval.why}, got {value}")
+
+
+def _check_beam_search(p: SamplingParams) -> None:
+    """Beam search scores with the raw log-softmax: the sampling knobs would be silently ignored."""
+    off = "does not apply to beam search (beam_width > 0)"
+    check(p.n <= p.beam_width,
+          f"sampling.n ({p.n}) must be <= beam_width ({p.beam_width}): beam search returns the n best of its beams")
+    for name, default in (("top_p", 1), ("top_k", 0), ("min_p", 0), ("presence_penalty", 0),
+                          ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        value = getattr(p, name)
+        check(value == default, f"sampling.{name} {off}; leave it at {default}, got {value}")
+    check(p.seed is None, f"sampling.seed {off}: beam search is deterministic; leave it unset")
+
+
+# ---------------------------------------------------------------- the shared checks
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> None:
+    for i, t in enumerate(ids):
+        check(0 <= t < vocab_size, f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_sampling(p: SamplingParams, limits: RequestLimits | None = None) -> None:
+    """Every check of SamplingParams that needs no engine facts (the CLI runs it before starting the engine)."""
+    limits = limits or RequestLimits()
+    _check_types(p)
+    _check_floats(p)
+    check(0 <= p.top_k < INT32_END, f"sampling.top_k must be in [0, 2^31) (0 disables it), got {p.top_k}")
+    check(p.min_tokens >= 0, f"sampling.min_tokens must be >= 0, got {p.min_tokens}")
+    if p.max_tokens is not None:  # None is resolved against the prompt by validate_request
+        check(p.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {p.max_tokens}")
+        check(p.min_tokens <= p.max_tokens,
+              f"sampling.min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
+    check(1 <= p.n <= limits.max_n, f"sampling.n must be in [1, {limits.max_n}], got {p.n}")
+    check(0 <= p.logprobs <= limits.max_logprobs,
+          f"sampling.logprobs must be in [0, {limits.max_logprobs}], got {p.logprobs}")
+    check(p.seed is None or 0 <= p.seed < 2**63, f"sampling.seed must be in [0, 2^63), got {p.seed}")
+    check(len(p.stop) <= limits.max_stop_strings,
+          f"sampling.stop has {len(p.stop)} strings; the limit is {limits.max_stop_strings}")
+    for i, s in enumerate(p.stop):
+        check(0 < len(s) <= limits.max_stop_string_length,
+              f"sampling.stop[{i}] has {len(s)} characters; it must have 1 to {limits.max_stop_string_length}")
+    check(0 <= p.beam_width <= limits.max_beam_width,
+          f"sampling.beam_width must be in [0, {limits.max_beam_width}] (0 samples), got {p.beam_width}")
+    if p.beam_width > 0:
+        _check_beam_search(p)
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, ready: engine_pb2.EngineReady,
+                     limits: RequestLimits) -> ValidRequest:
+    """A tokenized prompt and its params against the engine; the params come back with max_tokens set
+    (unset means the default limit, cut to fit max_model_len)."""
+    ids, vocab_size, max_model_len = list(prompt_token_ids), ready.model.vocab_size, ready.max_model_len
+    check(len(ids) > 0, "the prompt has no tokens")
+    check_token_ids(ids, vocab_size, "prompt_token_ids.ids")
+    check(len(ids) < max_model_len,
+          f"the prompt has {len(ids)} tokens; it must be shorter than max_model_len = {max_model_len}")
+    num_blocks, block_size = ready.model.num_blocks, ready.model.block_size
+    check(len(ids) < num_blocks * block_size,
+          f"the prompt has {len(ids)} tokens; it must be shorter than the KV cache, num_blocks x block_size = "
+          f"{num_blocks} x {block_size} = {num_blocks * block_size} tokens")
+    room = max_model_len - len(ids)
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=min(limits.default_max_tokens, room))
+    check_sampling(params, limits)
+    check(params.max_tokens <= room,
+          f"sampling.max_tokens = {params.max_tokens} does not fit: prompt tokens + max_tokens must be "
+          f"<= max_model_len = {max_model_len}, which leaves room for {room}")
+    check_token_ids(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+    return ValidRequest(ids, params)
+
+
+# ---------------------------------------------------------------- the public request (gRPC)
 
 
 def _need_tokenizer(tokenizer: Tokenizer | None, field: str) -> Tokenizer:
@@ -49,77 +196,21 @@ def chat_token_ids(messages: generation_pb2.ChatMessages, tokenizer: Tokenizer |
         raise InvalidArgument(f"{field}: {exc}") from exc
 
 
-def check_token_ids(ids, vocab_size: int, field: str) -> None:
-    for i, t in enumerate(ids):
-        check(0 <= t < vocab_size, f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
-
-
-def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None,
-                     vocab_size: int) -> list[int]:
+def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+    """The request's one input as token ids; validate_request checks them."""
     kind = request.WhichOneof("input")
     check(kind is not None, "one input is required: prompt, prompt_token_ids or messages")
     if kind == "prompt":
         check(len(request.prompt) > 0, "prompt is empty")
-        ids = _need_tokenizer(tokenizer, "prompt").encode(request.prompt)
-    elif kind == "prompt_token_ids":
-        ids = list(request.prompt_token_ids.ids)
-        check(len(ids) > 0, "prompt_token_ids.ids is empty")
-    else:
-        ids = chat_token_ids(request.messages, tokenizer, "messages")
-    check(len(ids) > 0, f"{kind} is empty after tokenization")
-    check_token_ids(ids, vocab_size, "prompt_token_ids.ids")
-    return ids
-
-
-def sampling_params(sp: generation_pb2.SamplingParams, limits: RequestLimits, vocab_size: int,
-                    room: int) -> SamplingParams:
-    """room: how many tokens fit after the prompt within max_model_len."""
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "length_penalty"):
-        value = getattr(sp, name)
-        check(math.isfinite(value), f"sampling.{name} must be a finite number, got {value}")
-    check(len(sp.stop) <= limits.max_stop_strings,
-          f"sampling.stop has {len(sp.stop)} strings; the limit is {limits.max_stop_strings}")
-    for i, s in enumerate(sp.stop):
-        check(0 < len(s) <= limits.max_stop_string_length,
-              f"sampling.stop[{i}] has {len(s)} characters; it must have 1 to {limits.max_stop_string_length}")
-    check_token_ids(sp.stop_token_ids, vocab_size, "sampling.stop_token_ids")
-    if sp.HasField("max_tokens"):
-        check(sp.max_tokens <= room,
-              f"sampling.max_tokens = {sp.max_tokens} does not fit: prompt tokens + max_tokens must be "
-              f"<= max_model_len, which leaves room for {room}")
-    params = SamplingParams(
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=sp.top_k, min_p=sp.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else min(limits.default_max_tokens, room),
-        min_tokens=sp.min_tokens, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos, include_stop_str_in_output=sp.include_stop_str_in_output,
-        n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs,
-        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-        beam_width=sp.beam_width,
-        length_penalty=sp.length_penalty if sp.HasField("length_penalty") else 1.0,
-    )
-    try:
-        params.validate(max_n=limits.max_n, max_logprobs=limits.max_logprobs, max_stop=limits.max_stop_strings,
-                        max_stop_len=limits.max_stop_string_length,
-                        max_beam_width=limits.max_beam_width)
-    except ValueError as exc:
-        raise InvalidArgument(f"sampling.{exc}") from exc
-    return params
+        return _need_tokenizer(tokenizer, "prompt").encode(request.prompt)
+    if kind == "prompt_token_ids":
+        check(len(request.prompt_token_ids.ids) > 0, "prompt_token_ids.ids is empty")
+        return list(request.prompt_token_ids.ids)
+    return chat_token_ids(request.messages, tokenizer, "messages")
 
 
 def validate_generate(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer | None,
                       ready: engine_pb2.EngineReady, limits: RequestLimits) -> ValidRequest:
     check(len(request.request_id) <= MAX_REQUEST_ID_LENGTH,
           f"request_id has {len(request.request_id)} characters; the limit is {MAX_REQUEST_ID_LENGTH}")
-    vocab_size, max_model_len = ready.model.vocab_size, ready.max_model_len
-    ids = prompt_token_ids(request, tokenizer, vocab_size)
-    check(len(ids) < max_model_len,
-          f"the prompt has {len(ids)} tokens; it must be shorter than max_model_len = {max_model_len}")
-    kv_tokens = ready.model.num_blocks * ready.model.block_size
-    check(len(ids) < kv_tokens, f"the prompt has {len(ids)} tokens; the KV cache holds {kv_tokens}")
-    params = sampling_params(request.sampling, limits, vocab_size, room=max_model_len - len(ids))
-    return ValidRequest(ids, params)
+    return validate_request(prompt_token_ids(request, tokenizer), from_api(request.sampling), ready, limits)

@@ -16,10 +16,10 @@ from protos import generation_pb2 as pb
 from scheduler_svc.frontend.generation_service import GenerationService
 from scheduler_svc.entrypoints.llm import LLM
 from scheduler_svc.frontend.metrics import Metrics
-from scheduler_svc.frontend.sampling_params import SamplingParams
+from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits, ServerConfig
 from scheduler_svc.text.tokenizer import Tokenizer
-from scheduler_svc.frontend.validation import InvalidArgument, sampling_params
+from scheduler_svc.frontend.validation import InvalidArgument, check_sampling, validate_request
 
 VOCAB, EOS = 49152, 2
 
@@ -33,10 +33,10 @@ def beam(**overrides) -> SamplingParams:
 BAD_BEAM = [
     ("negative beam_width", dict(beam_width=-1), "beam_width must be in [0, 16]"),
     ("beam_width over the limit", dict(beam_width=17, n=1), "beam_width must be in [0, 16]"),
-    ("length_penalty NaN", dict(length_penalty=math.nan), "length_penalty must be a finite number in [-10, 10]"),
-    ("length_penalty inf", dict(length_penalty=math.inf), "length_penalty must be a finite number in [-10, 10]"),
-    ("length_penalty > 10", dict(length_penalty=10.5), "length_penalty must be a finite number in [-10, 10]"),
-    ("length_penalty < -10", dict(length_penalty=-11.0), "length_penalty must be a finite number in [-10, 10]"),
+    ("length_penalty NaN", dict(length_penalty=math.nan), "length_penalty must be a finite number"),
+    ("length_penalty inf", dict(length_penalty=math.inf), "length_penalty must be a finite number"),
+    ("length_penalty > 10", dict(length_penalty=10.5), "length_penalty must be in [-10, 10]"),
+    ("length_penalty < -10", dict(length_penalty=-11.0), "length_penalty must be in [-10, 10]"),
     ("n > beam_width", dict(beam_width=2, n=3), "n (3) must be <= beam_width (2)"),
     ("top_p", dict(top_p=0.9), "top_p does not apply to beam search"),
     ("top_k", dict(top_k=5), "top_k does not apply to beam search"),
@@ -50,26 +50,26 @@ BAD_BEAM = [
 
 @pytest.mark.parametrize("overrides, message", [(o, m) for _, o, m in BAD_BEAM], ids=[n for n, _, _ in BAD_BEAM])
 def test_a_bad_beam_search_is_rejected_naming_the_field(overrides, message):
-    with pytest.raises(ValueError) as err:
-        beam(**overrides).validate()
+    with pytest.raises(InvalidArgument) as err:
+        check_sampling(beam(**overrides))
     assert message in str(err.value)
 
 
 def test_the_beam_width_limit_is_the_callers():
-    beam(beam_width=8, n=1).validate(max_beam_width=8)
-    with pytest.raises(ValueError, match=r"beam_width must be in \[0, 8\]"):
-        beam(beam_width=9, n=1).validate(max_beam_width=8)
+    check_sampling(beam(beam_width=8, n=1), RequestLimits(max_beam_width=8))
+    with pytest.raises(InvalidArgument, match=r"beam_width must be in \[0, 8\]"):
+        check_sampling(beam(beam_width=9, n=1), RequestLimits(max_beam_width=8))
 
 
 def test_beam_search_ignores_temperature_and_accepts_stop_conditions():
-    beam(temperature=0.3, length_penalty=-2.0, stop=["\n"], stop_token_ids=[5], min_tokens=2, ignore_eos=True,
-         n=4).validate()
-    beam(temperature=0.0, beam_width=1, n=1).validate()
+    check_sampling(beam(temperature=0.3, length_penalty=-2.0, stop=["\n"], stop_token_ids=[5], min_tokens=2,
+                        ignore_eos=True, n=4))
+    check_sampling(beam(temperature=0.0, beam_width=1, n=1))
 
 
 def test_the_sampling_knobs_that_beam_search_rejects_still_work_without_it():
-    SamplingParams(top_p=0.9, top_k=5, min_p=0.1, seed=7, logprobs=3, presence_penalty=0.5,
-                   frequency_penalty=0.5, repetition_penalty=1.2, length_penalty=2.0, n=3).validate()
+    check_sampling(SamplingParams(top_p=0.9, top_k=5, min_p=0.1, seed=7, logprobs=3, presence_penalty=0.5,
+                                  frequency_penalty=0.5, repetition_penalty=1.2, length_penalty=2.0, n=3))
 
 
 # ---------------------------------------------------------------- wire form
@@ -80,7 +80,7 @@ def test_the_sampling_knobs_that_beam_search_rejects_still_work_without_it():
 def test_beam_search_options_round_trip_through_the_wire(beam_width, data, length_penalty):
     n = data.draw(st.integers(1, beam_width))
     params = SamplingParams(beam_width=beam_width, n=n, length_penalty=length_penalty)
-    params.validate()
+    check_sampling(params)
     wire = engine_pb2.BeamSearchOptions.FromString(params.beam_search_options().SerializeToString())
     assert (wire.beam_width, wire.length_penalty, wire.num_requests) == (beam_width, length_penalty, n)
 
@@ -102,9 +102,9 @@ def test_every_request_of_a_beam_search_carries_its_options_and_one_group_id(n):
 
 
 def test_sampled_requests_carry_no_beam_search_and_group_only_parallel_samples():
-    one = SamplingParams().add_requests(["a"], [1])
+    one = SamplingParams(max_tokens=4).add_requests(["a"], [1])
     assert not one[0].HasField("beam_search") and one[0].group_id == ""
-    many = SamplingParams(n=2, seed=10).add_requests(["a#0", "a#1"], [1])
+    many = SamplingParams(n=2, seed=10, max_tokens=4).add_requests(["a#0", "a#1"], [1])
     assert [a.group_id for a in many] == ["a#0", "a#0"]
     assert [a.sampling.seed for a in many] == [10, 11]
     assert not any(a.HasField("beam_search") for a in many)
@@ -113,8 +113,12 @@ def test_sampled_requests_carry_no_beam_search_and_group_only_parallel_samples()
 # ---------------------------------------------------------------- the public request
 
 
+READY = engine_pb2.EngineReady(model=engine_pb2.ExecutorHandshake(vocab_size=VOCAB, num_blocks=64, block_size=16),
+                               max_model_len=512)
+
+
 def public(**sampling) -> SamplingParams:
-    return sampling_params(pb.SamplingParams(**sampling), RequestLimits(), VOCAB, room=100)
+    return validate_request([5, 6], from_api(pb.SamplingParams(**sampling)), READY, RequestLimits()).params
 
 
 def test_a_public_request_reads_beam_width_and_length_penalty():
@@ -171,8 +175,7 @@ class FakeAsyncEngine(FakeBeamEngine):
 
     def __init__(self):
         super().__init__()
-        self.ready = engine_pb2.EngineReady(
-            model=engine_pb2.ExecutorHandshake(vocab_size=VOCAB, num_blocks=64, block_size=16), max_model_len=512)
+        self.ready = READY
         self.queues: dict[str, asyncio.Queue] = {}
 
     @property
@@ -275,7 +278,7 @@ def offline_llm(tokenizer: Tokenizer, hypotheses) -> LLM:
     """An LLM wired to a fake engine client instead of started processes."""
     llm = object.__new__(LLM)
     llm.tokenizer, llm.client, llm.processes = tokenizer, FakeEngineClient(hypotheses), None
-    llm.vocab_size, llm.max_model_len = VOCAB, 512
+    llm.ready, llm.limits = READY, RequestLimits()
     return llm
 
 
