@@ -67,11 +67,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
+    # The batch calls, with a batch of one: unlike encode and decode, they release the GIL while
+    # they work, so a long text tokenized in a worker thread leaves the event loop running.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
