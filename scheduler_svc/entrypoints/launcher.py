@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,59 @@ from scheduler_svc.common.parent_watch import die_with_parent
 
 log = logging.getLogger("nanoserve.launcher")
 
+IPC_DIR_PREFIX = "nanoserve-"
+# Inside each ipc dir: the owner's pid, and an flock the owner holds while it lives. The kernel
+# drops the lock when the owner dies, SIGKILL included; a pid alone could be reused, or belong to
+# another pid namespace sharing this /tmp.
+OWNER_LOCK = "owner.lock"
+
+
+@dataclass(eq=False)
+class IpcDir:
+    """A private directory for one engine's ipc:// sockets, locked by the process that made it."""
+    path: str
+    lock_fd: int
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self.lock_fd)
+
+
+def make_ipc_dir(parent: str | None = None) -> IpcDir:
+    """A new ipc dir under parent (the temp dir by default), named and locked for this process."""
+    path = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-", dir=parent)
+    unnamed = os.path.join(path, OWNER_LOCK + ".new")
+    fd = os.open(unnamed, os.O_CREAT | os.O_WRONLY, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.rename(unnamed, os.path.join(path, OWNER_LOCK))  # only ever seen locked, so no sweep takes it for stale
+    return IpcDir(path, fd)
+
+
+def remove_stale_ipc_dirs(parent: str | None = None) -> list[str]:
+    """Remove the ipc dirs under parent whose owner is gone (a SIGKILLed launcher cannot clean up);
+    returns their paths. A dir without an owner lock is not one we can judge, and stays."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if not name.startswith(IPC_DIR_PREFIX):
+            continue
+        try:
+            fd = os.open(os.path.join(path, OWNER_LOCK), os.O_RDONLY)
+        except OSError:  # not a dir, no lock file, not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: the owner lives
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
 
 @dataclass(eq=False)
 class EngineProcesses:
@@ -24,7 +79,7 @@ class EngineProcesses:
     scheduler: subprocess.Popen
     executors: list[subprocess.Popen]
     config: EngineConfig
-    tmpdir: tempfile.TemporaryDirectory | None = None
+    ipc_dir: IpcDir | None = None
     executor_argvs: list[list[str]] = field(default_factory=list)  # to restart a rank with the same flags
     env: dict | None = None
     log_path: str | None = None
@@ -83,8 +138,8 @@ class EngineProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.tmpdir is not None:
-            self.tmpdir.cleanup()
+        if self.ipc_dir is not None:
+            self.ipc_dir.cleanup()
 
 
 _live: "weakref.WeakSet[EngineProcesses]" = weakref.WeakSet()
@@ -103,9 +158,14 @@ def _spawn(argv: list[str], stdout, env: dict) -> subprocess.Popen:
 
 def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: int | None = None) -> EngineProcesses:
     """Start one scheduler and tensor_parallel_size executors, linked over ipc:// sockets."""
-    tmp = tempfile.TemporaryDirectory(prefix="nanoserve-")
-    frontend_addr = f"ipc://{tmp.name}/frontend.sock"
-    executor_addr = f"ipc://{tmp.name}/executor.sock"
+    try:
+        for path in remove_stale_ipc_dirs():
+            log.info("removed %s, left by a launcher that is gone", path)
+    except OSError as exc:
+        log.warning("could not look for stale ipc dirs: %s", exc)
+    ipc_dir = make_ipc_dir()
+    frontend_addr = f"ipc://{ipc_dir.path}/frontend.sock"
+    executor_addr = f"ipc://{ipc_dir.path}/executor.sock"
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     stdout = open(log_path, "ab") if log_path else None
@@ -122,7 +182,7 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
     executors = [_spawn(argv, stdout, env) for argv in executor_argvs]
     if stdout:
         stdout.close()
-    procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, tmp,
+    procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, ipc_dir,
                             executor_argvs=executor_argvs, env=env, log_path=log_path)
     _live.add(procs)
     return procs

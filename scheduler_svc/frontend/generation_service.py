@@ -21,6 +21,7 @@ from scheduler_svc.frontend.async_engine_client import AsyncEngineClient, Engine
 from scheduler_svc.frontend.metrics import Metrics
 from scheduler_svc.text.output_tracker import OutputTracker
 from scheduler_svc.frontend.server_config import ServerConfig
+from scheduler_svc.frontend.tokenization import TokenizerThreads, check_input_size
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.frontend.validation import InvalidArgument, chat_token_ids, check_token_ids, validate_generate
 
@@ -48,6 +49,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.draining = False  # set on SIGTERM: new generations get UNAVAILABLE
         self.requests: dict[str, list[str]] = {}  # in-flight public request id -> its engine request ids
         self._incarnation = itertools.count()  # engine ids never repeat, so a late output can't reach a new stream
+        self.tokenizing = TokenizerThreads(config.tokenizer_threads)  # tokenizer work, off the event loop
 
     # ------------------------------------------------------------------ generation
 
@@ -73,7 +75,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Yield one GenerateResponse per engine output: the deltas of one completion."""
         ready = await self._admit(context)
         try:
-            valid = validate_generate(request, self.tokenizer, ready, self.config.limits)
+            check_input_size(request, self.config.limits.max_prompt_bytes)
+            valid = await self.tokenizing.run(validate_generate, request, self.tokenizer, ready, self.config.limits)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid, params = request.request_id or uuid.uuid4().hex, valid.params
@@ -163,28 +166,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         tokenizer = await self._tokenizer(context)
-        kind = request.WhichOneof("input")
         try:
-            if kind is None:
-                raise InvalidArgument("one input is required: text or messages")
-            if kind == "text":
-                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = tokenizer.encode(request.text, add_special_tokens=add_special)
-            else:
-                add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-                ids = chat_token_ids(request.messages, tokenizer, "messages", add_generation_prompt=add_prompt)
+            check_input_size(request, self.config.limits.max_prompt_bytes)
+            return await self.tokenizing.run(tokenize, request, tokenizer)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(t) or "" for t in ids])
 
     async def Detokenize(self, request, context):
         tokenizer = await self._tokenizer(context)
         try:
-            check_token_ids(request.token_ids, tokenizer.vocab_size, "token_ids")
+            return await self.tokenizing.run(detokenize, request, tokenizer)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        text = tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
-        return generation_pb2.DetokenizeResponse(text=text)
 
     # ------------------------------------------------------------------ engine facts
 
@@ -200,3 +193,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer")
         return api_messages.stats(stats)
+
+
+# ---------------------------------------------------------------- tokenizer work, run in TokenizerThreads
+
+def tokenize(request: generation_pb2.TokenizeRequest, tokenizer: Tokenizer) -> generation_pb2.TokenizeResponse:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("one input is required: text or messages")
+    if kind == "text":
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+    else:
+        add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        ids = chat_token_ids(request.messages, tokenizer, "messages", add_generation_prompt=add_prompt)
+    return generation_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(t) or "" for t in ids])
+
+
+def detokenize(request: generation_pb2.DetokenizeRequest, tokenizer: Tokenizer) -> generation_pb2.DetokenizeResponse:
+    check_token_ids(request.token_ids, tokenizer.vocab_size, "token_ids")
+    text = tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+    return generation_pb2.DetokenizeResponse(text=text)

@@ -36,7 +36,7 @@ STATS_INTERVAL_S = 1.0
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
-        ("grpc.max_receive_message_length", config.max_receive_message_mb * 2**20),
+        ("grpc.max_receive_message_length", config.receive_limit_bytes()),
         ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
         ("grpc.keepalive_permit_without_calls", 1),  # clients may keep idle connections alive...
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ...pinging every 10 s, not more often
@@ -171,6 +171,7 @@ async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await engine.close()
+        service.tokenizing.close()
         if metrics_server is not None:
             metrics_server.shutdown()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,6 +15,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256  # characters
     default_max_tokens: int = 256  # when the request leaves max_tokens unset
+    max_prompt_bytes: int = 2**20  # UTF-8 bytes of a prompt, or of a chat's roles and contents
 
 
 @dataclass
@@ -25,7 +26,8 @@ class ServerConfig:
     model: str = ""  # tokenizer and chat template directory; empty means the embedded model
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
     max_pending_requests: int = 1024  # engine sequences in flight through this front end
-    max_receive_message_mb: int = 16
+    max_receive_message_mb: int = 0  # 0: room for a prompt of max_prompt_bytes and 1 MiB more
+    tokenizer_threads: int = 2  # prompts tokenized at once, off the event loop
     api_key: str | None = None  # required as `authorization: Bearer <key>` when set
     tls_cert: str | None = None  # PEM server certificate chain; with tls_key, serve TLS
     tls_key: str | None = None
@@ -33,20 +35,28 @@ class ServerConfig:
     drain_grace_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     scheduler_timeout_s: float = 10.0  # no stats reply for this long means the scheduler is lost
 
+    def receive_limit_bytes(self) -> int:
+        """The largest request gRPC reads: a larger one is refused before it is held in memory."""
+        if self.max_receive_message_mb:
+            return self.max_receive_message_mb * 2**20
+        return self.limits.max_prompt_bytes + 2**20  # the 1 MiB: sampling, stop strings, a chat's framing
+
     def validate(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        at_least_one = {"max_pending_requests": self.max_pending_requests,
-                        "max_receive_message_mb": self.max_receive_message_mb, "max_n": self.limits.max_n,
+        at_least_one = {"max_pending_requests": self.max_pending_requests, "max_n": self.limits.max_n,
                         "max_stop_string_length": self.limits.max_stop_string_length,
-                        "default_max_tokens": self.limits.default_max_tokens}
+                        "default_max_tokens": self.limits.default_max_tokens,
+                        "max_prompt_bytes": self.limits.max_prompt_bytes, "tokenizer_threads": self.tokenizer_threads}
         for name, value in at_least_one.items():
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0 or self.limits.max_beam_width < 0:
             raise ValueError("--max-logprobs, --max-stop-strings and --max-beam-width must be >= 0")
+        if self.max_receive_message_mb < 0:
+            raise ValueError(f"--max-receive-message-mb must be >= 0, got {self.max_receive_message_mb}")
 
 
 def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -66,10 +76,15 @@ def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s,
                    help="on SIGTERM, let in-flight requests finish for this long")
     g.add_argument("--scheduler-timeout-s", type=float, default=d.scheduler_timeout_s)
+    g.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
+                   help="prompts tokenized at once, off the event loop")
     g = parser.add_argument_group("limits")
     g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
                    help="sequences in flight before new requests get RESOURCE_EXHAUSTED")
-    g.add_argument("--max-receive-message-mb", type=int, default=d.max_receive_message_mb)
+    g.add_argument("--max-prompt-bytes", type=int, default=limits.max_prompt_bytes,
+                   help="UTF-8 bytes of a prompt or of a chat's roles and contents; larger is INVALID_ARGUMENT")
+    g.add_argument("--max-receive-message-mb", type=int, default=d.max_receive_message_mb,
+                   help="largest request gRPC reads (0: --max-prompt-bytes plus 1 MiB)")
     g.add_argument("--max-n", type=int, default=limits.max_n)
     g.add_argument("--max-logprobs", type=int, default=limits.max_logprobs)
     g.add_argument("--max-beam-width", type=int, default=limits.max_beam_width)
