@@ -16,6 +16,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 import zmq
+from google.protobuf.message import DecodeError
 
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
@@ -39,16 +40,29 @@ def _init_distributed(rank: int, world_size: int, init_addr: str, device_type: s
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=world_size)
 
 
-def _heartbeat_loop(ctx: zmq.Context, addr: str, rank: int, stop: threading.Event) -> None:
+class SchedulerEpoch:
+    """The scheduler incarnation this executor serves: 0 until its first plan or handshake request. Plans of
+    another epoch are dropped; every message out carries it, so a new scheduler never applies an old result."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def admits(self, msg: engine_pb2.SchedulerToExecutor) -> bool:
+        if self.value == 0:
+            self.value = msg.epoch
+        return msg.epoch == self.value
+
+
+def _heartbeat_loop(ctx: zmq.Context, addr: str, rank: int, epoch: SchedulerEpoch, stop: threading.Event) -> None:
     """Liveness on its own socket, so a long forward never looks like a dead executor."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank{rank}-hb".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
-    beat = engine_pb2.ExecutorToScheduler(heartbeat=engine_pb2.Heartbeat(rank=rank)).SerializeToString()
     while not stop.is_set():
+        beat = engine_pb2.ExecutorToScheduler(heartbeat=engine_pb2.Heartbeat(rank=rank), epoch=epoch.value)
         try:
-            sock.send(beat, zmq.NOBLOCK)
+            sock.send(beat.SerializeToString(), zmq.NOBLOCK)
         except zmq.Again:  # scheduler not reachable right now; the next beat tries again
             pass
         stop.wait(HEARTBEAT_INTERVAL_S)
@@ -89,18 +103,23 @@ class StepLoop:
     and step N's ids are sent back only then. With no next plan waiting, step N is answered as soon
     as the device finishes it."""
 
-    def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int) -> None:
-        self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
+    def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int, epoch: SchedulerEpoch) -> None:
+        self.runner, self.mirrors, self.sock, self.rank, self.epoch = runner, mirrors, sock, rank, epoch
         self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
         self.py_profile = PythonProfileWindow.from_env(f"executor{rank}")
 
     def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
-        """The next plan, or None once the pending step is done and no plan is waiting."""
+        """The next message, or None once the pending step is done and no message is waiting."""
         while True:
             if self.sock.poll(0 if self.pending else 1000):
-                return engine_pb2.SchedulerToExecutor.FromString(self.sock.recv())
+                payload = self.sock.recv()
+                try:
+                    return engine_pb2.SchedulerToExecutor.FromString(payload)
+                except DecodeError as exc:
+                    log.error("rank %d dropped a malformed message: %s", self.rank, exc)
+                    continue
             if self.pending is not None and self.pending[1].done():
                 return None
             if self.pending is not None:
@@ -157,7 +176,17 @@ class StepLoop:
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:
-            self.sock.send(engine_pb2.ExecutorToScheduler(result=result).SerializeToString())
+            msg = engine_pb2.ExecutorToScheduler(result=result, epoch=self.epoch.value)
+            self.sock.send(msg.SerializeToString())
+
+    def restart_for(self, msg: engine_pb2.SchedulerToExecutor) -> None:
+        """A scheduler that does not know us asked for a handshake: forget what we held for the last one
+        (its sequences and the step in flight) and serve the asking one's epoch."""
+        self.pending = None  # its tokens belong to a scheduler that is gone: never answered
+        self.mirrors.seqs.clear()
+        self.epoch.value = msg.epoch
+        self.sock.send(engine_pb2.ExecutorToScheduler(handshake=handshake(self.runner),
+                                                      epoch=self.epoch.value).SerializeToString())
 
 
 def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_addr: str,
@@ -178,21 +207,30 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(scheduler_addr)
     stop = threading.Event()
-    threading.Thread(target=_heartbeat_loop, args=(ctx, scheduler_addr, rank, stop), daemon=True).start()
+    epoch = SchedulerEpoch()
+    threading.Thread(target=_heartbeat_loop, args=(ctx, scheduler_addr, rank, epoch, stop), daemon=True).start()
     sock.send(engine_pb2.ExecutorToScheduler(handshake=handshake(runner)).SerializeToString())
 
     mirrors = SequenceMirrors()
-    loop = StepLoop(runner, mirrors, sock, rank)
+    loop = StepLoop(runner, mirrors, sock, rank, epoch)
     try:
         while True:
             msg = loop.next_message()
             if msg is None:  # the device finished the pending step before the next plan came
                 loop.reply_pending()
                 continue
-            if msg.WhichOneof("kind") == "shutdown":
+            kind = msg.WhichOneof("kind")
+            if kind == "shutdown":
                 log.info("rank %d shutting down: %s", rank, msg.shutdown.reason)
                 return 0
-            loop.run_plan(msg.plan)
+            if kind == "handshake_request":
+                log.info("rank %d: scheduler epoch %x asks for a handshake (was %x)", rank, msg.epoch, epoch.value)
+                loop.restart_for(msg)
+            elif kind == "plan" and epoch.admits(msg):
+                loop.run_plan(msg.plan)
+            elif kind == "plan":
+                log.warning("rank %d dropped plan %d of scheduler epoch %x (serving %x)", rank, msg.plan.step_id,
+                            msg.epoch, epoch.value)
     finally:
         stop.set()
         sock.close()

@@ -44,11 +44,6 @@ def test_the_control_plane_packages_import_without_torch():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_executors_sequence_mirrors_import_without_torch():
-    result = _no_torch_after("import executor_svc.seq_mirror")
-    assert result.returncode == 0, result.stderr
-
-
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":

@@ -189,7 +189,7 @@ class EngineCore:
         kind = msg.WhichOneof("kind")
         try:
             if kind == "heartbeat":  # of any epoch: a live executor this scheduler may not know yet
-                self._on_heartbeat(identity, msg.heartbeat, msg.epoch)
+                self._on_heartbeat(identity, msg.heartbeat)
             elif msg.epoch not in (0, self.epoch):
                 raise BadMessage(f"a {kind} of scheduler epoch {msg.epoch}, not this one's ({self.epoch})")
             elif kind == "handshake":
@@ -203,12 +203,13 @@ class EngineCore:
         except BadMessage as exc:
             self.reject_message(identity, str(exc))
 
-    def _on_heartbeat(self, identity: bytes, hb: engine_pb2.Heartbeat, epoch: int) -> None:
+    def _on_heartbeat(self, identity: bytes, hb: engine_pb2.Heartbeat) -> None:
         check_heartbeat(hb, identity, self.world_size)
         self.executors.heard_from(hb.rank)
-        if hb.rank not in self.executors.handshakes or epoch not in (0, self.epoch):
-            # alive, but unknown to this scheduler (it restarted, or the engine was lost and this rank survived):
-            # it shakes hands again, dropping whatever it held for an earlier scheduler
+        if hb.rank not in self.executors.handshakes:
+            # alive but unknown (this scheduler restarted, or a handshake is on its way): it shakes hands again,
+            # dropping what it held for an earlier scheduler. Safe while a handshake is on its way: the executor
+            # reads this request before any plan that the handshake lets the scheduler send.
             self.to_executor(hb.rank, engine_pb2.SchedulerToExecutor(handshake_request=engine_pb2.HandshakeRequest()))
 
     def _join(self, hs: engine_pb2.ExecutorHandshake) -> None:
