@@ -343,20 +343,31 @@ class EngineCore:
         self.last_result_at = now
         t.executor_busy_seconds += result.execute_seconds
         t.executor_idle_seconds += result.idle_seconds
-        out = step.out
-        if result.error:
-            log.error("step %d failed: %s", step.step_id, result.error)
-            for item in out.scheduled:
-                for request in self.scheduler.requests_served_by(item.seq):
-                    self._abort(request.reply_to, request.request_id, ERROR, error=f"executor: {result.error}")
-            self.scheduler.postprocess(out, {})
-            return [], {}
-        sampled = {s.seq_id: s for s in result.sampled}
-        candidates = None
-        if self.scheduler.beams.searches:  # beams choose among their top candidates, not the sampled token
-            candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
-                          if v.HasField("logprobs")}
-        return self.scheduler.postprocess(out, {k: v.token_id for k, v in sampled.items()}, candidates), sampled
+        if not result.error:
+            sampled = {s.seq_id: s for s in result.sampled}
+            candidates = None
+            if self.scheduler.beams.searches:  # beams choose among their top candidates, not the sampled token
+                candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
+                              if v.HasField("logprobs")}
+            tokens = {k: v.token_id for k, v in sampled.items()}
+            if all(0 <= t < self.ready.model.vocab_size for t in tokens.values()):
+                try:
+                    return self.scheduler.postprocess(step.out, tokens, candidates), sampled
+                except ValueError as exc:  # refused before anything changed
+                    result.error = f"an inconsistent reply: {exc}"
+            else:
+                result.error = "an inconsistent reply: a sampled token outside the vocabulary"
+            self.reject_message(b"rank0", f"step {step.step_id}: {result.error}")
+        self._fail_step(step, result.error)
+        return [], {}
+
+    def _fail_step(self, step: InFlightStep, error: str) -> None:
+        """A step that failed fails the requests it carried, and only those."""
+        log.error("step %d failed: %s", step.step_id, error)
+        for item in step.out.scheduled:
+            for request in self.scheduler.requests_served_by(item.seq):
+                self._abort(request.reply_to, request.request_id, ERROR, error=f"executor: {error}")
+        self.scheduler.postprocess(step.out, {})
 
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:
         while step_id not in self.results:

@@ -298,9 +298,11 @@ class Scheduler:
         choose among; plain sequences ignore them.
         """
         live = [s for s in out.scheduled if s.seq.status is not FINISHED]  # skip ones aborted while in flight
-        for s in live:
+        for s in live:  # checked before anything changes: a reply that breaks these is refused whole
             if s.samples and s.seq.seq_id not in sampled:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
+            if s.samples and s.seq.beam is not None and (candidates is None or s.seq.seq_id not in candidates):
+                raise ValueError(f"beam {s.seq.seq_id} reached its end but no candidates came back for it")
         updates: list[StepUpdate] = []
         c = self.counters
         any_finished = False
