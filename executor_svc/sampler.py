@@ -175,7 +175,11 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
     logits = logits - batch.frequency_penalty[:, None] * output_counts
-    return logits - batch.presence_penalty[:, None] * (output_counts > 0)
+    logits = logits - batch.presence_penalty[:, None] * (output_counts > 0)
+    # an extreme penalty can overflow one row (x / 1e-45 is inf, and inf - inf is NaN): keep that row's
+    # order but finite, so it samples like any other and never poisons the batch (the validators bound
+    # the penalties; this is the executor's own guard)
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -262,7 +266,8 @@ class Sampler:
             u.index_copy_(0, batch.seeded_rows, self._seeded_uniforms(batch, cdf.device))
         # u <= 1 - 2^-53 keeps u * total strictly below the total in float64, so the first cdf above it
         # belongs to a token with probability (a dropped token never raises the cdf)
-        return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+        token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+        return token_ids.clamp_(max=cdf.shape[-1] - 1)  # a row with no finite mass must still name a token
 
     def _seeded_uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
         """One U[0, 1) per seeded sequence, from its own seed: independent of the batch."""

@@ -303,3 +303,26 @@ def test_a_seeded_rows_noise_seed_is_its_mixed_seed_as_int64():
     expected = mix_seed(12345, 3)
     assert int(batch.noise_seeds[0]) == (expected - (1 << 64) if expected >= 1 << 63 else expected)
     assert batch.seeded_rows.tolist() == [0] and batch.generator_seeds == [expected]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draw", range(3))
+def test_an_overflowing_penalty_keeps_its_row_in_the_vocabulary_and_leaves_its_neighbours_alone(device, temperature,
+                                                                                                draw):
+    """The hardening issue's defect 1: repetition_penalty 1e-45 made x / penalty inf and the draw index the
+    vocabulary size, which killed the executor. Now the row samples a token it may, and the rows beside it
+    get exactly what they get without it."""
+    vocab = 50
+    torch.manual_seed(draw)
+    logits = random_logits(3, vocab, seed=7 + draw).to(device)
+    wild = SamplingOptions(temperature=temperature, repetition_penalty=1e-45, logprobs=2)  # unseeded, as reported
+    tame = SamplingOptions(temperature=temperature, logprobs=2, seed=4)
+    prompts = [[1, 2, 3, 40], [1, 2, 3, 4, 5, 6, 7, 8], [5, 6]]
+    both = Sampler()(logits, build([tame, wild, tame], logits, prompts, device=device))
+    alone = Sampler()(logits[[0, 2]], build([tame, tame], logits[[0, 2]], [prompts[0], prompts[2]], device=device))
+    assert ((both.token_ids >= 0) & (both.token_ids < vocab)).all()
+    assert both.token_ids[[0, 2]].tolist() == alone.token_ids.tolist()
+    assert torch.isfinite(both.sampled_logprobs).all()
+    if temperature == 0.0:  # greedy: the penalised row's best token is one its history inflated to the top
+        assert int(both.token_ids[1]) in {t for t in prompts[1] if logits[1, t] > 0} or (logits[1, prompts[1]] <= 0).all()
