@@ -103,8 +103,10 @@ class StepLoop:
     and step N's ids are sent back only then. With no next plan waiting, step N is answered as soon
     as the device finishes it."""
 
-    def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int, epoch: SchedulerEpoch) -> None:
-        self.runner, self.mirrors, self.sock, self.rank, self.epoch = runner, mirrors, sock, rank, epoch
+    def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int,
+                 epoch: SchedulerEpoch | None = None) -> None:
+        self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
+        self.epoch = epoch if epoch is not None else SchedulerEpoch()
         self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
