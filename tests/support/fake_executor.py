@@ -1,7 +1,11 @@
 """A stand-in executor for scheduler tests: it keeps which token each KV slot (and host swap slot) holds,
 runs a plan's swaps and copies in the executor's order, and checks that every read sees the reader's own
-history, so a block shared, copied, swapped or reused wrongly is caught."""
+history, so a block shared, copied, swapped or reused wrongly is caught. MirroringExecutor also feeds the
+serialized StepPlan to the executor's own sequence mirrors."""
 from __future__ import annotations
+
+from executor_svc.seq_mirror import SequenceMirrors  # the executor's own (it imports torch, for the sampler)
+from protos import engine_pb2
 
 
 class FakeExecutor:
@@ -30,6 +34,46 @@ class FakeExecutor:
             seq, end = s.seq, s.start + s.num_new_tokens
             seen = [self.slots[seq.block_table[p // bs]][p % bs] for p in range(end)]
             assert seen == [self.token_at(seq, p) for p in range(end)], f"seq {seq.seq_id} reads another history"
+
+
+class MirroringExecutor(FakeExecutor):
+    """The executor's SequenceMirrors follow each plan's deltas (invariant 4), and every chunk they yield
+    must be the one the scheduler planned, read through the block table the scheduler holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None) -> None:
+        super().__init__(num_blocks, block_size, num_host_blocks, token_at)
+        self.mirrors = SequenceMirrors()
+
+    def run_plan(self, plan: engine_pb2.StepPlan, out) -> None:
+        chunks = self.mirrors.apply(engine_pb2.StepPlan.FromString(plan.SerializeToString()))
+        planned = {s.seq.seq_id: s for s in out.scheduled}
+        assert sorted(c.seq.seq_id for c in chunks) == sorted(planned)
+        for c in chunks:
+            s = planned[c.seq.seq_id]
+            assert (c.start, c.end, c.samples) == (s.start, s.start + s.num_new_tokens, s.samples)
+            assert c.seq.block_table == s.seq.block_table, f"seq {s.seq.seq_id}: mirrored block table differs"
+        self.run(out)
+        self.mirrors.commit(chunks)
+
+    def reply(self, sampled: dict[int, int]) -> None:
+        """A step's sampled tokens reach the host: the mirrors append them (before the scheduler hears)."""
+        for seq_id, token in sampled.items():
+            self.mirrors.append_sampled(seq_id, token)
+
+    def check_mirrors(self, sched, tokens_of) -> None:
+        """The executors mirror the running sequences sent to them, and the finished ones until told to drop
+        them; each mirror holds the scheduler's block table and a prefix of tokens_of(seq), every token
+        the executors sampled for it."""
+        mirrored = {s.seq_id: s for s in sched.running if s.in_executor}
+        assert set(self.mirrors.seqs) == set(mirrored) | set(sched.finished_to_drop)
+        for seq_id, seq in mirrored.items():
+            m, tokens = self.mirrors.seqs[seq_id], tokens_of(seq)
+            assert m.block_table == seq.block_table and m.num_computed_tokens == seq.num_computed_tokens
+            if seq.beam is None:
+                assert m.token_ids == tokens[: len(m.token_ids)]
+                assert len(m.token_ids) + m.num_pending == len(tokens)  # the rest are samples still pending
+            else:  # a beam that has reported holds its sample too; its search's children carry it on
+                assert m.token_ids[: len(tokens)] == tokens and len(m.token_ids) + m.num_pending <= len(tokens) + 1
 
 
 def check_block_references(sched) -> None:
