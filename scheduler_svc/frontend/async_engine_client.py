@@ -1,8 +1,12 @@
 """The gRPC front end's link to the scheduler, for asyncio (the sync twin is engine_client.py).
 
 One reader task receives everything the scheduler sends and routes it: RequestOutputs to the
-queue of the stream that owns the request id, stats replies to the caller waiting on that query
-id, and EngineReady / NotReady / EngineLost to the `ready` state. A lost engine ends every open stream.
+queue of the stream that owns the request id (a StreamQueue: bounded, and never blocking the reader),
+stats replies to the caller waiting on that query id, and EngineReady / NotReady / EngineLost to the
+`ready` state. A lost engine ends every open stream.
+
+`num_in_flight` counts the engine requests the engine still runs for us: one leaves it with its terminal
+output or our abort, even while its stream's handler is still writing to a slow client.
 
 A Hello goes out every HELLO_INTERVAL_S and the scheduler answers each: a scheduler silent for
 SCHEDULER_TIMEOUT_S is taken as gone, and one whose epoch changed has restarted and forgotten our
@@ -24,6 +28,7 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from protos import engine_pb2
+from scheduler_svc.frontend.stream_queue import StreamQueue
 
 log = logging.getLogger("nanoserve.frontend")
 
@@ -43,7 +48,7 @@ def _log_send_error(future: asyncio.Future) -> None:
 
 
 class AsyncEngineClient:
-    def __init__(self, scheduler_addr: str, name: str = "frontend") -> None:
+    def __init__(self, scheduler_addr: str, name: str = "frontend", max_buffered_outputs: int = 64) -> None:
         self.name = name
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -53,7 +58,9 @@ class AsyncEngineClient:
         self.ready: engine_pb2.EngineReady | None = None
         self.awaiting_scheduler_loss = False  # see mark_lost
         self.on_ready_change: list[Callable[[bool], None]] = []  # called with the new readiness
-        self._streams: dict[str, asyncio.Queue] = {}  # engine request id -> its stream's queue
+        self.max_buffered_outputs = max_buffered_outputs  # per engine request, in a StreamQueue
+        self._streams: dict[str, StreamQueue] = {}  # engine request id -> its stream's queue
+        self._in_engine: set[str] = set()  # engine request ids not finished or aborted yet
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -65,25 +72,29 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    def open_stream(self, request_ids: list[str]) -> asyncio.Queue:
+    def open_stream(self, request_ids: list[str]) -> StreamQueue:
         """One queue that receives the outputs of all these engine requests (n samples of a request)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = StreamQueue(self.max_buffered_outputs)
         for rid in request_ids:
             self._streams[rid] = queue
+        self._in_engine.update(request_ids)
         return queue
 
     def close_stream(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._streams.pop(rid, None)
+        self._in_engine.difference_update(request_ids)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        """Engine requests still running in the engine (admission counts these, not open streams)."""
+        return len(self._in_engine)
 
     def add(self, request: engine_pb2.AddRequest) -> None:
         self._send(engine_pb2.FrontendToScheduler(add=request))
 
     def abort(self, request_ids: list[str]) -> None:
+        self._in_engine.difference_update(request_ids)  # the scheduler frees them on receipt
         if request_ids:
             self._send(engine_pb2.FrontendToScheduler(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 
@@ -100,6 +111,7 @@ class AsyncEngineClient:
 
     def fail_streams(self, reason: str) -> None:
         """End every open stream: each gets an EngineLost."""
+        self._in_engine.clear()  # nothing runs for us any more, or the handlers abort it now
         for queue in {id(q): q for q in self._streams.values()}.values():
             queue.put_nowait(EngineLost(reason))
 
@@ -143,6 +155,8 @@ class AsyncEngineClient:
                     queue = self._streams.get(ro.request_id)
                     if queue is not None:
                         queue.put_nowait(ro)
+                    if ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                        self._in_engine.discard(ro.request_id)
             elif kind == "stats":
                 future = self._stats_waiters.get(msg.stats.query_id)
                 if future is not None and not future.done():

@@ -5,12 +5,18 @@ merged into one response stream, each output carrying its index. With beam searc
 share one search, and each receives its whole hypothesis (the index-th best) in one output.
 However the call ends (finished, failed, cancelled by the client, past its deadline), the engine
 requests still running are aborted in the scheduler, so their KV blocks go back to the pool.
+
+Slow clients: admission (--max-pending-requests) counts the engine requests still running, so a handler
+still writing to a client that reads slowly holds no slot once the engine is done with it; its queued
+outputs are bounded (--max-stream-buffered-outputs, stream_queue.py), and a stream whose client reads
+nothing for --stream-stall-timeout-s is ended with RESOURCE_EXHAUSTED (the server ran out of patience
+for it, not the client's deadline), its engine requests aborted.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import sys
 import uuid
 
 import grpc
@@ -26,6 +32,10 @@ from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.frontend.validation import InvalidArgument, chat_token_ids, check_token_ids, validate_generate
 
 NO_DEADLINE_S = 365 * 24 * 3600.0  # time_remaining() beyond this means the call has no deadline
+
+
+class StreamStalled(Exception):
+    """A stream's write waited longer than --stream-stall-timeout-s: its client is not reading."""
 
 
 def engine_error_status(error: str) -> grpc.StatusCode:
@@ -54,25 +64,37 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # ------------------------------------------------------------------ generation
 
     async def GenerateStream(self, request, context):
-        async with contextlib.aclosing(self._generate(request, context)) as parts:
-            async for part in parts:
-                yield part
+        await self._generate(request, context, lambda part: self._write(context, part))
 
     async def Generate(self, request, context):
         response, outputs = generation_pb2.GenerateResponse(), {}
-        async with contextlib.aclosing(self._generate(request, context)) as parts:
-            async for part in parts:
-                response.request_id = part.request_id
-                for out in part.outputs:
-                    api_messages.merge_output(outputs.setdefault(out.index, generation_pb2.CompletionOutput(
-                        index=out.index)), out)
-                if part.HasField("usage"):
-                    response.usage.CopyFrom(part.usage)
+
+        async def collect(part: generation_pb2.GenerateResponse) -> None:
+            response.request_id = part.request_id
+            for out in part.outputs:
+                api_messages.merge_output(outputs.setdefault(out.index, generation_pb2.CompletionOutput(
+                    index=out.index)), out)
+            if part.HasField("usage"):
+                response.usage.CopyFrom(part.usage)
+
+        await self._generate(request, context, collect)
         response.outputs.extend(outputs[i] for i in sorted(outputs))
         return response
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, context):
-        """Yield one GenerateResponse per engine output: the deltas of one completion."""
+    async def _write(self, context, part: generation_pb2.GenerateResponse) -> None:
+        """Send one message of a stream; StreamStalled when the client has read nothing for the stall timeout."""
+        timeout_s = self.config.stream_stall_timeout_s
+        try:
+            if sys.version_info >= (3, 11):  # a timer per message; wait_for makes a task per message before 3.12
+                async with asyncio.timeout(timeout_s):
+                    await context.write(part)
+            else:
+                await asyncio.wait_for(context.write(part), timeout_s)
+        except asyncio.TimeoutError:
+            raise StreamStalled(f"the client read nothing for {timeout_s:g}s (--stream-stall-timeout-s)") from None
+
+    async def _generate(self, request: generation_pb2.GenerateRequest, context, send) -> None:
+        """Pass send() one GenerateResponse per engine output: the deltas of one completion."""
         ready = await self._admit(context)
         try:
             check_input_size(request, self.config.limits.max_prompt_bytes)
@@ -85,7 +107,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         limit = self.config.max_pending_requests
         if self.engine.num_in_flight + params.n > limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.engine.num_in_flight} sequences in flight; --max-pending-requests is {limit}")
+                                f"{self.engine.num_in_flight} sequences running in the engine; "
+                                f"--max-pending-requests is {limit}")
         incarnation = next(self._incarnation)
         engine_ids = [f"{rid}#{i}/{incarnation}" for i in range(params.n)]
         index = {eid: i for i, eid in enumerate(engine_ids)}
@@ -122,8 +145,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     request_id=rid, outputs=[api_messages.completion_output(index[item.request_id], delta)])
                 if not pending:
                     response.usage.CopyFrom(api_messages.usage(len(valid.prompt_token_ids), trackers.values()))
-                    outcome = "finished"
-                yield response
+                try:
+                    await send(response)
+                except StreamStalled as exc:
+                    # Not context.abort: its status would wait behind the unread messages, and with it the
+                    # cleanup below. Returning frees everything now; gRPC sends the status when it can.
+                    outcome = "resource_exhausted"
+                    self.metrics.stalled_streams.inc()
+                    context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    context.set_details(str(exc))
+                    return
+            outcome = "finished"
         finally:
             self.engine.abort([eid for eid in engine_ids if eid in pending])
             self.engine.close_stream(engine_ids)

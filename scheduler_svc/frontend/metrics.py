@@ -28,6 +28,9 @@ class Metrics:
         self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("nanoserve_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("nanoserve_requests", "Requests that ended, by outcome", ["outcome"], registry=r)
+        self.stalled_streams = Counter("nanoserve_streams_stalled",
+                                       "Streams ended because their client read nothing for --stream-stall-timeout-s",
+                                       registry=r)
         self.running = Gauge("nanoserve_num_requests_running", "Sequences being generated", registry=r)
         self.waiting = Gauge("nanoserve_num_requests_waiting", "Sequences waiting for admission", registry=r)
         self.swapped = Gauge("nanoserve_num_requests_swapped", "Preempted sequences whose KV is in the host pool",

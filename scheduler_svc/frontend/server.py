@@ -143,7 +143,7 @@ async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None
     if tokenizer is None:
         log.warning("%s has no tokenizer.json: only prompt_token_ids are accepted", model_dir)
     stop = stop or asyncio.Event()
-    engine = AsyncEngineClient(scheduler_addr)
+    engine = AsyncEngineClient(scheduler_addr, max_buffered_outputs=config.max_stream_buffered_outputs)
     metrics, health = Metrics(), Health()
     service = GenerationService(engine, tokenizer, config, metrics)
     engine.on_ready_change.append(lambda ready: health.set_serving(ready and not service.draining))

@@ -25,7 +25,9 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0 turns it off
     model: str = ""  # tokenizer and chat template directory; empty means the embedded model
     limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
-    max_pending_requests: int = 1024  # engine sequences in flight through this front end
+    max_pending_requests: int = 1024  # engine sequences this front end has running in the engine
+    max_stream_buffered_outputs: int = 64  # engine outputs a completion queues for a slow client; more are merged
+    stream_stall_timeout_s: float = 60.0  # a stream whose client reads nothing this long ends (RESOURCE_EXHAUSTED)
     max_receive_message_mb: int = 0  # 0: room for a prompt of max_prompt_bytes and 1 MiB more
     tokenizer_threads: int = 2  # prompts tokenized at once, off the event loop
     api_key: str | None = None  # required as `authorization: Bearer <key>` when set
@@ -47,6 +49,7 @@ class ServerConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         at_least_one = {"max_pending_requests": self.max_pending_requests, "max_n": self.limits.max_n,
+                        "max_stream_buffered_outputs": self.max_stream_buffered_outputs,
                         "max_stop_string_length": self.limits.max_stop_string_length,
                         "default_max_tokens": self.limits.default_max_tokens,
                         "max_prompt_bytes": self.limits.max_prompt_bytes, "tokenizer_threads": self.tokenizer_threads}
@@ -55,6 +58,8 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0 or self.limits.max_beam_width < 0:
             raise ValueError("--max-logprobs, --max-stop-strings and --max-beam-width must be >= 0")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"--stream-stall-timeout-s must be > 0, got {self.stream_stall_timeout_s}")
         if self.max_receive_message_mb < 0:
             raise ValueError(f"--max-receive-message-mb must be >= 0, got {self.max_receive_message_mb}")
 
@@ -80,7 +85,13 @@ def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
                    help="prompts tokenized at once, off the event loop")
     g = parser.add_argument_group("limits")
     g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
-                   help="sequences in flight before new requests get RESOURCE_EXHAUSTED")
+                   help="sequences running in the engine before new requests get RESOURCE_EXHAUSTED")
+    g.add_argument("--max-stream-buffered-outputs", type=int, default=d.max_stream_buffered_outputs,
+                   help="engine outputs a completion queues while its client reads slowly; later ones are merged "
+                        "into larger messages")
+    g.add_argument("--stream-stall-timeout-s", type=float, default=d.stream_stall_timeout_s,
+                   help="end a stream (RESOURCE_EXHAUSTED, its engine requests aborted) whose client reads "
+                        "nothing for this long")
     g.add_argument("--max-prompt-bytes", type=int, default=limits.max_prompt_bytes,
                    help="UTF-8 bytes of a prompt or of a chat's roles and contents; larger is INVALID_ARGUMENT")
     g.add_argument("--max-receive-message-mb", type=int, default=d.max_receive_message_mb,

@@ -201,6 +201,12 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    def __init__(self):
+        self.written: list[pb.GenerateResponse] = []  # a stream's messages
+
+    async def write(self, message):
+        self.written.append(message)
+
     async def abort(self, code, details):
         raise Aborted(code, details)
 
@@ -214,7 +220,9 @@ def serve(method: str, request: pb.GenerateRequest, engine: FakeAsyncEngine):
     async def call():
         if method == "Generate":
             return await service.Generate(request, FakeContext())
-        return [part async for part in service.GenerateStream(request, FakeContext())]
+        context = FakeContext()
+        await service.GenerateStream(request, context)
+        return context.written
     return asyncio.run(call())
 
 

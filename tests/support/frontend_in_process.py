@@ -48,10 +48,10 @@ class Frontend:
 
 
 @contextlib.asynccontextmanager
-async def serve_frontend(config: ServerConfig, tokenizer: Tokenizer | None):
-    """Yields a Frontend on a free local port; stops it on exit."""
+async def serve_frontend(config: ServerConfig, tokenizer: Tokenizer | None, engine=None):
+    """Yields a Frontend on a free local port; stops it on exit. engine: an IdleEngine unless given."""
     config.host, config.port = "127.0.0.1", 0
-    service = GenerationService(IdleEngine(), tokenizer, config, Metrics())
+    service = GenerationService(engine or IdleEngine(), tokenizer, config, Metrics())
     health = Health()
     server, port = build_server(config, service, health)
     await health.start()
