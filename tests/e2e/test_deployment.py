@@ -10,15 +10,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support.grpc_server import REPO, free_port
+from support.roles import CLI, wait_processes_gone, wait_serving
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc
 from scheduler_svc.common.model_paths import default_model_dir
@@ -204,52 +203,6 @@ class Translate:
         return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _processes_mentioning(needles: list[str]) -> list[int]:
-    """Live processes whose command line holds one of needles (our unique ports)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(n in cmdline for n in needles) and _alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _wait_serving(channel, procs: dict, logs: dict, timeout: float) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for role, proc in procs.items():
-            if proc.poll() is not None:
-                raise AssertionError(f"{role} exited with {proc.returncode}:\n{_tail(logs[role])}")
-        try:
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError("not SERVING in time:\n" + "\n".join(f"--- {r}\n{_tail(p)}" for r, p in logs.items()))
-
-
-def _tail(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-3000:]
-
-
 @pytest.mark.slow
 def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose, tmp_path):
     model = default_model_dir()
@@ -272,18 +225,16 @@ def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose,
             logs[role] = str(tmp_path / f"{role}.log")
             with open(logs[role], "wb") as log:
                 # The image's ENTRYPOINT is `nanoserve`, i.e. scheduler_svc.entrypoints.cli.
-                procs[role] = subprocess.Popen([sys.executable, "-m", "scheduler_svc.entrypoints.cli", *argv], cwd=REPO,
-                                               env=env, stdout=log, stderr=subprocess.STDOUT)
+                procs[role] = subprocess.Popen([*CLI, *argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
         frontend = tr.argv(command_of(compose, "frontend"))
         addr = f"127.0.0.1:{flag(frontend, '--port')}"
         with grpc.insecure_channel(addr) as channel:
-            _wait_serving(channel, procs, logs, timeout=240)
+            wait_serving(channel, procs, logs, timeout=240)
             # compose's own healthcheck command, pointed at this frontend, agrees.
             check = tr.argv([str(a) for a in compose["services"]["frontend"]["healthcheck"]["test"][1:]])
             assert check[0] == "nanoserve"
-            result = subprocess.run([sys.executable, "-m", "scheduler_svc.entrypoints.cli", *check[1:]], cwd=REPO,
-                                    capture_output=True, text=True, timeout=60)
+            result = subprocess.run([*CLI, *check[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
             assert result.returncode == 0 and result.stdout.strip() == "SERVING", result.stderr
 
             question = pb.ChatMessage(role="user", content="What is the capital of France?")
@@ -304,10 +255,7 @@ def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose,
         assert codes["frontend"] == 0 and codes["scheduler"] == 0, codes
         assert codes["executor"] in (0, -signal.SIGTERM), codes  # a shutdown message or the signal itself
         needles = [f"127.0.0.1:{p}" for p in tr.ports.values()]
-        deadline = time.monotonic() + 10
-        while _processes_mentioning(needles) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _processes_mentioning(needles) == [], "a role left a process behind"
+        assert wait_processes_gone(needles) == [], "a role left a process behind"
     finally:
         for proc in procs.values():
             if proc.poll() is None:
