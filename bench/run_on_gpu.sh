@@ -5,6 +5,9 @@
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
+#   serving      bench/serving.py on throughput's workload and engine flags over gRPC: the offline figure,
+#                then 5 waves on one launched server from 2 client processes, and the ratios
+#                (SERVING_ARGS adds flags, e.g. --scale-check for a wave at 4 client processes)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
@@ -37,6 +40,11 @@ for step in "$@"; do
         > "$OUT/timeline.log" 2>&1
       grep -v " INFO " "$OUT/timeline.log" | tail -n 4
       python3 -m executor_svc.step_profiler "$OUT/prof" ;;
+    serving)
+      python3 bench/serving.py --dataset nanovllm --launch --offline-too --repeat 5 --client-procs 2 \
+        --server-log "$OUT/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
+      grep -v " INFO " "$OUT/serving.log" | tail -n 16
+      summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

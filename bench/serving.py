@@ -1,22 +1,34 @@
 """Online serving benchmark through gRPC streaming, after vLLM's benchmark_serving method.
 
 Requests arrive at --request-rate per second (Poisson, or gamma with --burstiness; inf sends all at
-once), at most --max-concurrency in flight. Each streams GenerateStream with random token ids
-(a shared prefix of --prefix-len, then --input-len own tokens) and ignore_eos, so that it makes
-exactly --output-len tokens. Reported: TTFT, TPOT, ITL and E2E latency (mean, median, p99),
-request and token throughput, and goodput (requests per second meeting every --goodput SLO).
+once), at most --max-concurrency in flight, from --client-procs client processes (bench/serving_load.py).
+Each streams GenerateStream with prompt_token_ids and ignore_eos, so that it makes exactly its
+max_tokens; a completion of another length is counted and shown. Reported: TTFT, TPOT, ITL and E2E
+latency (mean, median, p99), request and token throughput, goodput (requests per second meeting
+every --goodput SLO), the client processes' CPU share, and where the server's time went
+(bench/serving_probe.py: rates per hop, executor idle share, CPU per token by process role).
+
+Datasets:
+  random    a shared prefix of --prefix-len random tokens, then --input-len own tokens; --output-len
+  nanovllm  bench/throughput.py's draws (nano-vLLM's bench: 256 prompts, lengths U[100, 1024], seed 0,
+            temperature 0.6) on its model (Qwen3-0.6B shape, random weights) and engine flags, with
+            prefix caching off on both sides: the repeated waves send the same prompts, which a warm
+            cache would serve without their prefill, unlike the single offline run
 
     python bench/serving.py --launch --num-prompts 20 --input-len 128 --output-len 32
     python bench/serving.py --launch --request-rates 1 2 4 --out bench/results/serving.json  # + .png
-    python bench/serving.py --launch --prefix-len 512 --input-len 32 --no-enable-prefix-caching
     python bench/serving.py --address localhost:50051 --request-rate 4 --goodput ttft:500 tpot:50
+    python bench/serving.py --dataset nanovllm --launch --offline-too --repeat 5 --client-procs 2 --scale-check
+    python bench/serving.py --dataset nanovllm --launch --offline-too --model-shape tiny --device cpu \\
+        --num-prompts 8 --max-input-len 64 --max-output-len 16 --client-procs 2 --repeat 2
 
-With --launch, flags this script does not know (engine and server flags) go to `nanoserve serve`.
+With --launch, flags this script does not know (engine and server flags) go to `nanoserve serve`;
+with --dataset nanovllm the engine flags also build the --offline-too engine, so both are the same.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
+import itertools
 import json
 import math
 import os
@@ -27,36 +39,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench import serving_probe  # noqa: E402
+from bench.nanovllm_workload import ENGINE_DEFAULTS, MODEL_SHAPES, dummy_model_dir, workload  # noqa: E402
+from bench.serving_figures import json_safe, plot, print_summary, print_table, summarize  # noqa: E402
+from bench.serving_load import ClientPool, LoadSpec  # noqa: E402
 from protos import generation_pb2 as pb  # noqa: E402
 from protos import generation_pb2_grpc  # noqa: E402
+from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
 
-METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names; e2el is end-to-end latency
 FIRST_ID = 100  # random prompts skip the low ids, where the special tokens live
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    ok: bool = False
-    output_len: int = 0
-    cached_tokens: int = 0
-    ttft: float = 0.0  # seconds from sending to the first token
-    itl: list[float] = field(default_factory=list)  # gaps between token-carrying messages
-    e2el: float = 0.0
-    error: str = ""
-
-    @property
-    def tpot(self) -> float:
-        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
 
 # ---------------------------------------------------------------- workload
@@ -83,138 +81,30 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-# ---------------------------------------------------------------- the load
+def send_offsets(gaps: list[float]) -> list[float]:
+    return list(itertools.accumulate(gaps))
 
 
-async def one_request(stub, ids: list[int], max_tokens: int, ignore_eos: bool, timeout: float) -> RequestResult:
-    result = RequestResult(prompt_len=len(ids))
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))
-    start = last = time.perf_counter()
-    try:
-        async for response in stub.GenerateStream(request, timeout=timeout):
-            now = time.perf_counter()
-            tokens = sum(len(o.token_ids) for o in response.outputs)
-            if tokens:
-                if result.output_len == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                result.output_len += tokens
-            if response.HasField("usage"):
-                result.cached_tokens = response.usage.cached_prompt_tokens
-        result.e2el = time.perf_counter() - start
-        result.ok = result.output_len > 0
-    except grpc.aio.AioRpcError as exc:
-        result.error = f"{exc.code().name}: {exc.details()}"
-    return result
+def nanovllm_engine(args, server_args: list[str]):
+    """The engine flags among server_args over bench/throughput.py's defaults, with its dummy model
+    unless --model is given: (engine namespace, `nanoserve serve` argv, the model dir to clean up)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --max-n is not --max-num-seqs
+    add_engine_args(parser)
+    parser.set_defaults(**ENGINE_DEFAULTS, enable_prefix_caching=False)
+    engine, rest = parser.parse_known_args(server_args)
+    tmp = None
+    if not engine.model:
+        tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
+        engine.model, engine.load_format = tmp.name, "dummy"
+    return engine, engine_config_from_args(engine).to_argv() + rest, tmp
 
 
-async def run_load(address: str, dataset, rate: float, burstiness: float, max_concurrency: int | None,
-                   ignore_eos: bool, timeout: float, seed: int) -> tuple[list[RequestResult], float]:
-    limit = asyncio.Semaphore(max_concurrency or len(dataset))
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+def run_offline(args, engine: argparse.Namespace, prompts, max_tokens) -> dict:
+    """bench/throughput.py's measurement, on the same engine flags and draws."""
+    from bench.throughput import run_nanoserve  # here: the client processes need not import the engine
 
-        async def limited(ids, max_tokens):
-            async with limit:
-                return await one_request(stub, ids, max_tokens, ignore_eos, timeout)
-
-        tasks = []
-        start = time.perf_counter()
-        for (ids, max_tokens), gap in zip(dataset, arrival_gaps(len(dataset), rate, burstiness, seed)):
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(ids, max_tokens)))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
-
-
-async def server_stats(address: str) -> pb.Stats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await generation_pb2_grpc.GenerationStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
-
-
-async def vocab_size(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return (await generation_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(),
-                                                                               timeout=10)).vocab_size
-
-
-# ---------------------------------------------------------------- figures
-
-
-def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_len for r in done)
-    in_tokens = sum(r.prompt_len for r in done)
-    summary = {
-        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
-        "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-    }
-    values = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.output_len > 1],
-              "itl": [gap for r in done for gap in r.itl], "e2el": [r.e2el for r in done]}
-    for name in METRICS:
-        ms = np.asarray(values[name] or [0.0]) * 1000
-        summary[f"{name}_ms"] = {"mean": float(ms.mean()), "median": float(np.median(ms)),
-                                 "p99": float(np.percentile(ms, 99))}
-    if slos:
-        good = [r for r in done if all(getattr(r, k) * 1000 <= v for k, v in slos.items())]
-        summary["goodput"] = len(good) / duration
-    return summary
-
-
-def print_summary(rate: float, s: dict) -> None:
-    rows = [("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
-            ("Request rate (req/s)", rate), ("Benchmark duration (s)", s["duration_s"]),
-            ("Total input tokens", s["input_tokens"]), ("Cached prompt tokens", s["cached_prompt_tokens"]),
-            ("Total generated tokens", s["output_tokens"]), ("Request throughput (req/s)", s["request_throughput"]),
-            ("Output token throughput (tok/s)", s["output_throughput"]),
-            ("Total token throughput (tok/s)", s["total_token_throughput"])]
-    if "goodput" in s:
-        rows.append(("Request goodput (req/s)", s["goodput"]))
-    print(f"{' Serving Benchmark Result ':=^60}")
-    for name, value in rows:
-        print(f"{name + ':':<40}{value:>20.2f}" if isinstance(value, float) else f"{name + ':':<40}{value:>20}")
-    for name in METRICS:
-        print(f"{' ' + name.upper() + ' (ms) ':-^60}")
-        for stat in ("mean", "median", "p99"):
-            print(f"{stat.capitalize() + ':':<40}{s[name + '_ms'][stat]:>20.2f}")
-    for error in s["errors"]:
-        print(f"error: {error}")
-    print("=" * 60)
-
-
-def plot(runs: list[dict], path: str) -> None:
-    """Latency against request rate: TTFT and E2E on the left, TPOT and ITL on the right."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is missing (pip install -e '.[bench]'): no plot", file=sys.stderr)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [r for r in runs if math.isfinite(r["request_rate"])]
-    rates = [r["request_rate"] for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, names in zip(axes, (("ttft", "e2el"), ("tpot", "itl"))):
-        for name, color in zip(names, ("tab:blue", "tab:red")):
-            for stat, style in (("median", "-o"), ("p99", "--x")):
-                ax.plot(rates, [r[f"{name}_ms"][stat] for r in runs], style, color=color,
-                        label=f"{name.upper()} {stat}")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("latency (ms)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(runs[0]["label"] if runs else "")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    return run_nanoserve(argparse.Namespace(**vars(engine), temperature=args.temperature, no_progress=True),
+                         prompts, max_tokens)
 
 
 # ---------------------------------------------------------------- the server
@@ -269,63 +159,102 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def benchmark(args, address: str) -> list[dict]:
-    vocab = asyncio.run(vocab_size(address))
+def vocab_size(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).vocab_size
+
+
+def run_wave(pool: ClientPool, args, address: str, probe: dict, dataset, rate: float, seed: int) -> dict:
+    """One wave of requests, with the server's counters read before and after it."""
+    spec = LoadSpec(address, args.temperature, not args.no_ignore_eos, args.request_timeout, args.max_concurrency)
+    before = serving_probe.snapshot(address, **probe)
+    watch = serving_probe.FirstStepWatch(probe["scheduler_addr"], before.counters["num_steps"])
+    try:
+        load = pool.run_wave(dataset, send_offsets(arrival_gaps(len(dataset), rate, args.burstiness, seed)), spec)
+    finally:
+        first = watch.stop()
+    after = serving_probe.snapshot(address, **probe)
+    summary = summarize(load.results, load.duration_s, parse_goodput(args.goodput), spec.ignore_eos)
+    summary.update(request_rate=rate, burstiness=args.burstiness, client_procs=len(load.cpu_s),
+                   client_cpu_s=load.cpu_s, client_cpu_share=load.cpu_share,
+                   server=serving_probe.breakdown(before, first, after, load.duration_s, summary["client_messages"],
+                                                  summary["output_tokens"]))
+    print_summary(rate, summary)
+    serving_probe.print_breakdown(summary["server"])
+    print(f"client processes: {len(load.cpu_s)}, CPU s " + " ".join(f"{c:.2f}" for c in load.cpu_s)
+          + ", share of a core " + " ".join(f"{u:.0%}" for u in load.cpu_share))
+    return summary
+
+
+def benchmark(args, address: str, probe: dict, nanovllm_set) -> tuple[list[dict], dict | None]:
+    """Every wave on this server: --repeat per rate, then the --scale-check wave at twice the processes."""
+    vocab = vocab_size(address)
     # one warm-up request, apart from the dataset's tokens (Random(-s) equals Random(s): no negative seeds)
     warmup = random_dataset(1, 16, 4, 0, 0.0, vocab, seed=2**32 + args.seed)
-    asyncio.run(run_load(address, warmup, math.inf, 1.0, None, True, args.request_timeout, 0))
     rates = args.request_rates or [args.request_rate]
-    label = (f"{args.num_prompts} requests, input {args.input_len} (+{args.prefix_len} shared), output "
-             f"{args.output_len}, concurrency {args.max_concurrency or 'unlimited'}")
-    runs = []
-    for i, rate in enumerate(rates):
-        # a fresh prefix per run, so that one rate's run never warms the next one's cache
-        dataset = random_dataset(args.num_prompts, args.input_len, args.output_len, args.prefix_len,
-                                 args.range_ratio, vocab, args.seed + i)
-        before = asyncio.run(server_stats(address))
-        results, duration = asyncio.run(run_load(address, dataset, rate, args.burstiness, args.max_concurrency,
-                                                 not args.no_ignore_eos, args.request_timeout, args.seed + i))
-        after = asyncio.run(server_stats(address))
-        summary = summarize(results, duration, parse_goodput(args.goodput))
-        query = after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
-        hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
-        summary.update(request_rate=rate, burstiness=args.burstiness, label=label,
-                       prefix_cache_hit_rate=hits / query if query else 0.0)
-        print_summary(rate, summary)
-        print(f"server prefix-cache hit rate: {summary['prefix_cache_hit_rate']:.1%}")
-        runs.append(summary)
-    return runs
+
+    def dataset(run: int):
+        if nanovllm_set is not None:  # the same draws every wave
+            return nanovllm_set
+        # a fresh prefix per run, so that one run never warms the next one's cache
+        return random_dataset(args.num_prompts, args.input_len, args.output_len, args.prefix_len,
+                              args.range_ratio, vocab, args.seed + run)
+
+    runs, run = [], 0
+    with ClientPool(args.client_procs) as pool:
+        pool.run_wave(warmup, [0.0], LoadSpec(address, 0.0, True, args.request_timeout, None))
+        for rate in rates:
+            for wave in range(1, args.repeat + 1):
+                print(f"\nwave {wave}/{args.repeat} at rate {rate}, {args.client_procs} client processes")
+                runs.append({"wave": wave, **run_wave(pool, args, address, probe, dataset(run), rate, args.seed + run)})
+                run += 1
+    scale = None
+    if args.scale_check:
+        procs = 2 * args.client_procs
+        print(f"\nscale check: wave at rate {rates[0]}, {procs} client processes")
+        with ClientPool(procs) as pool:
+            scale = run_wave(pool, args, address, probe, dataset(run), rates[0], args.seed + run)
+    return runs, scale
 
 
-def _finite(obj):
-    """JSON has no Infinity: an unbounded request rate is written as the string "inf"."""
-    if isinstance(obj, float) and math.isinf(obj):
-        return "inf"
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args():
+    # no abbreviations: an engine flag (--model) must not be taken for one of ours (--model-shape)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--address", help="host:port of a running server")
     target.add_argument("--launch", action="store_true", help="start `nanoserve serve` with the unknown flags")
-    parser.add_argument("--num-prompts", type=int, default=20)
-    parser.add_argument("--input-len", type=int, default=128, help="own tokens per prompt, after the prefix")
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--prefix-len", type=int, default=0, help="random tokens shared by every prompt")
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1 +- ratio)")
-    parser.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a completion early")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all at once")
-    parser.add_argument("--request-rates", type=float, nargs="+", help="several runs, one per rate (plotted)")
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--dataset", choices=["random", "nanovllm"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 20 (random), 256 (nanovllm)")
+    g = parser.add_argument_group("random dataset")
+    g.add_argument("--input-len", type=int, default=128, help="own tokens per prompt, after the prefix")
+    g.add_argument("--output-len", type=int, default=32)
+    g.add_argument("--prefix-len", type=int, default=0, help="random tokens shared by every prompt")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in L*(1 +- ratio)")
+    g.add_argument("--seed", type=int, default=0, help="of the prompts and of the arrival times")
+    g = parser.add_argument_group("nanovllm dataset (bench/throughput.py's)")
+    g.add_argument("--max-input-len", type=int, default=1024)
+    g.add_argument("--max-output-len", type=int, default=1024)
+    g.add_argument("--min-input-len", type=int, default=100, help="cut to --max-input-len when above it")
+    g.add_argument("--min-output-len", type=int, default=100, help="cut to --max-output-len when above it")
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
+                   help="the dummy model's config when --model is not given (tiny: a CPU smoke run)")
+    g.add_argument("--offline-too", action="store_true", help="also run the offline engine on the same draws")
+    g = parser.add_argument_group("load")
+    g.add_argument("--temperature", type=float, default=None, help="default 0 (random), 0.6 (nanovllm)")
+    g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a completion early")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf: all at once")
+    g.add_argument("--request-rates", type=float, nargs="+", help="several runs, one per rate (plotted)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier")
+    g.add_argument("--max-concurrency", type=int, default=None, help="in flight at once, split over the processes")
+    g.add_argument("--client-procs", type=int, default=1, help="client processes sharing each wave")
+    g.add_argument("--repeat", type=int, default=1, help="consecutive waves per rate on the same server")
+    g.add_argument("--scale-check", action="store_true", help="one more wave at twice --client-procs")
+    g.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scheduler-addr", help="with --address: the scheduler's front-end socket, for its "
+                        "executor counters (a launched server's is found)")
     parser.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
     parser.add_argument("--plot", help="PNG path of the latency/rate plot (default: --out with .png)")
     parser.add_argument("--server-log", default=None, help="with --launch: the server's log file")
@@ -334,29 +263,66 @@ def main() -> None:
     if server_args and not args.launch:
         parser.error(f"unknown flags {server_args} (engine flags need --launch)")
     parse_goodput(args.goodput)
-    if args.burstiness <= 0:
-        parser.error("--burstiness must be positive")
+    if args.burstiness <= 0 or args.client_procs < 1 or args.repeat < 1:
+        parser.error("--burstiness, --client-procs and --repeat must be positive")
+    nanovllm = args.dataset == "nanovllm"
+    if args.offline_too and not (nanovllm and args.launch):
+        parser.error("--offline-too needs --dataset nanovllm and --launch (it runs the launched engine's flags)")
+    if nanovllm and args.no_ignore_eos:
+        parser.error("the nanovllm dataset ignores EOS")
+    args.num_prompts = args.num_prompts or (256 if nanovllm else 20)
+    args.temperature = args.temperature if args.temperature is not None else (0.6 if nanovllm else 0.0)
+    return args, server_args
 
-    proc = None
-    address = args.address
-    if args.launch:
-        log_path = args.server_log or tempfile.mkstemp(prefix="nanoserve-bench-", suffix=".log")[1]
-        print(f"launching nanoserve serve {' '.join(server_args)} (log: {log_path})")
-        proc, address = launch_server(server_args, log_path, args.startup_timeout)
+
+def main() -> None:
+    args, server_args = parse_args()
+    engine, tmp, nanovllm_set, offline, has_tokenizer = None, None, None, None, True
+    if args.dataset == "nanovllm":
+        if args.launch:
+            engine, server_args, tmp = nanovllm_engine(args, server_args)
+            has_tokenizer = os.path.exists(os.path.join(engine.model, "tokenizer.json"))
+        prompts, max_tokens = workload(args.num_prompts, args.max_input_len, args.max_output_len, args.workload_seed,
+                                       min(args.min_input_len, args.max_input_len),
+                                       min(args.min_output_len, args.max_output_len))
+        nanovllm_set = list(zip(prompts, max_tokens))
+        print(f"nanovllm workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+              f"{sum(max_tokens)} output tokens")
+        if args.offline_too:  # first, so that the server does not hold the device meanwhile
+            offline = run_offline(args, engine, prompts, max_tokens)
+            print(f"offline: {offline['output_tokens']} tokens in {offline['seconds']:.2f}s, "
+                  f"{offline['output_tok_per_s']:.0f} tok/s")
+    proc, address, probe = None, args.address, {"scheduler_addr": args.scheduler_addr, "server_pid": None}
     try:
-        runs = benchmark(args, address)
+        if args.launch:
+            log_path = args.server_log or tempfile.mkstemp(prefix="nanoserve-bench-", suffix=".log")[1]
+            print(f"launching nanoserve serve {' '.join(server_args)} (log: {log_path})")
+            proc, address = launch_server(server_args, log_path, args.startup_timeout)
+            probe = {"scheduler_addr": serving_probe.scheduler_socket(proc.pid), "server_pid": proc.pid}
+            if probe["scheduler_addr"] is None:
+                print("the scheduler's socket was not found: no executor counters, only gRPC GetStats")
+        runs, scale = benchmark(args, address, probe, nanovllm_set)
     finally:
         if proc is not None:
             stop_server(proc)
+        if tmp is not None:
+            tmp.cleanup()
+    if engine is not None and not has_tokenizer:
+        print("detokenization: none (the model has no tokenizer.json, so the front end sends token ids only)")
+    title = (f"serving: {args.dataset} dataset, {args.num_prompts} requests a wave, {args.repeat} wave(s) per rate "
+             f"on one server")
+    figures = print_table(title, runs, offline, scale)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")}
         with open(args.out, "w") as f:
-            json.dump(_finite({"config": config, "server_args": server_args, "runs": runs}), f, indent=2)
+            json.dump(json_safe({"config": config, "server_args": server_args, "runs": runs, "offline": offline,
+                               "scale_check_run": scale, **figures}), f, indent=2)
         print(f"results: {args.out}")
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
-    if plot_path and len(runs) > 1:
-        plot(runs, plot_path)
+    first_waves = [r for r in runs if r["wave"] == 1]  # one point per rate
+    if plot_path and len(first_waves) > 1:
+        plot(first_waves, plot_path)
 
 
 if __name__ == "__main__":

@@ -11,32 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.nanovllm_workload import ENGINE_DEFAULTS, QWEN3_0_6B, dummy_model_dir, workload  # noqa: E402
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
 from scheduler_svc.entrypoints.llm import LLM  # noqa: E402
 from scheduler_svc.frontend.sampling_params import SamplingParams  # noqa: E402
-
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
-}
-
-
-def workload(num_seqs: int, max_input: int, max_output: int, seed: int):
-    """nano-vLLM's bench.py draws, in this order, so the token totals match (133,966 output at 256)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input))] for _ in range(num_seqs)]
-    max_tokens = [rng.randint(100, max_output) for _ in range(num_seqs)]
-    return prompts, max_tokens
 
 
 def run_nanoserve(args, prompts, max_tokens) -> dict:
@@ -102,13 +85,11 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", default="bench/results/throughput.json")
     add_engine_args(parser)
-    parser.set_defaults(max_num_batched_tokens=16384, max_num_seqs=512)
+    parser.set_defaults(**ENGINE_DEFAULTS)
     args = parser.parse_args()
     tmp = None
     if not args.model:  # the Qwen3-0.6B architecture with random weights, made in-process
-        tmp = tempfile.TemporaryDirectory(prefix="qwen3-0.6b-random-")
-        with open(os.path.join(tmp.name, "config.json"), "w") as f:
-            json.dump(QWEN3_0_6B, f)
+        tmp = dummy_model_dir(QWEN3_0_6B)
         args.model = tmp.name
         args.load_format = "dummy"
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.workload_seed)
