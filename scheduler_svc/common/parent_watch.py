@@ -1,5 +1,5 @@
-"""A child role dies with the process that started it: the launcher's PR_SET_PDEATHSIG before exec,
-and a watcher thread inside the child as a backup."""
+"""A child role dies with the process that started it: it asks the kernel for SIGKILL when its parent
+dies (PR_SET_PDEATHSIG), and a watcher thread covers a parent that died before that was armed."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +10,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Runs in the child before exec: the kernel SIGKILLs it when its parent dies (Linux)."""
+    """The kernel SIGKILLs this process when its parent dies (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
@@ -24,6 +24,7 @@ def watch_parent() -> None:
     import time
 
     parent_pid = os.getppid()
+    die_with_parent()
 
     def watch() -> None:
         while os.getppid() == parent_pid:

@@ -36,6 +36,8 @@ log = logging.getLogger("nanoserve.scheduler")
 
 IDLE_POLL_MS = 50
 HOUSEKEEPING_INTERVAL_S = 0.5  # how often silent front ends and incomplete beam searches are looked for
+PROBE_FOR_S = 2.0  # after an executor connection drops, how long every rank is probed
+PROBE_INTERVAL_S = 0.05
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
 ERROR = engine_pb2.FINISH_REASON_ERROR
 
@@ -89,6 +91,7 @@ class EngineCore:
         self.results: dict[int, engine_pb2.StepResult] = {}
         self.last_result_at = 0.0
         self.next_housekeeping = 0.0
+        self.probe_until = self.next_probe = 0.0
         self.timings = StepTimings()
         self.py_profile = PythonProfileWindow.from_env("scheduler")
 
@@ -203,6 +206,19 @@ class EngineCore:
         except BadMessage as exc:
             self.reject_message(identity, str(exc))
 
+    def on_executor_disconnected(self) -> None:
+        """A connection on the executor socket dropped: probe every rank for a while. A send to a dead rank
+        fails at once, so its streams fail within moments, not after --executor-timeout-s of silence."""
+        self.probe_until = time.monotonic() + PROBE_FOR_S
+
+    def _check_executors(self) -> None:
+        self.executors.check_liveness()
+        now = time.monotonic()
+        if now < self.probe_until and now >= self.next_probe:
+            self.next_probe = now + PROBE_INTERVAL_S
+            for rank in list(self.executors.handshakes):
+                self.to_executor(rank, engine_pb2.SchedulerToExecutor())  # empty: executors ignore it
+
     def _on_heartbeat(self, identity: bytes, hb: engine_pb2.Heartbeat) -> None:
         check_heartbeat(hb, identity, self.world_size)
         self.executors.heard_from(hb.rank)
@@ -210,7 +226,11 @@ class EngineCore:
             # alive but unknown (this scheduler restarted, or a handshake is on its way): it shakes hands again,
             # dropping what it held for an earlier scheduler. Safe while a handshake is on its way: the executor
             # reads this request before any plan that the handshake lets the scheduler send.
-            self.to_executor(hb.rank, engine_pb2.SchedulerToExecutor(handshake_request=engine_pb2.HandshakeRequest()))
+            try:
+                self.to_executor(hb.rank, engine_pb2.SchedulerToExecutor(
+                    handshake_request=engine_pb2.HandshakeRequest()))
+            except EngineLostError:
+                pass  # its main socket is not connected yet: the next heartbeat asks again
 
     def _join(self, hs: engine_pb2.ExecutorHandshake) -> None:
         self.executors.join(hs, serving=self.scheduler is not None)
@@ -268,7 +288,7 @@ class EngineCore:
             busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
             try:
                 self.transport.poll(0 if busy else IDLE_POLL_MS, self)
-                self.executors.check_liveness()
+                self._check_executors()
                 self._housekeeping()
                 self._advance()
             except EngineLostError as exc:
@@ -372,7 +392,7 @@ class EngineCore:
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:
         while step_id not in self.results:
             self.transport.poll(IDLE_POLL_MS, self)
-            self.executors.check_liveness()
+            self._check_executors()
         return self.results.pop(step_id)
 
     def _emit(self, updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]) -> None:

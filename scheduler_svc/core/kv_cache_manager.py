@@ -139,10 +139,16 @@ class BlockManager:
         child.block_table = parent.block_table[:num_blocks]
         child.block_hashes = parent.block_hashes[:num_full]
 
+    def _must_copy(self, block_id: int) -> bool:
+        """A block a sequence is about to write must be its own: not shared, and not holding contents the
+        prefix index records (a fork can inherit a block its sibling filled and hashed, then held alone)."""
+        block = self.pool.blocks[block_id]
+        return block.ref_count > 1 or block.block_hash is not None
+
     def num_copy_on_write_blocks(self, seq: Sequence) -> int:
         """Fresh blocks copy_on_write(seq) will take."""
         first = seq.num_computed_tokens // self.block_size
-        return sum(1 for b in seq.block_table[first:] if self.pool.blocks[b].ref_count > 1)
+        return sum(1 for b in seq.block_table[first:] if self._must_copy(b))
 
     def copy_on_write(self, seq: Sequence) -> list[tuple[int, int]]:
         """Before seq writes from num_computed_tokens on, swap each shared block it will write for a fresh one.
@@ -154,7 +160,7 @@ class BlockManager:
         copies = []
         for i in range(seq.num_computed_tokens // self.block_size, len(seq.block_table)):
             src = seq.block_table[i]
-            if self.pool.blocks[src].ref_count > 1:
+            if self._must_copy(src):
                 dst = self.pool.allocate()
                 self.pool.release(src)  # still held by the other sequences
                 seq.block_table[i] = dst

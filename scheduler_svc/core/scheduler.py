@@ -66,6 +66,7 @@ class Scheduler:
         self.pending_swap_outs: list[tuple[int, int]] = []  # for the next plan that runs
         self.requests: dict[tuple[bytes, str], Sequence] = {}  # unfinished, by request key (front end, id)
         self.finished_to_drop: list[int] = []  # ids for the next SchedulerOutput.finished_seq_ids
+        self.preempted_to_drop: list[int] = []  # preempted by a step that scheduled nothing, so sent no plan
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished requests only
         self.samples = ParallelSamples(self)
         self.beams = BeamScheduler(self)
@@ -151,6 +152,10 @@ class Scheduler:
         # Admit only while memory is not short (nothing was preempted this step).
         if self.counters.num_preemptions == num_preemptions:
             self._schedule_waiting(budget, scheduled, swap_in)
+        # Beams that have reported hold their blocks until their round: when they are all that holds the pool,
+        # one goes (it recomputes later), or searches could wait on each other's blocks forever.
+        while not scheduled and (self.waiting or self.swapped) and self._preempt_an_idle_beam(preempted):
+            self._schedule_waiting(budget, scheduled, swap_in)
         for s in scheduled:  # running ones are mirrored already; admitted ones are sent in full now
             s.seq.in_executor = True
         # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
@@ -158,6 +163,10 @@ class Scheduler:
         if scheduled:
             finished, self.finished_to_drop = self.finished_to_drop, []
             swap_out, self.pending_swap_outs = self.pending_swap_outs, []
+            preempted, self.preempted_to_drop = self.preempted_to_drop + preempted, []
+        else:
+            self.preempted_to_drop += preempted  # no plan carries them this time
+            preempted = []
         num_batched = sum(s.num_new_tokens for s in scheduled)
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
                                has_prefill=self._count_step(scheduled) if scheduled else False)
@@ -221,7 +230,7 @@ class Scheduler:
             if not seq.admitted_once:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
             self._run_new(seq, num_new, scheduled)
-            reserved -= seq.beam is not None
+            reserved = self._reserved_after_admitting(seq, reserved)
             budget -= num_new
 
     def _resume_swapped(self, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
@@ -241,13 +250,29 @@ class Scheduler:
             swap_in += bm.swap_in(seq, seq.num_computed_tokens + num_new)
             self.swapped.remove(seq)
             self._run_new(seq, num_new, scheduled)
-            reserved -= seq.beam is not None
+            reserved = self._reserved_after_admitting(seq, reserved)
             budget -= num_new
         return budget, reserved
 
     def _has_room(self, seq: Sequence, reserved: int) -> bool:
-        """Whether seq may join the running queue: a beam's slot is already among the reserved ones."""
-        return len(self.running) + reserved + (seq.beam is None) <= self.config.max_num_seqs
+        """Whether seq may join the running queue: a beam of a running search has its slot reserved already;
+        the first beam of a search to run needs room for the whole width."""
+        need = 1 if seq.beam is None else self.beams.room_needed(seq)
+        return len(self.running) + reserved + need <= self.config.max_num_seqs
+
+    def _reserved_after_admitting(self, seq: Sequence, reserved: int) -> int:
+        return reserved if seq.beam is None else self.beams.slots_reserved()
+
+    def _preempt_an_idle_beam(self, preempted: list[int]) -> bool:
+        """Preempt the newest running beam that has reported and waits for its round, unless some step is in
+        flight (its results will move things on). False when there is none."""
+        if any(s.num_placeholders for s in self.running):
+            return False
+        for seq in reversed(self.running):
+            if seq.beam is not None and seq.num_uncomputed_tokens <= 0:
+                self._preempt(seq, preempted)
+                return True
+        return False
 
     def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
         """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""

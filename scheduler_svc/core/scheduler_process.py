@@ -12,6 +12,7 @@ import signal
 import sys
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protos import engine_pb2
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args
@@ -35,10 +36,14 @@ class ZmqTransport:
         self.executors.setsockopt(zmq.LINGER, 0)
         self.executors.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.executors.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor reclaims its identity
+        # a send to an executor that is gone fails at once instead of vanishing: how a dead rank is found
+        self.executors.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.executors.bind(executor_addr)
+        self.executor_events = self.executors.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.executors, zmq.POLLIN)
+        self.poller.register(self.executor_events, zmq.POLLIN)
 
     def send_frontend(self, identity: bytes, msg: engine_pb2.SchedulerToFrontend) -> None:
         try:
@@ -54,6 +59,10 @@ class ZmqTransport:
 
     def poll(self, timeout_ms: int, core: EngineCore) -> None:
         events = dict(self.poller.poll(timeout_ms))
+        if self.executor_events in events:
+            while self.executor_events.poll(0):
+                recv_monitor_message(self.executor_events)
+            core.on_executor_disconnected()
         for sock, handle in ((self.frontend, core.on_frontend), (self.executors, core.on_executor)):
             if sock not in events:
                 continue
@@ -68,6 +77,8 @@ class ZmqTransport:
                 handle(frames[0], frames[1])
 
     def close(self) -> None:
+        self.executors.disable_monitor()
+        self.executor_events.close()
         self.frontend.close()
         self.executors.close()
         self.ctx.term()

@@ -14,7 +14,6 @@ import weakref
 from dataclasses import dataclass, field
 
 from scheduler_svc.common.config import EngineConfig
-from scheduler_svc.common.parent_watch import die_with_parent
 
 log = logging.getLogger("nanoserve.launcher")
 
@@ -81,6 +80,7 @@ class EngineProcesses:
     config: EngineConfig
     ipc_dir: IpcDir | None = None
     executor_argvs: list[list[str]] = field(default_factory=list)  # to restart a rank with the same flags
+    scheduler_argv: list[str] = field(default_factory=list)  # to restart the scheduler with the same flags
     env: dict | None = None
     log_path: str | None = None
     _closed: bool = field(default=False, repr=False)
@@ -120,6 +120,17 @@ class EngineProcesses:
             stdout.close()
         return ranks
 
+    def restart_scheduler(self) -> bool:
+        """Start the scheduler again if it exited. The executors that live on shake hands with it when it
+        asks (their heartbeats reach a scheduler that does not know them)."""
+        if self._closed or self.scheduler.poll() is None:
+            return False
+        stdout = open(self.log_path, "ab") if self.log_path else None
+        self.scheduler = _spawn(self.scheduler_argv, stdout, self.env or dict(os.environ))
+        if stdout:
+            stdout.close()
+        return True
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """SIGTERM the scheduler (it tells executors to exit), then make sure everyone is gone."""
         if self._closed:
@@ -152,8 +163,10 @@ def _shutdown_all() -> None:
 
 
 def _spawn(argv: list[str], stdout, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                            preexec_fn=die_with_parent, env=env)
+    # No preexec_fn: running Python between fork and exec in a process whose gRPC threads are busy (serve
+    # restarting an executor) crashed about one child in ten. The child arms PR_SET_PDEATHSIG itself
+    # (--watch-parent), and its watcher thread covers the instant before that.
+    return subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env)
 
 
 def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: int | None = None) -> EngineProcesses:
@@ -170,8 +183,9 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
     env.setdefault("PYTHONUNBUFFERED", "1")
     stdout = open(log_path, "ab") if log_path else None
     flags = config.to_argv()
-    scheduler = _spawn([sys.executable, "-m", "scheduler_svc.core.scheduler_process", "--watch-parent",
-                        "--frontend-addr", frontend_addr, "--executor-addr", executor_addr, *flags], stdout, env)
+    scheduler_argv = [sys.executable, "-m", "scheduler_svc.core.scheduler_process", "--watch-parent",
+                      "--frontend-addr", frontend_addr, "--executor-addr", executor_addr, *flags]
+    scheduler = _spawn(scheduler_argv, stdout, env)
     dist_addr = f"127.0.0.1:{dist_port or _free_port()}"
     executor_argvs = [
         [sys.executable, "-m", "executor_svc", "--watch-parent", "--rank", str(rank),
@@ -183,7 +197,7 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
     if stdout:
         stdout.close()
     procs = EngineProcesses(frontend_addr, executor_addr, scheduler, executors, config, ipc_dir,
-                            executor_argvs=executor_argvs, env=env, log_path=log_path)
+                            executor_argvs=executor_argvs, scheduler_argv=scheduler_argv, env=env, log_path=log_path)
     _live.add(procs)
     return procs
 

@@ -1,9 +1,11 @@
-"""`nanoserve serve`: watch the engine processes started on this machine; restart dead executors.
+"""`nanoserve serve`: watch the engine processes started on this machine; restart the dead ones.
 
 An executor that exits fails the in-flight streams at once (the front end sees the exit before
 the scheduler misses its heartbeats). The new executor starts only after the scheduler has declared
-the engine lost, so that its handshake is taken as a fresh engine. An executor that dies before
-the engine was ever ready is a configuration error, not a crash to retry: the server exits.
+the engine lost, so that its handshake is taken as a fresh engine. A scheduler that exits is started
+again at once: the live executors shake hands with it, and the front end sees its new epoch. A role
+that dies before the engine was ever ready is a configuration error, not a crash to retry: the
+server exits.
 """
 from __future__ import annotations
 
@@ -33,10 +35,16 @@ async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asy
         await asyncio.sleep(POLL_S)
         served = served or engine.ready is not None
         if procs.scheduler.poll() is not None:
-            log.error("the scheduler exited with code %s", procs.scheduler.returncode)
+            code = procs.scheduler.returncode
             engine.mark_lost("the scheduler exited")
-            stop.set()
-            return 1
+            if not served:
+                log.error("the scheduler exited with code %s before the engine was ready; not restarting", code)
+                stop.set()
+                return 1
+            procs.restart_scheduler()  # the executors shake hands with it again; the front end sees its epoch
+            log.warning("the scheduler exited with code %s; restarted it", code)
+            served = False
+            continue
         dead = [(name, code) for name, code in procs.dead() if name != "scheduler"]
         if not dead:
             continue

@@ -32,7 +32,7 @@ from scheduler_svc.frontend.stream_queue import StreamQueue
 
 log = logging.getLogger("nanoserve.frontend")
 
-HELLO_INTERVAL_S = 0.5  # the heartbeat: also how a restarted scheduler learns about us
+HELLO_INTERVAL_S = 0.25  # the heartbeat: also how a restarted scheduler learns about us
 SCHEDULER_TIMEOUT_S = 1.5  # no answer for this long while serving: the scheduler is gone
 
 

@@ -342,10 +342,10 @@ def test_stats_are_the_fields_of_scheduler_stats():
     assert stats.num_finished == 1 and stats.num_generated_tokens == 2 and stats.num_steps == 2
 
 
-# ---------------------------------------------------------------- known bugs (found by test_scheduler_machine.py)
+# ---------------------------------------------------------------- found by test_scheduler_machine.py, now fixed
 
 def set_up(condition: bool, what: str) -> None:
-    """A reproduction's setup, failing apart from the bug it shows (which xfail expects as AssertionError)."""
+    """A reproduction's setup: if it no longer reaches the state the bug needed, say so rather than pass."""
     if not condition:
         pytest.fail(f"this no longer sets up the bug: {what}")
 
@@ -357,10 +357,6 @@ def run_step(sched: Scheduler, executor: FakeExecutor, sampled: dict) -> None:
     sched.postprocess(out, {s.seq.seq_id: sampled[s.seq.request_id] for s in out.scheduled if s.samples})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a sample forked but left unscheduled by the token budget shares its leader's partial block; the leader "
-    "fills and hashes it, then finishes, so the sample holds it alone, copy_on_write sees ref_count 1 and the "
-    "sample writes its own tokens into a block the prefix index still names: a prefix hit reads them"))
 def test_a_forked_sample_never_writes_into_a_block_the_prefix_index_names():
     sched = make_scheduler(max_num_batched_tokens=6)
     executor = FakeExecutor(32, 4)
@@ -380,10 +376,6 @@ def test_a_forked_sample_never_writes_into_a_block_the_prefix_index_names():
     run_step(sched, executor, {reader.request_id: 2})  # a prefix hit on that block reads 7 where 5 was
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a started beam search reserves its whole width in the running queue; admission stops at the first "
-    "waiting sequence that does not fit, so a request queued ahead of the search's root never fits and the "
-    "root behind it is never admitted: nothing runs again"))
 def test_a_request_queued_ahead_of_a_beam_search_that_reserves_every_slot_does_not_wedge_it():
     sched = make_scheduler(max_num_seqs=2)
     sched.add(make_seq([1, 2, 3], max_tokens=2))
@@ -391,11 +383,6 @@ def test_a_request_queued_ahead_of_a_beam_search_that_reserves_every_slot_does_n
     drive(sched, FakeExecutor(32, 4), salt=0)  # asserts something is scheduled while work is left
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "beam searches deadlock on KV blocks: a beam that has reported keeps its blocks while it waits for its "
-    "search's round and is never preempted (it schedules nothing, and only a sequence that needs blocks "
-    "preempts); when each search's unreported beam waits for blocks the others' reported beams hold, "
-    "nothing runs again"))
 def test_two_beam_searches_that_each_fit_the_pool_alone_both_finish():
     sched = make_scheduler(num_blocks=4, max_model_len=256)  # each search alone needs every block
     sched.add(member(next(_ids), "a", [1], width=2, n=1, max_tokens=5))
@@ -403,10 +390,6 @@ def test_two_beam_searches_that_each_fit_the_pool_alone_both_finish():
     drive(sched, FakeExecutor(4, 4), salt=0)  # asserts something is scheduled while work is left
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "schedule() returns the ids it preempted even when it schedules nothing, and an engine sends no plan "
-    "for such a step (EngineCore._launch_step), so those ids never reach the executors; unlike "
-    "finished_to_drop and pending_swap_outs they are not kept for the next step that runs"))
 def test_a_sequence_preempted_in_a_step_that_schedules_nothing_is_dropped_by_the_executors():
     sched = make_scheduler(num_blocks=4, block_size=2, max_num_seqs=2)
     a, b = make_seq([1, 2, 3], max_tokens=1), make_seq([4, 5, 6, 7], max_tokens=4)

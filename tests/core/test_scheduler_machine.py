@@ -110,13 +110,9 @@ whole_block_prompts = st.builds(lambda prefix, pairs: [*prefix, *(t for pair in 
 
 # ---------------------------------------------------------------- the machine
 
-# KNOWN_BUGS: the machine found these; test_scheduler.py reproduces each in an xfail test. Until they are
-# fixed it keeps clear of them: parallel samples get prompts of whole blocks, one beam search runs at a
-# time, and an empty step's preempted ids are dropped from the mirrors by hand.
-# - test_a_forked_sample_never_writes_into_a_block_the_prefix_index_names
-# - test_two_beam_searches_that_each_fit_the_pool_alone_both_finish
-# - test_a_request_queued_ahead_of_a_beam_search_that_reserves_every_slot_does_not_wedge_it
-# - test_a_sequence_preempted_in_a_step_that_schedules_nothing_is_dropped_by_the_executors
+# The machine found four scheduler bugs, each now reproduced by a test in test_scheduler.py (after
+# "found by test_scheduler_machine.py"): a fork writing into a hashed block, beam searches wedging the
+# queue or deadlocking on blocks, and preempted ids of an empty step getting lost.
 
 class SchedulerMachine(RuleBasedStateMachine):
     depth = 1  # steps planned ahead of their results
@@ -179,8 +175,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                               ignore_eos=ignore_eos)
         self.accept(self.new_request(prompt, stopping, priority=priority))
 
-    # Whole blocks only: with a partial last block a sample can write into a block the index names (KNOWN_BUGS)
-    @rule(n=st.integers(2, 3), prompt=whole_block_prompts, max_tokens=st.integers(1, 6),
+    @rule(n=st.integers(2, 3), prompt=st.one_of(prompts, whole_block_prompts), max_tokens=st.integers(1, 6),
           ignore_eos=st.booleans())
     def add_parallel_samples(self, n, prompt, max_tokens, ignore_eos):
         group = f"s{next(self.ids)}"
@@ -191,7 +186,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return
 
     def gathering_search(self):
-        search = self.sched.beams.searches.get(self.pending_group)
+        search = self.sched.beams.searches.get((b"", self.pending_group))
         return search if search is not None and not search.started else None
 
     def join_search(self, group: str) -> bool:
@@ -203,8 +198,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.gathering_search():
             self.join_search(self.pending_group)
             return
-        if self.sched.beams.searches:
-            return  # one search at a time: two can wedge the scheduler (KNOWN_BUGS)
         width = data.draw(st.integers(1, 3), label="width")
         group = f"b{next(self.ids)}"
         self.searches[group] = dict(
@@ -257,11 +250,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                  "forked beam ran")
         event_if(any(s.start for s in out.scheduled if s.seq in admitted), "admitted with a prefix hit")
         if not out.scheduled:  # nothing runs, so nothing is sent: what executors must hear waits for a step
-            assert not (out.finished_seq_ids or out.swap_out or out.swap_in or out.block_copies)
-            if out.preempted_seq_ids:  # KNOWN_BUGS: these are lost; drop them here to keep checking the rest
-                event("preempted in a step that schedules nothing")
-                for seq_id in out.preempted_seq_ids:
-                    self.executor.mirrors.seqs.pop(seq_id)
+            assert not (out.finished_seq_ids or out.preempted_seq_ids or out.swap_out or out.swap_in
+                        or out.block_copies)
+            event_if(self.sched.preempted_to_drop, "preempted in a step that schedules nothing")
             return
         self.step_id += 1  # the engine sends the plan (the last token only when nothing else is in flight)
         self.executor.run_plan(build_step_plan(self.step_id, out, send_last_token=self.depth == 1), out)
@@ -385,7 +376,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in sched.swapped:  # its computed tokens' K/V waits in the host pool
             assert len(s.host_block_table) == -(-s.num_computed_tokens // BLOCK)
         unfinished = [r for r in self.requests if not r.is_finished]
-        assert sched.requests == {r.request_id: r for r in unfinished}
+        assert sched.requests == {r.request_key: r for r in unfinished}
         assert set(sched.stop_rules) == {r.seq_id for r in unfinished}
         beams = [b for search in sched.beams.searches.values() for b in search.beams]
         queued = sched.running + sched.waiting + sched.swapped

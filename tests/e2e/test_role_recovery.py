@@ -177,10 +177,7 @@ def test_a_dead_frontends_requests_are_aborted_after_frontend_timeout(roles_fact
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", [
-    pytest.param("executor", marks=pytest.mark.xfail(
-        strict=True, raises=TooSlowToFail,
-        reason="the scheduler notices a dead executor only by its missing heartbeats, after "
-               "--executor-timeout-s (10 s by default), and only then fails the streams")),
+    "executor",
     "scheduler",
     "frontend",
 ])
@@ -257,9 +254,6 @@ def stop_serve_and_check_nothing_left(server: RunningServer, tmpdir: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="intermittent (about 1 run in 10 here): serve forks the new executor with "
-                   "a preexec_fn from its gRPC process, and the child can crash before exec; see "
-                   "test_a_process_serving_grpc_starts_every_new_executor_it_spawns")
 def test_serve_restarts_a_killed_executor_and_its_streams_fail_fast(tmp_path, model, serve_tmpdir):
     server = start_serving(tmp_path, model, serve_tmpdir)
     try:
@@ -289,9 +283,6 @@ def test_serve_restarts_a_killed_executor_and_its_streams_fail_fast(tmp_path, mo
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=NotServingAgain,
-                   reason="serve's supervisor restarts dead executors only: when the scheduler exits, serve "
-                          "fails the streams and exits with code 1")
 def test_serve_restarts_a_killed_scheduler_and_its_streams_fail_fast(tmp_path, model, serve_tmpdir):
     server = start_serving(tmp_path, model, serve_tmpdir)
     try:
@@ -363,9 +354,6 @@ SPAWN_UNDER_GRPC = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="launcher._spawn passes preexec_fn=die_with_parent, so Popen forks the "
-                   "multi-threaded gRPC process and runs Python in the child before exec; a few percent of the "
-                   "children die of SIGSEGV or SIGABRT there")
 def test_a_process_serving_grpc_starts_every_new_executor_it_spawns():
     child = subprocess.run([sys.executable, "-c", SPAWN_UNDER_GRPC, "300"], cwd=REPO, capture_output=True, text=True,
                            timeout=120)

@@ -127,7 +127,7 @@ def pump(core: EngineCore, max_iterations: int = 1000) -> None:
     """Run the loop until nothing is left to do (the body of EngineCore.run, without blocking)."""
     for _ in range(max_iterations):
         core.transport.poll(0, core)
-        core.executors.check_liveness()
+        core._check_executors()
         core._housekeeping()
         core._advance()
         busy = core.scheduler is not None and (core.scheduler.has_unfinished() or core.in_flight)

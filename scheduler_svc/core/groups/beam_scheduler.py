@@ -70,10 +70,21 @@ class BeamScheduler:
             if len(search.members) == search.num_requests:
                 self._start(search)
 
+    @staticmethod
+    def is_running(search: BeamSearch) -> bool:
+        """Some beam of the search runs: the search holds room for its whole width."""
+        return any(b.status is SequenceStatus.RUNNING for b in search.beams)
+
     def slots_reserved(self) -> int:
-        """Room in the running queue that started searches will fill: width minus their running beams."""
+        """Room in the running queue that running searches will fill: width minus their running beams. A search
+        with no beam running reserves nothing (so it cannot wedge the requests queued ahead of it); its first
+        beam admitted must find room for the whole width."""
         return sum(s.width - sum(b.status is SequenceStatus.RUNNING for b in s.beams)
-                   for s in self.searches.values() if s.started)
+                   for s in self.searches.values() if s.started and self.is_running(s))
+
+    def room_needed(self, beam: Sequence) -> int:
+        """Running-queue slots admitting this beam takes beyond those already reserved for it."""
+        return 0 if self.is_running(beam.beam) else beam.beam.width
 
     def report(self, s: ScheduledSeq, candidates, rounds: list[BeamSearch]) -> None:
         """A beam's step is back: hash its full blocks; a sampling step reports its candidates to the search."""
