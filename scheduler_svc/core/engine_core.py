@@ -83,6 +83,7 @@ class EngineCore:
         self.ready: engine_pb2.EngineReady | None = None
         self.frontends: dict[bytes, float] = {}  # identity -> when it was last heard from (monotonic)
         self.num_rejected_messages = 0
+        self.handshake_refused = ""  # why the last handshake was refused, told to front ends waiting for ready
         self.step_id = 0
         self.stopping = False
         # async scheduling: plan step N+1 while step N runs (the executors fill in its sampled tokens)
@@ -127,7 +128,8 @@ class EngineCore:
                 answer.ready.CopyFrom(self.ready)
             else:
                 answer.not_ready.CopyFrom(engine_pb2.NotReady(num_executors=len(self.executors.handshakes),
-                                                              world_size=self.world_size))
+                                                              world_size=self.world_size,
+                                                              refused=self.handshake_refused))
             self.to_frontend(identity, answer)
         elif kind == "add":
             self._add_request(identity, msg.add)
@@ -196,7 +198,11 @@ class EngineCore:
             elif msg.epoch not in (0, self.epoch):
                 raise BadMessage(f"a {kind} of scheduler epoch {msg.epoch}, not this one's ({self.epoch})")
             elif kind == "handshake":
-                check_handshake(msg.handshake, identity, self.world_size, self.config.block_size)
+                try:
+                    check_handshake(msg.handshake, identity, self.world_size, self.config.block_size)
+                except BadMessage as exc:
+                    self.handshake_refused = f"executor rank {msg.handshake.rank}'s handshake refused: {exc}"
+                    raise
                 self._join(msg.handshake)
             elif kind == "result":
                 check_step_result(msg.result, identity, {s.step_id for s in self.in_flight})

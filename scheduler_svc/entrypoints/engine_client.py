@@ -52,8 +52,11 @@ class EngineClient:
         if not self.sock.poll(timeout_ms):
             return None
         msg = engine_pb2.SchedulerToFrontend.FromString(self.sock.recv())
-        if msg.WhichOneof("kind") == "ready":
+        kind = msg.WhichOneof("kind")
+        if kind == "ready":
             self.ready = msg.ready
+        elif kind == "not_ready" and msg.not_ready.refused:
+            raise EngineError(f"the engine cannot start: {msg.not_ready.refused}")
         return msg
 
     def wait_ready(self, timeout_s: float, check_alive=None) -> engine_pb2.EngineReady:

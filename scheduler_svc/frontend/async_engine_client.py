@@ -65,6 +65,7 @@ class AsyncEngineClient:
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.epoch = 0  # the scheduler's incarnation, once it has answered
+        self.refused = ""  # why the scheduler refused an executor's handshake, if it did
         self.last_heard = time.monotonic()
 
     async def start(self) -> None:
@@ -173,6 +174,9 @@ class AsyncEngineClient:
                 self.mark_lost(msg.lost.reason)
             elif kind == "not_ready":
                 self.awaiting_scheduler_loss = False  # it knows the engine is down
+                if msg.not_ready.refused and msg.not_ready.refused != self.refused:
+                    log.error("the engine cannot start: %s", msg.not_ready.refused)
+                self.refused = msg.not_ready.refused
                 if self.ready is not None:
                     self.mark_lost(f"the scheduler has {msg.not_ready.num_executors} of "
                                    f"{msg.not_ready.world_size} executors")

@@ -284,3 +284,16 @@ def test_any_sampling_numbers_either_run_in_range_or_are_rejected(temperature, t
         assert tokens == want
     bm = core.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_refused_handshake_is_told_to_front_ends_waiting_for_the_engine():
+    """A misconfigured executor (here an EOS id outside its vocabulary) must not leave a caller waiting in
+    silence: the answer to its Hello says why the engine cannot start."""
+    transport = LoopbackTransport()
+    core = EngineCore(EngineConfig(model="/nonexistent", block_size=4), transport)
+    executor = FakeExecutor(transport)
+    transport.from_executor(b"rank0", executor.handshake(eos_token_ids=[VOCAB + 5]))
+    transport.from_frontend(FRONT, engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello()))
+    pump(core)
+    (_, answer), = transport.sent_to_frontends
+    assert core.ready is None and "eos_token_ids outside the vocabulary" in answer.not_ready.refused
