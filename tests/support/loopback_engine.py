@@ -38,7 +38,10 @@ class FakeExecutor:
             model_name="fake", architecture="Fake", vocab_size=VOCAB, max_position_embeddings=256,
             eos_token_ids=[EOS], dtype="float32", device="cpu", attention_backend="torch", pid=self.pid)
         for key, value in overrides.items():
-            setattr(hs, key, value)
+            if isinstance(value, list):
+                getattr(hs, key)[:] = value
+            else:
+                setattr(hs, key, value)
         return engine_pb2.ExecutorToScheduler(handshake=hs, epoch=self.epoch)
 
     def join(self) -> None:
