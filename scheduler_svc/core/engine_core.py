@@ -291,18 +291,22 @@ class EngineCore:
     def run(self) -> None:
         log.info("scheduler (epoch %x) waiting for %d executor(s)", self.epoch, self.world_size)
         while not self.stopping:
-            busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
-            try:
-                self.transport.poll(0 if busy else IDLE_POLL_MS, self)
-                self._check_executors()
-                self._housekeeping()
-                self._advance()
-            except EngineLostError as exc:
-                fresh = exc.handshake if isinstance(exc, ExecutorReplaced) else None
-                self._engine_lost(str(exc), spare_rank=fresh.rank if fresh else None)
-                if fresh is not None:
-                    self._join(fresh)
+            self.run_once()
         self._shutdown_executors(list(self.executors.handshakes), "stop")
+
+    def run_once(self, idle_poll_ms: int = IDLE_POLL_MS) -> None:
+        """One turn of the loop: read the sockets, check the executors, then plan or apply a step."""
+        busy = self.scheduler is not None and (self.scheduler.has_unfinished() or self.in_flight)
+        try:
+            self.transport.poll(0 if busy else idle_poll_ms, self)
+            self._check_executors()
+            self._housekeeping()
+            self._advance()
+        except EngineLostError as exc:
+            fresh = exc.handshake if isinstance(exc, ExecutorReplaced) else None
+            self._engine_lost(str(exc), spare_rank=fresh.rank if fresh else None)
+            if fresh is not None:
+                self._join(fresh)
 
     def _housekeeping(self) -> None:
         """Now and then: forget silent front ends, aborting their requests, and fail beam searches whose

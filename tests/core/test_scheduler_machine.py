@@ -217,6 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting_before, swapped_before = set(sched.waiting), set(sched.swapped)
         samples_waiting = {s for s in sched.waiting if s.leader is not None}
         running_before = {s.seq_id: s for s in sched.running}
+        idle_beams = {s for s in sched.running if s.beam is not None and s.num_uncomputed_tokens <= 0}
         preemptions, swap_outs = sched.counters.num_preemptions, sched.counters.num_swap_outs
         out = sched.schedule()
 
@@ -225,7 +226,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         forked = {s for s in samples_waiting if s.status is RUNNING}
         sent_in_full = {s.seq for s in out.scheduled if s.is_new}
         admitted, swapped_in = sent_in_full & waiting_before - forked, sent_in_full & swapped_before
-        assert not (out.preempted_seq_ids and (admitted or swapped_in)), "admitted while preempting"
+        victims = {s for s in running_before.values() if s.status is not RUNNING and not s.is_finished}
+        # admission waits while memory is short, except that an empty step may preempt beams idle in their round
+        assert not (victims - idle_beams and (admitted or swapped_in)), "admitted while preempting"
+        event_if(victims and victims <= idle_beams, "an idle beam gave way")
         assert bool(swapped_in) == bool(out.swap_in)
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
@@ -282,13 +286,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (u.seq.output_token_ids, u.finish_reason) == self.expected[u.seq.seq_id], \
                     "a request's tokens are those it gets alone"
                 event(f"request finished with {engine_pb2.FinishReason.Name(u.finish_reason)}")
-        members = [u.seq for u in updates if u.seq.beam_options is not None]
-        if members:  # a search ended (one a step at most here): member i gets the i-th best hypothesis
-            alone = beam_search_alone(self.config, self.searches[members[0].group_id])
+        ended: dict[str, list[Sequence]] = {}  # searches that ended in this step; member i gets the i-th best
+        for u in updates:
+            if u.seq.beam_options is not None:
+                ended.setdefault(u.seq.group_id, []).append(u.seq)
+        for group, members in ended.items():
+            alone = beam_search_alone(self.config, self.searches[group])
             assert [(m.output_token_ids, m.finish_reason) for m in members] == alone[: len(members)]
             for m in members:
                 self.record_terminal(m)
             event("beam search finished")
+        event_if(len(ended) > 1, "two beam searches ended in one step")
         searches = self.sched.beams.searches
         event_if(any(g in searches and searches[g].beams != beams for g, beams in rounds_before.items()),
                  "beam round forked the chosen continuations")

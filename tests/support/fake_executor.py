@@ -65,7 +65,7 @@ class MirroringExecutor(FakeExecutor):
         them; each mirror holds the scheduler's block table and a prefix of tokens_of(seq), every token
         the executors sampled for it."""
         mirrored = {s.seq_id: s for s in sched.running if s.in_executor}
-        assert set(self.mirrors.seqs) == set(mirrored) | set(sched.finished_to_drop)
+        assert set(self.mirrors.seqs) == set(mirrored) | set(sched.finished_to_drop) | set(sched.preempted_to_drop)
         for seq_id, seq in mirrored.items():
             m, tokens = self.mirrors.seqs[seq_id], tokens_of(seq)
             assert m.block_table == seq.block_table and m.num_computed_tokens == seq.num_computed_tokens

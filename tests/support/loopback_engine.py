@@ -129,10 +129,7 @@ def engine(num_blocks: int = 64, **config) -> tuple[EngineCore, LoopbackTranspor
 def pump(core: EngineCore, max_iterations: int = 1000) -> None:
     """Run the loop until nothing is left to do (the body of EngineCore.run, without blocking)."""
     for _ in range(max_iterations):
-        core.transport.poll(0, core)
-        core._check_executors()
-        core._housekeeping()
-        core._advance()
+        core.run_once(idle_poll_ms=0)
         busy = core.scheduler is not None and (core.scheduler.has_unfinished() or core.in_flight)
         if not busy and not core.transport.inbox:
             return
