@@ -152,10 +152,10 @@ class Scheduler:
         # Admit only while memory is not short (nothing was preempted this step).
         if self.counters.num_preemptions == num_preemptions:
             self._schedule_waiting(budget, scheduled, swap_in)
-        # Beams that have reported hold their blocks until their round: when they are all that holds the pool,
-        # one goes (it recomputes later), or searches could wait on each other's blocks forever.
-        while not scheduled and (self.waiting or self.swapped) and self._preempt_an_idle_beam(preempted):
-            self._schedule_waiting(budget, scheduled, swap_in)
+            # Beams that have reported hold their blocks until their round: when they are all that holds the
+            # pool, one gives way (it recomputes later), or searches could wait on each other's blocks forever.
+            if not scheduled and (self.waiting or self.swapped) and self._preempt_idle_beams(preempted):
+                self._schedule_waiting(budget, scheduled, swap_in)
         for s in scheduled:  # running ones are mirrored already; admitted ones are sent in full now
             s.seq.in_executor = True
         # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
@@ -263,16 +263,16 @@ class Scheduler:
     def _reserved_after_admitting(self, seq: Sequence, reserved: int) -> int:
         return reserved if seq.beam is None else self.beams.slots_reserved()
 
-    def _preempt_an_idle_beam(self, preempted: list[int]) -> bool:
-        """Preempt the newest running beam that has reported and waits for its round, unless some step is in
-        flight (its results will move things on). False when there is none."""
-        if any(s.num_placeholders for s in self.running):
+    def _preempt_idle_beams(self, preempted: list[int]) -> bool:
+        """When nothing can run and nothing is in flight, every running sequence is a beam that has reported
+        and waits for its round: preempt them all, so no search holds slots or blocks another one needs (each
+        fits the engine alone, as add() checked). False when that is not the case."""
+        if not self.running or any(s.num_placeholders or s.beam is None or s.num_uncomputed_tokens > 0
+                                   for s in self.running):
             return False
-        for seq in reversed(self.running):
-            if seq.beam is not None and seq.num_uncomputed_tokens <= 0:
-                self._preempt(seq, preempted)
-                return True
-        return False
+        for seq in reversed(list(self.running)):
+            self._preempt(seq, preempted)
+        return True
 
     def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
         """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
