@@ -380,7 +380,7 @@ class EngineCore:
                 candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
                               if v.HasField("logprobs")}
             tokens = {k: v.token_id for k, v in sampled.items()}
-            if all(0 <= t < self.ready.model.vocab_size for t in tokens.values()):
+            if not tokens or (min(tokens.values()) >= 0 and max(tokens.values()) < self.ready.model.vocab_size):
                 try:
                     return self.scheduler.postprocess(step.out, tokens, candidates), sampled
                 except ValueError as exc:  # refused before anything changed

@@ -148,15 +148,16 @@ class Scheduler:
         block_copies: list[tuple[int, int]] = []
         num_preemptions = self.counters.num_preemptions
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, block_copies)
+        num_running = len(scheduled)
         swap_in: list[tuple[int, int]] = []
         # Admit only while memory is not short (nothing was preempted this step).
         if self.counters.num_preemptions == num_preemptions:
-            self._schedule_waiting(budget, scheduled, swap_in)
+            budget = self._schedule_waiting(budget, scheduled, swap_in)
             # Beams that have reported hold their blocks until their round: when they are all that holds the
             # pool, one gives way (it recomputes later), or searches could wait on each other's blocks forever.
             if not scheduled and (self.waiting or self.swapped) and self._preempt_idle_beams(preempted):
-                self._schedule_waiting(budget, scheduled, swap_in)
-        for s in scheduled:  # running ones are mirrored already; admitted ones are sent in full now
+                budget = self._schedule_waiting(budget, scheduled, swap_in)
+        for s in scheduled[num_running:]:  # running ones are mirrored already; admitted ones are sent in full now
             s.seq.in_executor = True
         # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
         finished, swap_out = [], []
@@ -167,7 +168,7 @@ class Scheduler:
         else:
             self.preempted_to_drop += preempted  # no plan carries them this time
             preempted = []
-        num_batched = sum(s.num_new_tokens for s in scheduled)
+        num_batched = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
                                has_prefill=self._count_step(scheduled) if scheduled else False)
 
@@ -188,23 +189,30 @@ class Scheduler:
                 i += 1  # nothing to compute, a beam waiting for its round, or samples in flight reach its limit
                 continue
             end = start + num_new
-            if not seq.in_executor:  # forked since the last step: it may write a shared block
+            is_new = not seq.in_executor
+            if is_new:  # forked since the last step: it may write a shared block
                 if not self._make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
                 block_copies += bm.copy_on_write(seq)
                 bm.allocate(seq, end)
+                seq.in_executor = True
             elif end > len(seq.block_table) * bs:  # most decodes fit in the table they have
                 if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
                     break
                 bm.allocate(seq, end)
-            scheduled.append(self._advance(seq, num_new, is_new=not seq.in_executor))
+            # what _advance does, inline: this loop runs for every decode of every step
+            samples = end == total
+            seq.num_computed_tokens = end
+            if samples:
+                seq.num_placeholders = placeholders + 1
+            scheduled.append(ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch))
             budget -= num_new
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> int:
         """Resume swapped sequences, then admit waiting ones in order while they fit. Stopping at the first
-        that does not fit keeps it from starving."""
+        that does not fit keeps it from starving. Returns the token budget left."""
         # started beam searches hold room for all their beams, so forking never passes max_num_seqs
         reserved = self.beams.slots_reserved() if self.beams.searches else 0
         if self.swapped:
@@ -232,6 +240,7 @@ class Scheduler:
             self._run_new(seq, num_new, scheduled)
             reserved = self._reserved_after_admitting(seq, reserved)
             budget -= num_new
+        return budget
 
     def _resume_swapped(self, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
                         reserved: int) -> tuple[int, int]:
