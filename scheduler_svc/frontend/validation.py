@@ -156,7 +156,7 @@ def check_sampling(p: SamplingParams, limits: RequestLimits | None = None) -> No
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, ready: engine_pb2.EngineReady,
                      limits: RequestLimits) -> ValidRequest:
     """A tokenized prompt and its params against the engine; the params come back with max_tokens set
-    (unset means the default limit, cut to fit max_model_len)."""
+    (unset means the default limit, cut to fit max_model_len and the KV cache)."""
     ids, vocab_size, max_model_len = list(prompt_token_ids), ready.model.vocab_size, ready.max_model_len
     check(len(ids) > 0, "the prompt has no tokens")
     check_token_ids(ids, vocab_size, "prompt_token_ids.ids")
@@ -166,13 +166,17 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, ready:
     check(len(ids) < num_blocks * block_size,
           f"the prompt has {len(ids)} tokens; it must be shorter than the KV cache, num_blocks x block_size = "
           f"{num_blocks} x {block_size} = {num_blocks * block_size} tokens")
-    room = max_model_len - len(ids)
+    # a sequence can never hold more tokens than the whole KV cache, whatever max_model_len says
+    kv_tokens = num_blocks * block_size
+    limit, what = ((max_model_len, f"max_model_len = {max_model_len}") if max_model_len <= kv_tokens else
+                   (kv_tokens, f"the KV cache's {kv_tokens} tokens (num_blocks x block_size)"))
+    room = limit - len(ids)
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=min(limits.default_max_tokens, room))
     check_sampling(params, limits)
     check(params.max_tokens <= room,
           f"sampling.max_tokens = {params.max_tokens} does not fit: prompt tokens + max_tokens must be "
-          f"<= max_model_len = {max_model_len}, which leaves room for {room}")
+          f"<= {what}, which leaves room for {room}")
     check_token_ids(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     return ValidRequest(ids, params)
 

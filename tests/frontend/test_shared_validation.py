@@ -20,6 +20,7 @@ from scheduler_svc.frontend.validation import InvalidArgument, validate_generate
 
 VOCAB, MAX_MODEL_LEN, NUM_BLOCKS, BLOCK_SIZE = 1000, 128, 4, 16
 KV_TOKENS = NUM_BLOCKS * BLOCK_SIZE  # 64, below max_model_len: both prompt limits can be reached
+LENGTH_LIMIT = min(MAX_MODEL_LEN, KV_TOKENS)  # prompt + max_tokens: a sequence never outgrows the KV cache
 READY = engine_pb2.EngineReady(
     model=engine_pb2.ExecutorHandshake(vocab_size=VOCAB, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE),
     max_model_len=MAX_MODEL_LEN)
@@ -58,6 +59,8 @@ BAD = [  # (name, prompt ids, sampling fields, what the message says)
      f"num_blocks x block_size = {NUM_BLOCKS} x {BLOCK_SIZE} = {KV_TOKENS} tokens"),
     ("prompt over max_model_len", [5] * 200, {}, f"it must be shorter than max_model_len = {MAX_MODEL_LEN}"),
     ("prompt id = vocab", [1, VOCAB], {}, f"prompt_token_ids.ids[1] = {VOCAB} is outside the vocabulary [0, {VOCAB})"),
+    ("max_tokens past the KV cache", [5] * 60, dict(max_tokens=KV_TOKENS - 59),  # within max_model_len
+     f"must be <= the KV cache's {KV_TOKENS} tokens (num_blocks x block_size), which leaves room for {KV_TOKENS - 60}"),
     ("max_tokens past max_model_len", [5] * 10, dict(max_tokens=MAX_MODEL_LEN),
      f"sampling.max_tokens = {MAX_MODEL_LEN} does not fit"),
     ("stop token id = vocab", [5], dict(stop_token_ids=[3, VOCAB]), "sampling.stop_token_ids[1]"),
@@ -73,7 +76,7 @@ BAD = [  # (name, prompt ids, sampling fields, what the message says)
     ("top_k < 0", [5], dict(top_k=-1), "sampling.top_k must be in [0, 2^31)"),
     ("max_tokens = 0", [5], dict(max_tokens=0), "sampling.max_tokens must be >= 1"),
     ("min_tokens past the fitted max_tokens", [5] * 60, dict(min_tokens=100),
-     f"sampling.min_tokens (100) must be <= max_tokens ({MAX_MODEL_LEN - 60})"),
+     f"sampling.min_tokens (100) must be <= max_tokens ({LENGTH_LIMIT - 60})"),
     ("n over the limit", [5], dict(n=LIMITS.max_n + 1), f"sampling.n must be in [1, {LIMITS.max_n}]"),
     ("logprobs over the limit", [5], dict(logprobs=LIMITS.max_logprobs + 1), "sampling.logprobs must be in"),
     ("too many stop strings", [5], dict(stop=["s"] * (LIMITS.max_stop_strings + 1)), "sampling.stop has"),
@@ -98,13 +101,13 @@ def test_a_number_beyond_float32_is_not_finite_on_the_wire():
 
 
 @pytest.mark.parametrize("prompt_len", [1, 60])
-def test_an_unset_max_tokens_is_the_default_cut_to_fit_max_model_len_on_both_paths(prompt_len):
+def test_an_unset_max_tokens_is_the_default_cut_to_fit_the_length_limit_on_both_paths(prompt_len):
     ids, limits = [5] * prompt_len, RequestLimits(default_max_tokens=100)
     served = validate_generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids)), None, READY, limits)
     llm, shared = offline_llm(), SamplingParams()
     llm.limits = limits
     offline = llm._validate(ids, shared)
-    assert served.params.max_tokens == offline.params.max_tokens == min(100, MAX_MODEL_LEN - prompt_len)
+    assert served.params.max_tokens == offline.params.max_tokens == min(100, LENGTH_LIMIT - prompt_len)
     assert shared.max_tokens is None  # one SamplingParams may serve prompts of different lengths
 
 
@@ -173,7 +176,7 @@ def f32(low: float, high: float, **kw):
 @st.composite
 def documented_params(draw) -> SamplingParams:
     """Params inside the ranges protos/generation.proto documents (float fields are float32 there)."""
-    common = dict(max_tokens=draw(st.none() | st.integers(1, MAX_MODEL_LEN - KV_TOKENS)),
+    common = dict(max_tokens=draw(st.none() | st.integers(1, KV_TOKENS // 2)),
                   stop=draw(st.lists(st.text(min_size=1, max_size=LIMITS.max_stop_string_length), max_size=3)),
                   stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)),
                   logprobs=draw(st.integers(0, LIMITS.max_logprobs)), temperature=draw(f32(0, 10)))
@@ -189,7 +192,7 @@ def documented_params(draw) -> SamplingParams:
         repetition_penalty=draw(f32(float(np.float32(0.01)), 10)), **common)
 
 
-@given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=KV_TOKENS - 1), params=documented_params())
+@given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=KV_TOKENS // 2), params=documented_params())
 def test_every_request_inside_the_documented_ranges_is_accepted(ids, params):
     valid = validate_request(ids, params, READY, LIMITS)
     rids = [f"r#{i}" for i in range(valid.params.n)]
