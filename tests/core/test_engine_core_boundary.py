@@ -303,3 +303,45 @@ def test_a_refused_handshake_is_told_to_front_ends_waiting_for_the_engine():
     pump(core)
     (_, answer), = transport.sent_to_frontends
     assert core.ready is None and "eos_token_ids outside the vocabulary" in answer.not_ready.refused
+
+
+def test_a_multi_frame_send_and_random_bytes_on_the_real_sockets_are_dropped_and_counted():
+    """The ZeroMQ transport: a DEALER that sends two frames, or bytes that are no protobuf, to either socket
+    is counted and dropped, and the scheduler keeps answering on the same sockets."""
+    import socket as pysocket
+
+    import zmq
+
+    from scheduler_svc.core.scheduler_process import ZmqTransport
+
+    def port() -> int:
+        with pysocket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    frontend_addr, executor_addr = f"tcp://127.0.0.1:{port()}", f"tcp://127.0.0.1:{port()}"
+    transport = ZmqTransport(frontend_addr, executor_addr)
+    core = EngineCore(EngineConfig(model="/nonexistent", block_size=4), transport)
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for addr in (frontend_addr, executor_addr):
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(addr)
+            peer.send_multipart([b"one", b"two"])
+            peer.send(b"\xff\xfe not a protobuf")
+            peers.append(peer)
+        peers[0].send(engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello()).SerializeToString())
+        for _ in range(100):
+            transport.poll(20, core)
+            if core.num_rejected_messages == 4 and peers[0].poll(0):
+                break
+        answer = engine_pb2.SchedulerToFrontend.FromString(peers[0].recv())
+        assert core.num_rejected_messages == 4
+        assert answer.WhichOneof("kind") == "not_ready" and answer.epoch == core.epoch
+    finally:
+        for peer in peers:
+            peer.close()
+        ctx.term()
+        transport.close()
