@@ -26,6 +26,7 @@ from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.core.executor_registry import EngineLostError, ExecutorRegistry, ExecutorReplaced
 from scheduler_svc.core.message_checks import (BadMessage, check_add_request, check_handshake, check_heartbeat,
                                                check_step_result)
+from scheduler_svc.core import request_outputs
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
@@ -38,7 +39,6 @@ IDLE_POLL_MS = 50
 HOUSEKEEPING_INTERVAL_S = 0.5  # how often silent front ends and incomplete beam searches are looked for
 PROBE_FOR_S = 2.0  # after an executor connection drops, how long every rank is probed
 PROBE_INTERVAL_S = 0.05
-UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
 ERROR = engine_pb2.FINISH_REASON_ERROR
 
 
@@ -159,9 +159,7 @@ class EngineCore:
             self._reject(identity, add, str(exc))
 
     def _reject(self, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
-        out = engine_pb2.RequestOutput(request_id=add.request_id, finish_reason=ERROR, error=reason,
-                                       stop_token_id=-1, num_prompt_tokens=len(add.prompt_token_ids))
-        self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
+        self._tell(identity, request_outputs.refused(add, reason))
 
     def _abort(self, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
         """End a front end's request now with one terminal output (invariant 7); unknown or finished ids
@@ -171,10 +169,10 @@ class EngineCore:
             self._tell_ended(seq, reason, error)
 
     def _tell_ended(self, seq: Sequence, reason: int, error: str) -> None:
-        out = engine_pb2.RequestOutput(
-            request_id=seq.request_id, finish_reason=reason, error=error, stop_token_id=-1,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
-        self.to_frontend(seq.reply_to, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
+        self._tell(seq.reply_to, request_outputs.ended(seq, reason, error))
+
+    def _tell(self, identity: bytes, out: engine_pb2.RequestOutput) -> None:
+        self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
 
     def _stats(self, query_id: int) -> engine_pb2.SchedulerStats:
         stats = engine_pb2.SchedulerStats(query_id=query_id, engine_ready=self.ready is not None,
@@ -406,25 +404,5 @@ class EngineCore:
         return self.results.pop(step_id)
 
     def _emit(self, updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]) -> None:
-        """One StepOutputs message per front end, with an output for each request that has news."""
-        by_frontend: dict[bytes, engine_pb2.StepOutputs] = {}
-        for update in updates:
-            seq = update.seq
-            if update.new_token_id is None and update.finish_reason == UNFINISHED:
-                continue  # a prefill chunk that did not reach the end: nothing to say yet
-            out = engine_pb2.RequestOutput(
-                request_id=seq.request_id, finish_reason=update.finish_reason, stop_token_id=seq.stop_token_id,
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
-            if update.new_token_id is not None:
-                out.new_token_ids.append(update.new_token_id)
-                token = sampled.get(seq.seq_id)
-                if token is not None and token.HasField("logprobs"):
-                    out.logprobs.append(token.logprobs)
-            elif seq.beam_options is not None:
-                out.new_token_ids.extend(seq.output_token_ids)  # a beam search's hypothesis, whole
-                out.logprobs.extend(engine_pb2.TokenLogprobs(
-                    sampled_logprob=lp, sampled_rank=rank, top_token_ids=ids, top_logprobs=lps)
-                    for lp, rank, ids, lps in seq.beam_logprobs)
-            by_frontend.setdefault(seq.reply_to, engine_pb2.StepOutputs()).outputs.append(out)
-        for identity, outputs in by_frontend.items():
+        for identity, outputs in request_outputs.step_outputs(updates, sampled).items():
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=outputs))

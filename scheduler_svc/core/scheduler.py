@@ -16,7 +16,6 @@ executors fill in on their side; postprocess() later replaces the placeholder wi
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 from protos import engine_pb2
 from scheduler_svc.core.groups.beam_scheduler import BeamScheduler
@@ -24,6 +23,7 @@ from scheduler_svc.core.groups.parallel_samples import ParallelSamples
 from scheduler_svc.core.kv_cache_manager import BlockManager
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
+from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_rule_for
 
@@ -35,21 +35,6 @@ RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WA
 def _queue_order(seq: Sequence) -> tuple[int, int]:
     """Waiting and swapped sequences are served by priority, then arrival."""
     return seq.priority, seq.arrival_order
-
-
-@dataclass
-class SchedulerCounters:
-    """Cumulative counts, named as the fields of engine_pb2.SchedulerStats."""
-
-    num_preemptions: int = 0
-    num_swap_outs: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_generated_tokens: int = 0
-    num_steps: int = 0  # steps whose result was applied (failed ones included)
-    num_partial_prefill_chunks: int = 0  # chunks that did not reach their sequence's end
-    num_mixed_steps: int = 0  # steps with both decodes and prefill chunks
-    num_prefill_tokens: int = 0
 
 
 class Scheduler:
@@ -170,7 +155,7 @@ class Scheduler:
             preempted = []
         num_batched = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
-                               has_prefill=self._count_step(scheduled) if scheduled else False)
+                               has_prefill=count_step(self.counters, scheduled) if scheduled else False)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[int],
                           block_copies: list[tuple[int, int]]) -> int:
@@ -306,20 +291,6 @@ class Scheduler:
         seq.num_computed_tokens = start + num_new
         seq.num_placeholders += samples
         return ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch)
-
-    def _count_step(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Count the step's shape; True when it computes prefill tokens."""
-        c = self.counters
-        decodes = prefills = 0
-        for s in scheduled:
-            c.num_partial_prefill_chunks += not s.samples
-            if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prefills += 1
-                c.num_prefill_tokens += s.num_new_tokens
-        c.num_mixed_steps += bool(decodes and prefills)
-        return prefills > 0
 
     # ------------------------------------------------------------------ postprocess
 
