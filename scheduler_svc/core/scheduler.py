@@ -1,17 +1,10 @@
 """Iteration-level continuous batching: schedule() picks this step's work, postprocess() applies its result.
 
-Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are admitted with
-chunked prefill, so decodes and several prefill chunks share one step. When blocks run out the most
-recently admitted sequence is preempted: swapped to the executors' host pool when it has room (its KV
-comes back with swap-in copies, before waiting sequences are admitted), else by recompute.
-
-Request groups act through the small GroupHost interface (groups/group_host.py): parallel samples fork
-their first sibling's computed prompt, and beam search runs its beams as sequences of its own. Forked
-sequences copy the shared block they write first.
-
-schedule() may run again before the previous step's result is back (async scheduling): it advances
-num_computed_tokens at once and counts each sample still in flight as a placeholder token, which the
-executors fill in on their side; postprocess() later replaces the placeholder with the real token.
+Running sequences go first (decodes, unfinished prefill chunks), then waiting ones are admitted with chunked
+prefill. When blocks run out the newest running sequence is preempted: swapped to the host pool when it has
+room (resumed before waiting ones are admitted), else by recompute. Request groups (parallel samples, beam
+search) act through GroupHost (groups/group_host.py). With async scheduling, schedule() runs before the last
+step's result is back: a sample in flight counts as a placeholder token until postprocess() fills it in.
 """
 from __future__ import annotations
 
@@ -114,10 +107,8 @@ class Scheduler:
         return [seq] if seq.beam is None else list(seq.beam.members)
 
     def abort_incomplete_beam_searches(self, older_than: float) -> list[Sequence]:
-        """Abort the members of beam searches still missing members since before older_than (monotonic
-        seconds): a front end that never sends the rest must not hold them forever."""
-        stale = [m for s in self.beams.searches.values() if not s.started and s.created_at < older_than
-                 for m in s.members]
+        """Abort the members of beam searches gathering members since before older_than (monotonic)."""
+        stale = self.beams.incomplete_members(older_than)
         for member in stale:
             self.abort(member.request_id, member.reply_to)
         return stale
@@ -185,8 +176,7 @@ class Scheduler:
                 if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
                     break
                 bm.allocate(seq, end)
-            # what _advance does, inline: this loop runs for every decode of every step
-            samples = end == total
+            samples = end == total  # committed at schedule time; a sample leaves a placeholder token
             seq.num_computed_tokens = end
             if samples:
                 seq.num_placeholders = placeholders + 1
@@ -272,7 +262,11 @@ class Scheduler:
         """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
         seq.status = RUNNING
         self.running.append(seq)
-        scheduled.append(self._advance(seq, num_new, is_new=True))
+        start = seq.num_computed_tokens  # a chunk that reaches the end leaves a placeholder token
+        samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
+        seq.num_computed_tokens = start + num_new
+        seq.num_placeholders += samples
+        scheduled.append(ScheduledSeq(seq, num_new, True, start, samples, seq.epoch))
 
     def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
         """Preempt the most recently admitted sequences until fits(); False if seq itself had to go."""
@@ -282,15 +276,6 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
-
-    @staticmethod
-    def _advance(seq: Sequence, num_new: int, is_new: bool) -> ScheduledSeq:
-        """Commit a chunk at schedule time; a chunk that reaches the end leaves a placeholder token."""
-        start = seq.num_computed_tokens
-        samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
-        seq.num_computed_tokens = start + num_new
-        seq.num_placeholders += samples
-        return ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch)
 
     # ------------------------------------------------------------------ postprocess
 

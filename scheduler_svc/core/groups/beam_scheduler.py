@@ -75,6 +75,11 @@ class BeamScheduler:
         """Some beam of the search runs: the search holds room for its whole width."""
         return any(b.status is SequenceStatus.RUNNING for b in search.beams)
 
+    def incomplete_members(self, older_than: float) -> list[Sequence]:
+        """Members of searches still gathering their members since before older_than (monotonic seconds): a
+        front end that never sends the rest must not hold them forever."""
+        return [m for s in self.searches.values() if not s.started and s.created_at < older_than for m in s.members]
+
     def slots_reserved(self) -> int:
         """Room in the running queue that running searches will fill: width minus their running beams. A search
         with no beam running reserves nothing (so it cannot wedge the requests queued ahead of it); its first
