@@ -25,7 +25,7 @@ from scheduler_svc.frontend.server_config import ServerConfig, add_server_args, 
 from support.frontend_in_process import serve_frontend
 
 READY = engine_pb2.EngineReady(
-    model=engine_pb2.ExecutorHandshake(world_size=1, num_blocks=1024, block_size=16, model_name="fake",
+    model=engine_pb2.ExecutorHandshake(world_size=1, num_blocks=1 << 16, block_size=16, model_name="fake",
                                        architecture="Fake", vocab_size=49152, eos_token_ids=[2]),
     max_model_len=1 << 20)
 TOKEN = 40_000  # three bytes on the wire, so a few hundred steps overflow HTTP/2's 64 KiB windows
