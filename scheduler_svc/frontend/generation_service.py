@@ -27,6 +27,7 @@ from scheduler_svc.frontend.async_engine_client import AsyncEngineClient, Engine
 from scheduler_svc.frontend.metrics import Metrics
 from scheduler_svc.text.output_tracker import OutputTracker
 from scheduler_svc.frontend.server_config import ServerConfig
+from scheduler_svc.frontend.stream_queue import StreamQueue
 from scheduler_svc.frontend.tokenization import TokenizerThreads, check_input_size
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.frontend.validation import InvalidArgument, chat_token_ids, check_token_ids, validate_generate
@@ -170,13 +171,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return self.engine.ready
 
     @staticmethod
-    async def _next(queue: asyncio.Queue, context):
+    async def _next(queue: StreamQueue, context):
         """The next engine output or EngineLost; None once the call's deadline has passed."""
         remaining = context.time_remaining()
         if remaining is None or remaining > NO_DEADLINE_S:
-            return await queue.get()
+            return await queue.get_coalesced()
         try:
-            return await asyncio.wait_for(queue.get(), max(remaining, 0.0))
+            return await asyncio.wait_for(queue.get_coalesced(), max(remaining, 0.0))
         except asyncio.TimeoutError:
             return None
 

@@ -6,6 +6,11 @@ write while outputs keep coming; past `max_per_request` queued outputs of one en
 output is merged into that request's latest queued one (its tokens and logprobs appended, its finish
 taken). The client then gets the same tokens, in order, in fewer and larger messages; the stream holds
 at most max_per_request outputs per engine request, and never more tokens than its requests generate.
+
+Coalescing (`get_coalesced`): a handler that fell behind takes, with the output it waited for, the
+outputs of the same engine request that queued up behind it, as one message. It never waits for more
+(a token is never delayed), never merges across engine requests (completions) or past another
+request's output (so nothing is reordered), and never past a final output.
 """
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ def merge_into(queued: engine_pb2.RequestOutput, later: engine_pb2.RequestOutput
     # the latest state wins: a finish (with its stop token and error) comes last, once (invariant 7)
     queued.finish_reason, queued.stop_token_id, queued.error = later.finish_reason, later.stop_token_id, later.error
     queued.num_prompt_tokens, queued.num_cached_tokens = later.num_prompt_tokens, later.num_cached_tokens
+
+
+def is_final(output: engine_pb2.RequestOutput) -> bool:
+    return output.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class StreamQueue:
@@ -54,12 +63,25 @@ class StreamQueue:
         while not self._items:
             self._nonempty.clear()
             await self._nonempty.wait()
+        return self._take_head()
+
+    def _take_head(self):
         item = self._items.popleft()
         if isinstance(item, engine_pb2.RequestOutput):
             rid = item.request_id
             self._count[rid] -= 1
             if self._latest.get(rid) is item:  # the request has nothing queued now
                 del self._latest[rid], self._count[rid]
+        return item
+
+    async def get_coalesced(self):
+        """get(), merged with the same request's outputs queued right behind it (see the module doc)."""
+        item = await self.get()
+        if not isinstance(item, engine_pb2.RequestOutput):
+            return item
+        while (self._items and not is_final(item) and isinstance(self._items[0], engine_pb2.RequestOutput)
+               and self._items[0].request_id == item.request_id):
+            merge_into(item, self._take_head())
         return item
 
     def qsize(self) -> int:
