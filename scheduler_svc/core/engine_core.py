@@ -134,8 +134,7 @@ class EngineCore:
         elif kind == "add":
             self._add_request(identity, msg.add)
         elif kind == "abort":
-            for request_id in msg.abort.request_ids:
-                self._abort(identity, request_id, engine_pb2.FINISH_REASON_ABORT)
+            self._abort_requests(identity, msg.abort)
         elif kind == "stats":
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(stats=self._stats(msg.stats.query_id)))
 
@@ -150,7 +149,7 @@ class EngineCore:
         seq = Sequence(
             seq_id=self.scheduler.new_seq_id(), request_id=add.request_id, token_ids=list(add.prompt_token_ids),
             num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
-            priority=add.priority, group_id=add.group_id, reply_to=identity,
+            priority=add.priority, group_id=add.group_id, reply_to=identity, client_request_id=add.client_request_id,
             beam_options=add.beam_search if add.beam_search.beam_width > 0 else None,
         )
         try:
@@ -160,6 +159,19 @@ class EngineCore:
 
     def _reject(self, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
         self._tell(identity, request_outputs.refused(add, reason))
+
+    def _abort_requests(self, identity: bytes, abort: engine_pb2.AbortRequests) -> None:
+        for request_id in abort.request_ids:
+            self._abort(identity, request_id, engine_pb2.FINISH_REASON_ABORT)
+        found = set()
+        if abort.client_request_ids and self.scheduler is not None:
+            wanted = set(abort.client_request_ids)  # a scan: aborts are rare, the running set is small
+            for seq in [s for s in self.scheduler.requests.values() if s.client_request_id in wanted]:
+                found.add(seq.client_request_id)
+                self._abort(seq.reply_to, seq.request_id, engine_pb2.FINISH_REASON_ABORT)
+        if abort.query_id:
+            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(aborted=engine_pb2.AbortedRequests(
+                query_id=abort.query_id, client_request_ids=sorted(found))))
 
     def _abort(self, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
         """End a front end's request now with one terminal output (invariant 7); unknown or finished ids

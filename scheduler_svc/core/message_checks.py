@@ -34,6 +34,8 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     """Raise BadMessage unless every field of the request is in range for this engine."""
     _require(0 < len(add.request_id) <= MAX_ID_LENGTH, f"request_id must have 1 to {MAX_ID_LENGTH} characters")
     _require(len(add.group_id) <= MAX_ID_LENGTH, f"group_id has more than {MAX_ID_LENGTH} characters")
+    _require(len(add.client_request_id) <= MAX_ID_LENGTH,
+             f"client_request_id has more than {MAX_ID_LENGTH} characters")
     ids = add.prompt_token_ids
     _require(len(ids) > 0, "prompt_token_ids is empty")
     _require(min(ids) >= 0 and max(ids) < vocab_size, f"prompt_token_ids outside the vocabulary [0, {vocab_size})")

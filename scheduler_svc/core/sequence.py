@@ -25,6 +25,7 @@ class Sequence:
     priority: int = 0  # lower first
     group_id: str = ""  # shared by the parallel samples of one request
     reply_to: bytes = b""  # the transport identity of the front end that sent the request
+    client_request_id: str = ""  # the id its client knows, shared by the n completions of one request
     leader: "Sequence | None" = None  # the sibling whose cached prompt this one waits to reuse
     beam_options: engine_pb2.BeamSearchOptions | None = None  # a member of a beam search (AddRequest.beam_search)
     beam: "object | None" = None  # the BeamSearch this sequence is a beam of (beams are the scheduler's own)

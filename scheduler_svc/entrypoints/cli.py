@@ -78,19 +78,35 @@ def _setup_logging(level: str) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import functools
 
-    from scheduler_svc.entrypoints.launcher import launch_engine
+    from scheduler_svc.entrypoints.launcher import frontend_argv, launch_engine
     from scheduler_svc.frontend.server import run_frontend
-    from scheduler_svc.frontend.server_config import server_config_from_args
+    from scheduler_svc.frontend.server_config import server_argv, server_config_from_args
     from scheduler_svc.entrypoints.supervisor import supervise
 
     _setup_logging(args.log_level)
     engine_config = engine_config_from_args(args)
     server_config = server_config_from_args(args)
     server_config.model = engine_config.model
+    if args.frontend_procs < 1:
+        print(f"nanoserve serve: --frontend-procs must be >= 1, got {args.frontend_procs}", file=sys.stderr)
+        return 2
+    if args.frontend_procs > 1 and server_config.port == 0:
+        print("nanoserve serve: --frontend-procs > 1 needs a fixed --port (they share it)", file=sys.stderr)
+        return 2
+    server_config.share_port = args.frontend_procs > 1
     procs = launch_engine(engine_config)
     try:
+        if args.frontend_procs > 1:
+            env = {**procs.env, **({"NANOSERVE_API_KEY": server_config.api_key} if server_config.api_key else {})}
+            argvs = []
+            for i in range(1, args.frontend_procs):
+                extra = dataclasses.replace(server_config, metrics_port=server_config.metrics_port + i
+                                            if server_config.metrics_port else 0)
+                argvs.append(frontend_argv(procs, server_argv(extra) + ["--log-level", args.log_level]))
+            procs.start_frontends(argvs, env)
         return asyncio.run(run_frontend(server_config, procs.frontend_addr,
                                         supervise=functools.partial(supervise, procs)))
     finally:
@@ -104,6 +120,10 @@ def _cmd_frontend(args: argparse.Namespace) -> int:
     from scheduler_svc.frontend.server_config import server_config_from_args
 
     _setup_logging(args.log_level)
+    if args.watch_parent:
+        from scheduler_svc.common.parent_watch import watch_parent
+
+        watch_parent()
     return asyncio.run(run_frontend(server_config_from_args(args), args.scheduler_addr))
 
 
@@ -162,12 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     add_server_args(serve, with_model=False)
     serve.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    serve.add_argument("--frontend-procs", type=int, default=int(os.environ.get("NANOSERVE_FRONTEND_PROCS", 1)),
+                       help="gRPC front-end processes sharing --port (the kernel spreads connections over "
+                            "them); extra ones serve metrics on --metrics-port + i")
     frontend = sub.add_parser("frontend", help="serve gRPC in front of a separately running scheduler")
     frontend.add_argument("--scheduler-addr",
                           default=os.environ.get("NANOSERVE_SCHEDULER_ADDR", "tcp://127.0.0.1:5559"),
                           help="the scheduler's frontend socket (its --frontend-addr)")
     add_server_args(frontend)
     frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
+    frontend.add_argument("--watch-parent", action="store_true", help=argparse.SUPPRESS)  # serve's own front ends
     _add_client_parsers(sub.add_parser("client", help="call a running server"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")

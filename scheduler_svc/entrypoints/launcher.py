@@ -83,6 +83,8 @@ class EngineProcesses:
     scheduler_argv: list[str] = field(default_factory=list)  # to restart the scheduler with the same flags
     env: dict | None = None
     log_path: str | None = None
+    frontends: list[subprocess.Popen] = field(default_factory=list)  # serve's front ends beyond its own
+    frontend_argvs: list[list[str]] = field(default_factory=list)
     _closed: bool = field(default=False, repr=False)
 
     def all(self) -> list[subprocess.Popen]:
@@ -120,6 +122,28 @@ class EngineProcesses:
             stdout.close()
         return ranks
 
+    def start_frontends(self, argvs: list[list[str]], env: dict) -> None:
+        """Start more front ends on this engine (`serve --frontend-procs`); each argv is one's."""
+        self.frontend_argvs, self.frontend_env = argvs, env
+        self.frontends = [self._spawn_logged(argv, env) for argv in argvs]
+
+    def restart_dead_frontends(self) -> list[int]:
+        """Start again every extra front end that exited; returns their indexes (1-based, serve's own is 0)."""
+        dead = [i for i, proc in enumerate(self.frontends) if proc.poll() is not None]
+        if self._closed:
+            return []
+        for i in dead:
+            self.frontends[i] = self._spawn_logged(self.frontend_argvs[i], self.frontend_env)
+        return [i + 1 for i in dead]
+
+    def _spawn_logged(self, argv: list[str], env: dict) -> subprocess.Popen:
+        stdout = open(self.log_path, "ab") if self.log_path else None
+        try:
+            return _spawn(argv, stdout, env)
+        finally:
+            if stdout:
+                stdout.close()
+
     def restart_scheduler(self) -> bool:
         """Start the scheduler again if it exited. The executors that live on shake hands with it when it
         asks (their heartbeats reach a scheduler that does not know them)."""
@@ -136,6 +160,15 @@ class EngineProcesses:
         if self._closed:
             return
         self._closed = True
+        for proc in self.frontends:  # first, so that they drain while the engine still runs
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.frontends:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if self.scheduler.poll() is None:
             self.scheduler.send_signal(signal.SIGTERM)
         for proc in self.all():
@@ -200,6 +233,12 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
                             executor_argvs=executor_argvs, scheduler_argv=scheduler_argv, env=env, log_path=log_path)
     _live.add(procs)
     return procs
+
+
+def frontend_argv(procs: EngineProcesses, server_flags: list[str]) -> list[str]:
+    """`nanoserve frontend` on this engine's scheduler, dying with us."""
+    return [sys.executable, "-m", "scheduler_svc.entrypoints.cli", "frontend", "--watch-parent",
+            "--scheduler-addr", procs.frontend_addr, *server_flags]
 
 
 def _free_port() -> int:

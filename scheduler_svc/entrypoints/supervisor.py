@@ -5,7 +5,8 @@ the scheduler misses its heartbeats). The new executor starts only after the sch
 the engine lost, so that its handshake is taken as a fresh engine. A scheduler that exits is started
 again at once: the live executors shake hands with it, and the front end sees its new epoch. A role
 that dies before the engine was ever ready is a configuration error, not a crash to retry: the
-server exits.
+server exits. The extra front ends of `--frontend-procs` are started again when they exit, at most
+once every FRONTEND_RESTART_S each, since they hold no request state beyond their own streams.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from scheduler_svc.entrypoints.launcher import EngineProcesses
 log = logging.getLogger("nanoserve.supervisor")
 
 POLL_S = 0.2
+FRONTEND_RESTART_S = 1.0  # a front end that keeps dying (a port taken) is retried this often, not in a spin
 
 
 async def _wait_for_scheduler_loss(engine: AsyncEngineClient, timeout_s: float, stop: asyncio.Event) -> None:
@@ -31,9 +33,14 @@ async def _wait_for_scheduler_loss(engine: AsyncEngineClient, timeout_s: float, 
 async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asyncio.Event) -> int:
     """Runs until stop is set; sets it itself (and returns 1) when the engine cannot be kept up."""
     served = False  # the engine was ready since the executors last started
+    frontends_checked = time.monotonic()
     while not stop.is_set():
         await asyncio.sleep(POLL_S)
         served = served or engine.ready is not None
+        if time.monotonic() - frontends_checked >= FRONTEND_RESTART_S:
+            frontends_checked = time.monotonic()
+            for i in procs.restart_dead_frontends():
+                log.warning("front end %d exited; restarted it", i)
         if procs.scheduler.poll() is not None:
             code = procs.scheduler.returncode
             engine.mark_lost("the scheduler exited")

@@ -61,7 +61,7 @@ class AsyncEngineClient:
         self.max_buffered_outputs = max_buffered_outputs  # per engine request, in a StreamQueue
         self._streams: dict[str, StreamQueue] = {}  # engine request id -> its stream's queue
         self._in_engine: set[str] = set()  # engine request ids not finished or aborted yet
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # query id -> the answer's future (stats, aborted)
         self._query_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.epoch = 0  # the scheduler's incarnation, once it has answered
@@ -101,14 +101,25 @@ class AsyncEngineClient:
 
     async def stats(self, timeout_s: float = 5.0) -> engine_pb2.SchedulerStats:
         """Ask the scheduler for its counters; TimeoutError if it does not answer."""
+        return await self._ask(lambda query_id: engine_pb2.FrontendToScheduler(
+            stats=engine_pb2.StatsQuery(query_id=query_id)), timeout_s)
+
+    async def abort_everywhere(self, client_request_ids: list[str], timeout_s: float = 5.0) -> list[str]:
+        """Abort the requests with these client ids whichever front end runs them (several may share the
+        scheduler); returns those that were running. TimeoutError if the scheduler does not answer."""
+        answer = await self._ask(lambda query_id: engine_pb2.FrontendToScheduler(abort=engine_pb2.AbortRequests(
+            client_request_ids=client_request_ids, query_id=query_id)), timeout_s)
+        return list(answer.client_request_ids)
+
+    async def _ask(self, make_query, timeout_s: float):
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
-        self._stats_waiters[query_id] = future
+        self._waiters[query_id] = future
         try:
-            self._send(engine_pb2.FrontendToScheduler(stats=engine_pb2.StatsQuery(query_id=query_id)))
+            self._send(make_query(query_id))
             return await asyncio.wait_for(future, timeout_s)
         finally:
-            self._stats_waiters.pop(query_id, None)
+            self._waiters.pop(query_id, None)
 
     def fail_streams(self, reason: str) -> None:
         """End every open stream: each gets an EngineLost."""
@@ -158,10 +169,11 @@ class AsyncEngineClient:
                         queue.put_nowait(ro)
                     if ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         self._in_engine.discard(ro.request_id)
-            elif kind == "stats":
-                future = self._stats_waiters.get(msg.stats.query_id)
+            elif kind in ("stats", "aborted"):
+                answer = getattr(msg, kind)
+                future = self._waiters.get(answer.query_id)
                 if future is not None and not future.done():
-                    future.set_result(msg.stats)
+                    future.set_result(answer)
             elif kind == "ready" and not self.awaiting_scheduler_loss:
                 became_ready = self.ready is None
                 self.ready = msg.ready

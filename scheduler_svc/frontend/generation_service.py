@@ -120,7 +120,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         pending = set(engine_ids)
         timer, outcome = self.metrics.start_request(), "cancelled"
         try:
-            for add in params.add_requests(engine_ids, valid.prompt_token_ids, priority=request.priority):
+            for add in params.add_requests(engine_ids, valid.prompt_token_ids, priority=request.priority,
+                                           client_request_id=rid):
                 self.engine.add(add)
             while pending:
                 item = await self._next(queue, context)
@@ -182,13 +183,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return None
 
     async def Abort(self, request, context):
-        aborted = []
-        for rid in dict.fromkeys(request.request_ids):
+        """Aborts the request wherever it runs: here, or through another front end sharing the scheduler."""
+        wanted, aborted = list(dict.fromkeys(request.request_ids)), set()
+        for rid in wanted:
             engine_ids = self.requests.get(rid)
             if engine_ids:
                 self.engine.abort(engine_ids)
-                aborted.append(rid)
-        return generation_pb2.AbortResponse(aborted_request_ids=aborted)
+                aborted.add(rid)
+        if wanted and self.engine.ready is not None:
+            try:
+                aborted.update(await self.engine.abort_everywhere(wanted, timeout_s=self.config.scheduler_timeout_s))
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer the abort")
+        return generation_pb2.AbortResponse(aborted_request_ids=[rid for rid in wanted if rid in aborted])
 
     # ------------------------------------------------------------------ tokenizer
 

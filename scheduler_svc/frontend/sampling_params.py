@@ -58,7 +58,7 @@ class SamplingParams:
                                             num_requests=self.n)
 
     def add_requests(self, request_ids: list[str], prompt_token_ids: list[int],
-                     priority: int = 0) -> list[engine_pb2.AddRequest]:
+                     priority: int = 0, client_request_id: str = "") -> list[engine_pb2.AddRequest]:
         """The engine requests of the n completions, one per id, to be sent in this order.
 
         They share a group id (the first id): parallel samples so that the later ones reuse the
@@ -70,7 +70,7 @@ class SamplingParams:
         return [engine_pb2.AddRequest(
             request_id=rid, prompt_token_ids=prompt_token_ids, sampling=self.sampling_options(seed_offset=i),
             stopping=self.stopping_options(), priority=priority, group_id=group_id,
-            beam_search=beam) for i, rid in enumerate(request_ids)]
+            beam_search=beam, client_request_id=client_request_id) for i, rid in enumerate(request_ids)]
 
 
 def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:

@@ -37,7 +37,8 @@ STATS_INTERVAL_S = 1.0
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", config.receive_limit_bytes()),
-        ("grpc.so_reuseport", 0),  # a second server on a taken port fails instead of sharing it
+        # a second server on a taken port fails instead of sharing it, unless serve's front ends share it
+        ("grpc.so_reuseport", int(config.share_port)),
         ("grpc.keepalive_permit_without_calls", 1),  # clients may keep idle connections alive...
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ...pinging every 10 s, not more often
         ("grpc.http2.max_ping_strikes", 2),  # GOAWAY to a client that pings faster than that

@@ -36,6 +36,7 @@ class ServerConfig:
     tls_client_ca: str | None = None  # PEM CA bundle; when set, clients must present a certificate (mTLS)
     drain_grace_s: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     scheduler_timeout_s: float = 10.0  # no stats reply for this long means the scheduler is lost
+    share_port: bool = False  # SO_REUSEPORT: serve's --frontend-procs front ends listen on one port
 
     def receive_limit_bytes(self) -> int:
         """The largest request gRPC reads: a larger one is refused before it is held in memory."""
@@ -83,6 +84,7 @@ def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--scheduler-timeout-s", type=float, default=d.scheduler_timeout_s)
     g.add_argument("--tokenizer-threads", type=int, default=d.tokenizer_threads,
                    help="prompts tokenized at once, off the event loop")
+    g.add_argument("--share-port", type=int, choices=[0, 1], default=0, help=argparse.SUPPRESS)  # set by serve
     g = parser.add_argument_group("limits")
     g.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests,
                    help="sequences running in the engine before new requests get RESOURCE_EXHAUSTED")
@@ -104,9 +106,23 @@ def add_server_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--default-max-tokens", type=int, default=limits.default_max_tokens)
 
 
+def server_argv(config: ServerConfig) -> list[str]:
+    """The flags that make `nanoserve frontend` take this config (the api key excepted: it goes by
+    NANOSERVE_API_KEY, so that it never shows in a process list)."""
+    values = {**{f.name: getattr(config.limits, f.name) for f in dataclasses.fields(RequestLimits)},
+              **{f.name: getattr(config, f.name) for f in dataclasses.fields(ServerConfig)
+                 if f.name not in ("limits", "api_key")}}
+    argv = []
+    for name, value in values.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(int(value) if isinstance(value, bool) else value)]
+    return argv
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "limits"]
     config = ServerConfig(limits=limits, **{n: getattr(args, n) for n in names if hasattr(args, n)})
+    config.share_port = bool(config.share_port)
     config.validate()
     return config
