@@ -8,6 +8,11 @@
 #   serving      bench/serving.py on throughput's workload and engine flags over gRPC: the offline figure,
 #                then 5 waves on one launched server from 2 client processes, and the ratios
 #                (SERVING_ARGS adds flags, e.g. --scale-check for a wave at 4 client processes)
+#   sweep        bench/serving.py latency under load: Poisson arrivals at rates up to saturation on the
+#                nanovllm draws (SWEEP_ARGS adds flags), goodput at TTFT <= 500 ms and TPOT <= 50 ms, PNG
+#   streams1024  1,024 concurrent streams at once (nanovllm draws, outputs <= 256): all must complete
+#   text         bench/serving.py --dataset text against the offline LLM: SmolLM2's config and tokenizer
+#                (carried as .smol) with random weights, chat prompts, detokenized text, stop strings
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
@@ -45,6 +50,32 @@ for step in "$@"; do
         --server-log "$OUT/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
       grep -v " INFO " "$OUT/serving.log" | tail -n 16
       summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
+    sweep)
+      python3 bench/serving.py --dataset nanovllm --launch --num-prompts 128 --request-rates 4 8 16 32 inf \
+        --goodput ttft:500 tpot:50 --client-procs 2 --server-log "$OUT/sweep_server.log" --out "$OUT/sweep.json" \
+        ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
+      grep -v " INFO " "$OUT/sweep.log" | tail -n 12
+      python3 - "$OUT/sweep.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["runs"]:
+    print(f"rate {r['request_rate']:>5}: {r['output_throughput']:8.0f} tok/s {r['request_throughput']:6.2f} req/s "
+          f"goodput {r.get('goodput', 0):6.2f} | TTFT med/p99 {r['ttft_ms']['median']:7.1f}/{r['ttft_ms']['p99']:7.1f} "
+          f"TPOT {r['tpot_ms']['median']:6.1f}/{r['tpot_ms']['p99']:6.1f} ITL {r['itl_ms']['median']:6.1f}/"
+          f"{r['itl_ms']['p99']:6.1f} ms, failed {r['failed']}")
+PY
+      summary+=("sweep: see above; plot $OUT/sweep.png") ;;
+    streams1024)
+      python3 bench/serving.py --dataset nanovllm --launch --num-prompts 1024 --max-input-len 512 \
+        --max-output-len 256 --max-num-seqs 1024 --client-procs 4 --server-log "$OUT/streams1024_server.log" \
+        --out "$OUT/streams1024.json" > "$OUT/streams1024.log" 2>&1
+      grep -v " INFO " "$OUT/streams1024.log" | tail -n 5
+      summary+=("streams1024: $(grep -E '^(Successful|Failed) requests' "$OUT/streams1024.log" | tr -s ' ' | tr '\n' ' ')") ;;
+    text)
+      python3 bench/serving.py --dataset text --launch --offline-too --model "$PWD/.smol" --load-format dummy \
+        --num-prompts 256 --max-output-len 512 --repeat 3 --client-procs 2 --server-log "$OUT/text_server.log" \
+        --out "$OUT/text.json" ${TEXT_ARGS:-} > "$OUT/text.log" 2>&1
+      grep -v " INFO " "$OUT/text.log" | tail -n 10
+      summary+=("text ${TEXT_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/text.log" | tail -n 1)") ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

@@ -14,6 +14,11 @@ Datasets:
             temperature 0.6) on its model (Qwen3-0.6B shape, random weights) and engine flags, with
             prefix caching off on both sides: the repeated waves send the same prompts, which a warm
             cache would serve without their prefill, unlike the single offline run
+  text      text on: chat prompts (one user message, made from --seed) sent as messages, so the front
+            end templates and tokenizes them, streamed back as text with --stop strings, greedy, EOS
+            on; max_tokens U[--min-output-len, --max-output-len]. The model needs a tokenizer (the
+            embedded SmolLM2 by default; on a GPU machine its config and tokenizer with --load-format
+            dummy). --offline-too runs the offline LLM on the same chats and stop strings.
 
     python bench/serving.py --launch --num-prompts 20 --input-len 128 --output-len 32
     python bench/serving.py --launch --request-rates 1 2 4 --out bench/results/serving.json  # + .png
@@ -21,6 +26,7 @@ Datasets:
     python bench/serving.py --dataset nanovllm --launch --offline-too --repeat 5 --client-procs 2 --scale-check
     python bench/serving.py --dataset nanovllm --launch --offline-too --model-shape tiny --device cpu \\
         --num-prompts 8 --max-input-len 64 --max-output-len 16 --client-procs 2 --repeat 2
+    python bench/serving.py --dataset text --launch --offline-too --device cpu --num-prompts 8 --max-output-len 32
 
 With --launch, flags this script does not know (engine and server flags) go to `nanoserve serve`;
 with --dataset nanovllm the engine flags also build the --offline-too engine, so both are the same.
@@ -53,6 +59,7 @@ from bench.serving_load import ClientPool, LoadSpec  # noqa: E402
 from protos import generation_pb2 as pb  # noqa: E402
 from protos import generation_pb2_grpc  # noqa: E402
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
+from scheduler_svc.common.model_paths import default_model_dir  # noqa: E402
 
 FIRST_ID = 100  # random prompts skip the low ids, where the special tokens live
 
@@ -81,19 +88,34 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
+SUBJECTS = ["the sea", "a lighthouse keeper", "tomatoes", "the history of clocks", "a robot learning to paint",
+            "winter in a small town", "the moon landing", "bread", "a lost key", "volcanoes", "chess openings",
+            "a friendly dragon", "rain forests", "the first computer", "honey bees", "a train journey"]
+ASKS = ["Write a short story about {}.", "Explain {} to a child.", "Give me five facts about {}.",
+        "Write a poem about {}.", "Describe {} in detail.", "What should everyone know about {}?"]
+
+
+def text_dataset(n: int, min_output: int, max_output: int, seed: int) -> list[tuple[str, int]]:
+    """(one user message, max_tokens) per request: varied prompts of a few sentences."""
+    rng = random.Random(seed)
+    return [(" ".join(rng.choice(ASKS).format(rng.choice(SUBJECTS)) for _ in range(rng.randint(1, 4))),
+             rng.randint(min_output, max_output)) for _ in range(n)]
+
+
 def send_offsets(gaps: list[float]) -> list[float]:
     return list(itertools.accumulate(gaps))
 
 
-def nanovllm_engine(args, server_args: list[str]):
-    """The engine flags among server_args over bench/throughput.py's defaults, with its dummy model
-    unless --model is given: (engine namespace, `nanoserve serve` argv, the model dir to clean up)."""
+def offline_engine(args, server_args: list[str]):
+    """The engine flags among server_args (nanovllm: over bench/throughput.py's defaults, with its dummy
+    model unless --model is given): (engine namespace, `nanoserve serve` argv, the model dir to clean up)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --max-n is not --max-num-seqs
     add_engine_args(parser)
-    parser.set_defaults(**ENGINE_DEFAULTS, enable_prefix_caching=False)
+    if args.dataset == "nanovllm":
+        parser.set_defaults(**ENGINE_DEFAULTS, enable_prefix_caching=False)
     engine, rest = parser.parse_known_args(server_args)
     tmp = None
-    if not engine.model:
+    if not engine.model and args.dataset == "nanovllm":
         tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
         engine.model, engine.load_format = tmp.name, "dummy"
     return engine, engine_config_from_args(engine).to_argv() + rest, tmp
@@ -105,6 +127,27 @@ def run_offline(args, engine: argparse.Namespace, prompts, max_tokens) -> dict:
 
     return run_nanoserve(argparse.Namespace(**vars(engine), temperature=args.temperature, no_progress=True),
                          prompts, max_tokens)
+
+
+def run_offline_text(args, engine: argparse.Namespace, chats: list[tuple[str, int]]) -> dict:
+    """The offline LLM on the text dataset: the same chats (templated), stop strings and greedy sampling."""
+    from bench.throughput import offline_figures
+    from scheduler_svc.entrypoints.llm import LLM
+    from scheduler_svc.frontend.sampling_params import SamplingParams
+
+    config = engine_config_from_args(engine)
+    with LLM(config.model, **{k: v for k, v in vars(config).items() if k != "model"}) as llm:
+        llm.generate([list(range(1, 12))], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": chat}]) for chat, _ in chats]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=m, stop=args.stop) for _, m in chats]
+        before = llm.stats()
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        after = llm.stats()
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    return {**offline_figures(out_tokens, elapsed, before, after),
+            "stopped_by_string": sum(isinstance(r.outputs[0].stop_reason, str) for r in results)}
 
 
 # ---------------------------------------------------------------- the server
@@ -166,7 +209,8 @@ def vocab_size(address: str) -> int:
 
 def run_wave(pool: ClientPool, args, address: str, probe: dict, dataset, rate: float, seed: int) -> dict:
     """One wave of requests, with the server's counters read before and after it."""
-    spec = LoadSpec(address, args.temperature, not args.no_ignore_eos, args.request_timeout, args.max_concurrency)
+    spec = LoadSpec(address, args.temperature, not args.no_ignore_eos, args.request_timeout, args.max_concurrency,
+                    stop=tuple(args.stop))
     before = serving_probe.snapshot(address, **probe)
     watch = serving_probe.FirstStepWatch(probe["scheduler_addr"], before.counters["num_steps"])
     try:
@@ -186,7 +230,7 @@ def run_wave(pool: ClientPool, args, address: str, probe: dict, dataset, rate: f
     return summary
 
 
-def benchmark(args, address: str, probe: dict, nanovllm_set) -> tuple[list[dict], dict | None]:
+def benchmark(args, address: str, probe: dict, fixed_set) -> tuple[list[dict], dict | None]:
     """Every wave on this server: --repeat per rate, then the --scale-check wave at twice the processes."""
     vocab = vocab_size(address)
     # one warm-up request, apart from the dataset's tokens (Random(-s) equals Random(s): no negative seeds)
@@ -194,8 +238,8 @@ def benchmark(args, address: str, probe: dict, nanovllm_set) -> tuple[list[dict]
     rates = args.request_rates or [args.request_rate]
 
     def dataset(run: int):
-        if nanovllm_set is not None:  # the same draws every wave
-            return nanovllm_set
+        if fixed_set is not None:  # the same draws every wave
+            return fixed_set
         # a fresh prefix per run, so that one run never warms the next one's cache
         return random_dataset(args.num_prompts, args.input_len, args.output_len, args.prefix_len,
                               args.range_ratio, vocab, args.seed + run)
@@ -224,7 +268,7 @@ def parse_args():
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--address", help="host:port of a running server")
     target.add_argument("--launch", action="store_true", help="start `nanoserve serve` with the unknown flags")
-    parser.add_argument("--dataset", choices=["random", "nanovllm"], default="random")
+    parser.add_argument("--dataset", choices=["random", "nanovllm", "text"], default="random")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 20 (random), 256 (nanovllm)")
     g = parser.add_argument_group("random dataset")
     g.add_argument("--input-len", type=int, default=128, help="own tokens per prompt, after the prefix")
@@ -240,7 +284,10 @@ def parse_args():
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
                    help="the dummy model's config when --model is not given (tiny: a CPU smoke run)")
-    g.add_argument("--offline-too", action="store_true", help="also run the offline engine on the same draws")
+    g.add_argument("--offline-too", action="store_true", help="also run the offline engine on the same draws "
+                   "(nanovllm, text)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable); the text dataset's "
+                   "default: a blank line twice, and '###'")
     g = parser.add_argument_group("load")
     g.add_argument("--temperature", type=float, default=None, help="default 0 (random), 0.6 (nanovllm)")
     g.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a completion early")
@@ -265,27 +312,39 @@ def parse_args():
     parse_goodput(args.goodput)
     if args.burstiness <= 0 or args.client_procs < 1 or args.repeat < 1:
         parser.error("--burstiness, --client-procs and --repeat must be positive")
-    nanovllm = args.dataset == "nanovllm"
-    if args.offline_too and not (nanovllm and args.launch):
-        parser.error("--offline-too needs --dataset nanovllm and --launch (it runs the launched engine's flags)")
+    nanovllm, text = args.dataset == "nanovllm", args.dataset == "text"
+    if args.offline_too and not ((nanovllm or text) and args.launch):
+        parser.error("--offline-too needs --dataset nanovllm or text, and --launch (it runs the launched engine's "
+                     "flags)")
     if nanovllm and args.no_ignore_eos:
         parser.error("the nanovllm dataset ignores EOS")
-    args.num_prompts = args.num_prompts or (256 if nanovllm else 20)
+    args.no_ignore_eos = args.no_ignore_eos or text  # text runs as users do: EOS and stop strings end it
+    args.stop = args.stop if args.stop is not None else (["\n\n\n", "###"] if text else [])
+    args.num_prompts = args.num_prompts or (256 if nanovllm or text else 20)
     args.temperature = args.temperature if args.temperature is not None else (0.6 if nanovllm else 0.0)
     return args, server_args
 
 
 def main() -> None:
     args, server_args = parse_args()
-    engine, tmp, nanovllm_set, offline, has_tokenizer = None, None, None, None, True
+    engine, tmp, fixed_set, offline, has_tokenizer = None, None, None, None, True
+    if args.launch and args.dataset in ("nanovllm", "text"):
+        engine, server_args, tmp = offline_engine(args, server_args)
+        has_tokenizer = os.path.exists(os.path.join(engine.model or default_model_dir(), "tokenizer.json"))
+    if args.dataset == "text":
+        fixed_set = text_dataset(args.num_prompts, min(args.min_output_len, args.max_output_len), args.max_output_len,
+                                 args.seed)
+        print(f"text workload: {len(fixed_set)} chats, max_tokens {sum(m for _, m in fixed_set)} in all, "
+              f"stop strings {args.stop!r}")
+        if args.offline_too:
+            offline = run_offline_text(args, engine, fixed_set)
+            print(f"offline: {offline['output_tokens']} tokens in {offline['seconds']:.2f}s, "
+                  f"{offline['output_tok_per_s']:.0f} tok/s")
     if args.dataset == "nanovllm":
-        if args.launch:
-            engine, server_args, tmp = nanovllm_engine(args, server_args)
-            has_tokenizer = os.path.exists(os.path.join(engine.model, "tokenizer.json"))
         prompts, max_tokens = workload(args.num_prompts, args.max_input_len, args.max_output_len, args.workload_seed,
                                        min(args.min_input_len, args.max_input_len),
                                        min(args.min_output_len, args.max_output_len))
-        nanovllm_set = list(zip(prompts, max_tokens))
+        fixed_set = list(zip(prompts, max_tokens))
         print(f"nanovllm workload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(max_tokens)} output tokens")
         if args.offline_too:  # first, so that the server does not hold the device meanwhile
@@ -301,7 +360,7 @@ def main() -> None:
             probe = {"scheduler_addr": serving_probe.scheduler_socket(proc.pid), "server_pid": proc.pid}
             if probe["scheduler_addr"] is None:
                 print("the scheduler's socket was not found: no executor counters, only gRPC GetStats")
-        runs, scale = benchmark(args, address, probe, nanovllm_set)
+        runs, scale = benchmark(args, address, probe, fixed_set)
     finally:
         if proc is not None:
             stop_server(proc)
@@ -322,7 +381,7 @@ def main() -> None:
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     first_waves = [r for r in runs if r["wave"] == 1]  # one point per rate
     if plot_path and len(first_waves) > 1:
-        plot(first_waves, plot_path)
+        plot(first_waves, plot_path, title)
 
 
 if __name__ == "__main__":

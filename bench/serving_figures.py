@@ -65,7 +65,7 @@ def print_summary(rate: float, s: dict) -> None:
     print("=" * 60)
 
 
-def plot(runs: list[dict], path: str) -> None:
+def plot(runs: list[dict], path: str, title: str = "") -> None:
     """Latency against request rate: TTFT and E2E on the left, TPOT and ITL on the right."""
     try:
         import matplotlib
@@ -87,7 +87,7 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_ylabel("latency (ms)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(runs[0]["label"] if runs else "")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -95,7 +95,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 TABLE = (("run", 9), ("rate", 5), ("procs", 5), ("seconds", 8), ("out tok/s", 9), ("x offl", 6), ("bad", 4),
          ("cli CPU", 7), ("cli msg/s", 9), ("steps/s", 7), ("ex idle", 7), ("no step", 7), ("FE us/t", 7),
-         ("sch us/t", 8))
+         ("sch us/t", 8), ("TPOT/step", 9))
 
 
 def _print_row(cells: list) -> None:
@@ -118,7 +118,8 @@ def print_table(title: str, runs: list[dict], offline: dict | None, scale: dict 
                     r["failed"] + r["short_outputs"], f"{max(r['client_cpu_share']):.0%}",
                     f"{s['client_messages_per_s']:.0f}", f"{s['steps_per_s']:.1f}", _percent(s, "executor_idle_share"),
                     _percent(s, "no_step_share"), f"{per_token.get('frontend', 0):.1f}",
-                    f"{per_token.get('scheduler', 0):.1f}"])
+                    f"{per_token.get('scheduler', 0):.1f}",
+                    f"{r['tpot_ms']['median'] / offline['step_ms']:.2f}" if offline else "-"])
     out: dict = {}
     if offline:
         o = offline
@@ -126,11 +127,16 @@ def print_table(title: str, runs: list[dict], offline: dict | None, scale: dict 
         _print_row(["offline", "-", "-", f"{o['seconds']:.2f}", f"{o['output_tok_per_s']:.0f}", "1.00", "-", "-",
                     "-", f"{o['steps'] / o['seconds']:.1f}",
                     f"{o['executor_idle_seconds'] / busy_idle if busy_idle else 0:.1%}",
-                    f"{max(0.0, 1 - (o['prefill_seconds'] + o['decode_seconds']) / o['seconds']):.1%}", "-", "-"])
+                    f"{max(0.0, 1 - (o['prefill_seconds'] + o['decode_seconds']) / o['seconds']):.1%}", "-", "-",
+                    f"{o['step_ms']:.1f}ms"])
         ratios = [r["output_throughput"] / o["output_tok_per_s"] for r in runs]
-        out.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratios=ratios)
+        tpot_ratios = [r["tpot_ms"]["median"] / o["step_ms"] for r in runs]
+        out.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratios=ratios,
+                   tpot_over_step_median=statistics.median(tpot_ratios))
         print(f"gRPC / offline output tok/s over {len(ratios)} waves: median {out['ratio_median']:.3f}, "
               f"min {out['ratio_min']:.3f}")
+        print(f"gRPC TPOT median / offline wall per step ({o['step_ms']:.2f} ms): median over waves "
+              f"{out['tpot_over_step_median']:.3f}")
     if scale:
         base = statistics.median(r["output_throughput"] for r in runs if r["request_rate"] == scale["request_rate"])
         procs = runs[0]["client_procs"]

@@ -24,11 +24,12 @@ START_MARGIN_S = 0.1  # from the go signal to the first send, so every process i
 
 @dataclass
 class Job:
-    """One request of a wave."""
+    """One request of a wave: token ids, or (the text dataset) one user chat message and stop strings."""
     index: int
     prompt_token_ids: list[int]
     max_tokens: int
     send_at: float  # seconds after the wave starts
+    chat: str = ""  # when set, sent as one user message (the front end templates and tokenizes it)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class LoadSpec:
     ignore_eos: bool
     timeout_s: float
     max_concurrency: int | None  # per process
+    stop: tuple[str, ...] = ()  # stop strings of every request
 
 
 @dataclass
@@ -49,6 +51,7 @@ class RequestResult:
     output_len: int = 0
     messages: int = 0  # GenerateResponse messages received
     cached_tokens: int = 0
+    text_chars: int = 0  # characters of text received (0 without a tokenizer)
     finish_reason: str = ""
     ttft: float = 0.0  # seconds from sending to the first token
     itl: list[float] = field(default_factory=list)  # gaps between token-carrying messages
@@ -86,8 +89,13 @@ class WaveLoad:
 
 async def _one_request(stub, job: Job, spec: LoadSpec, start: float) -> RequestResult:
     result = RequestResult(index=job.index, prompt_len=len(job.prompt_token_ids), expected_len=job.max_tokens)
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=job.prompt_token_ids), sampling=pb.SamplingParams(
-        temperature=spec.temperature, max_tokens=job.max_tokens, ignore_eos=spec.ignore_eos))
+    sampling = pb.SamplingParams(temperature=spec.temperature, max_tokens=job.max_tokens, ignore_eos=spec.ignore_eos,
+                                 stop=spec.stop)
+    if job.chat:
+        request = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=job.chat)]),
+                                     sampling=sampling)
+    else:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=job.prompt_token_ids), sampling=sampling)
     await asyncio.sleep(max(0.0, start + job.send_at - time.monotonic()))
     sent = last = time.monotonic()
     try:
@@ -97,6 +105,7 @@ async def _one_request(stub, job: Job, spec: LoadSpec, start: float) -> RequestR
             tokens = 0
             for out in response.outputs:
                 tokens += len(out.token_ids)
+                result.text_chars += len(out.text)
                 if out.finish_reason:
                     result.finish_reason = pb.FinishReason.Name(out.finish_reason)
             if tokens:
@@ -108,6 +117,7 @@ async def _one_request(stub, job: Job, spec: LoadSpec, start: float) -> RequestR
                 result.output_len += tokens
             if response.HasField("usage"):
                 result.cached_tokens = response.usage.cached_prompt_tokens
+                result.prompt_len = response.usage.prompt_tokens
         result.e2el = time.monotonic() - sent
         result.ok = True
     except grpc.aio.AioRpcError as exc:
@@ -164,9 +174,12 @@ class ClientPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run_wave(self, dataset: list[tuple[list[int], int]], send_at: list[float], spec: LoadSpec) -> WaveLoad:
+    def run_wave(self, dataset: list[tuple[list[int] | str, int]], send_at: list[float], spec: LoadSpec) -> WaveLoad:
+        """dataset: (prompt token ids, or a chat message's text; max_tokens) per request."""
         k = len(self.conns)
-        jobs = [Job(i, ids, max_tokens, t) for i, ((ids, max_tokens), t) in enumerate(zip(dataset, send_at))]
+        jobs = [Job(i, [] if isinstance(prompt, str) else prompt, max_tokens, t,
+                    chat=prompt if isinstance(prompt, str) else "")
+                for i, ((prompt, max_tokens), t) in enumerate(zip(dataset, send_at))]
         per_proc = LoadSpec(**{**vars(spec), "max_concurrency": math.ceil(spec.max_concurrency / k)
                                if spec.max_concurrency else None})
         for p, conn in enumerate(self.conns):

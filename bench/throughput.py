@@ -35,6 +35,11 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
         after = llm.stats()
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert out_tokens == sum(max_tokens), f"generated {out_tokens} tokens, expected {sum(max_tokens)}"
+    return offline_figures(out_tokens, elapsed, before, after)
+
+
+def offline_figures(out_tokens: int, elapsed: float, before, after) -> dict:
+    """One offline run's row, from the scheduler's counters before and after it."""
     delta = lambda name: getattr(after, name) - getattr(before, name)  # noqa: E731
     return {
         "engine": "nanoserve", "output_tokens": out_tokens, "seconds": elapsed,
@@ -43,6 +48,7 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
         "executor_busy_seconds": delta("executor_busy_seconds"),
         "executor_idle_seconds": delta("executor_idle_seconds"), "preemptions": delta("num_preemptions"),
         "swap_outs": delta("num_swap_outs"), "kv_blocks": after.total_kv_blocks,
+        "step_ms": 1000 * elapsed / max(1, delta("num_steps")),  # wall per step: a decoding request's TPOT
     }
 
 
