@@ -19,6 +19,8 @@
 # Logs go to $OUT; the tables are printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanoserve-out}
+LOGS=/tmp/nanoserve-logs  # the servers' logs: kept off $OUT, which brings back a limited number of files
+mkdir -p "$LOGS"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
@@ -47,12 +49,12 @@ for step in "$@"; do
       python3 -m executor_svc.step_profiler "$OUT/prof" ;;
     serving)
       python3 bench/serving.py --dataset nanovllm --launch --offline-too --repeat 5 --client-procs 2 \
-        --server-log "$OUT/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
+        --server-log "$LOGS/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
       grep -v " INFO " "$OUT/serving.log" | tail -n 16
       summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
     sweep)
       python3 bench/serving.py --dataset nanovllm --launch --num-prompts 128 --request-rates 4 8 16 32 inf \
-        --goodput ttft:500 tpot:50 --client-procs 2 --server-log "$OUT/sweep_server.log" --out "$OUT/sweep.json" \
+        --goodput ttft:500 tpot:50 --client-procs 2 --server-log "$LOGS/sweep_server.log" --out "$OUT/sweep.json" \
         ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
       grep -v " INFO " "$OUT/sweep.log" | tail -n 12
       python3 - "$OUT/sweep.json" <<'PY'
@@ -66,13 +68,13 @@ PY
       summary+=("sweep: see above; plot $OUT/sweep.png") ;;
     streams1024)
       python3 bench/serving.py --dataset nanovllm --launch --num-prompts 1024 --max-input-len 512 \
-        --max-output-len 256 --max-num-seqs 1024 --client-procs 4 --server-log "$OUT/streams1024_server.log" \
+        --max-output-len 256 --max-num-seqs 1024 --client-procs 4 --server-log "$LOGS/streams1024_server.log" \
         --out "$OUT/streams1024.json" > "$OUT/streams1024.log" 2>&1
       grep -v " INFO " "$OUT/streams1024.log" | tail -n 5
       summary+=("streams1024: $(grep -E '^(Successful|Failed) requests' "$OUT/streams1024.log" | tr -s ' ' | tr '\n' ' ')") ;;
     text)
       python3 bench/serving.py --dataset text --launch --offline-too --model "$PWD/.smol" --load-format dummy \
-        --num-prompts 256 --max-output-len 512 --repeat 3 --client-procs 2 --server-log "$OUT/text_server.log" \
+        --num-prompts 256 --max-output-len 1024 --repeat 3 --client-procs 4 --server-log "$LOGS/text_server.log" \
         --out "$OUT/text.json" ${TEXT_ARGS:-} > "$OUT/text.log" 2>&1
       grep -v " INFO " "$OUT/text.log" | tail -n 10
       summary+=("text ${TEXT_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/text.log" | tail -n 1)") ;;
