@@ -355,9 +355,16 @@ def main() -> None:
     try:
         if args.launch:
             log_path = args.server_log or tempfile.mkstemp(prefix="nanoserve-bench-", suffix=".log")[1]
+            metrics_port = None
+            if "--metrics-port" not in server_args:  # the front end's own timings (detokenization) come from it
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    metrics_port = sock.getsockname()[1]
+                server_args = [*server_args, "--metrics-port", str(metrics_port)]
             print(f"launching nanoserve serve {' '.join(server_args)} (log: {log_path})")
             proc, address = launch_server(server_args, log_path, args.startup_timeout)
-            probe = {"scheduler_addr": serving_probe.scheduler_socket(proc.pid), "server_pid": proc.pid}
+            probe = {"scheduler_addr": serving_probe.scheduler_socket(proc.pid), "server_pid": proc.pid,
+                     "metrics_port": metrics_port}
             if probe["scheduler_addr"] is None:
                 print("the scheduler's socket was not found: no executor counters, only gRPC GetStats")
         runs, scale = benchmark(args, address, probe, fixed_set)

@@ -80,13 +80,29 @@ def _scheduler_stats(scheduler_addr: str):
         client.close()
 
 
-def snapshot(address: str, scheduler_addr: str | None, server_pid: int | None) -> Snapshot:
+def frontend_metrics(metrics_port: int | None) -> dict[str, float]:
+    """The front end's own timings from its /metrics (empty without a metrics port)."""
+    if not metrics_port:
+        return {}
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("nanoserve_frontend_detokenize_seconds_total "):
+            out["detokenize_seconds"] = float(line.split()[1])
+    return out
+
+
+def snapshot(address: str, scheduler_addr: str | None, server_pid: int | None,
+             metrics_port: int | None = None) -> Snapshot:
     if scheduler_addr:
         stats = _scheduler_stats(scheduler_addr)
     else:
         with grpc.insecure_channel(address) as channel:
             stats = generation_pb2_grpc.GenerationStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
     counters = {name: float(getattr(stats, name)) for name in COUNTERS if hasattr(stats, name)}
+    counters.update(frontend_metrics(metrics_port))
     return Snapshot(counters, role_cpu_s(server_pid) if server_pid else {})
 
 
@@ -130,10 +146,12 @@ def breakdown(before: Snapshot, first: Snapshot | None, after: Snapshot, duratio
            "server_tokens_per_s": tokens / duration_s, "client_messages_per_s": client_messages / duration_s,
            "tokens_per_client_message": client_tokens / client_messages if client_messages else 0.0,
            "preemptions": int(d.get("num_preemptions", 0))}
+    if "detokenize_seconds" in d:
+        out["detokenize_us_per_token"] = 1e6 * d["detokenize_seconds"] / client_tokens if client_tokens else 0.0
     query = d.get("prefix_cache_query_tokens", 0.0)
     out["prefix_cache_hit_rate"] = d.get("prefix_cache_hit_tokens", 0.0) / query if query else 0.0
     if "executor_busy_seconds" in d and first is not None:
-        since = {k: after.counters[k] - first.counters[k] for k in after.counters}
+        since = {k: after.counters[k] - first.counters[k] for k in first.counters}
         busy, idle, n = since["executor_busy_seconds"], since["executor_idle_seconds"], since["num_steps"]
         out.update(executor_busy_s=busy, executor_idle_s=idle,
                    executor_idle_share=idle / (busy + idle) if busy + idle else 0.0,
@@ -165,6 +183,8 @@ def print_breakdown(b: dict) -> None:
                  ("Executor idle per step (ms)", b["executor_idle_ms_per_step"]),
                  ("Prefill-step / decode-step wall (s)", f"{b['prefill_step_s']:.2f} / {b['decode_step_s']:.2f}"),
                  ("Share of the wave with no step in flight", b["no_step_share"])]
+    if "detokenize_us_per_token" in b:
+        rows.append(("Front end: detokenize + stop strings per token (us)", b["detokenize_us_per_token"]))
     for role, us in sorted(b.get("cpu_us_per_token", {}).items()):
         rows.append((f"CPU per output token, {role} (us)", us))
     for name, value in rows:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import time
 import uuid
 
 import grpc
@@ -131,7 +132,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if isinstance(item, EngineLost):
                     outcome = "unavailable"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, item.reason)
+                started = time.perf_counter()
                 delta = trackers[item.request_id].apply(item)
+                self.metrics.detokenize_seconds.inc(time.perf_counter() - started)
                 if delta is None:
                     continue
                 if delta.stopped_by_string:

@@ -39,6 +39,9 @@ class Metrics:
         self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
         self.preemptions = Counter("nanoserve_preemptions", "Sequences preempted", registry=r)
+        self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
+                                          "Front-end time turning engine outputs into text deltas "
+                                          "(incremental detokenizer and stop strings)", registry=r)
         self._preemptions_seen = 0
 
     def serve(self, host: str, port: int):
