@@ -193,7 +193,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """Structured output: in each masked row, every token its bitmask does not allow becomes -inf, in place.
+    """Structured output: in each masked row, every token its bitmask does not allow becomes -inf (a new
+    tensor: the caller's logits, perhaps a CUDA graph's output, stay as they were).
 
     words int32 [R, W] hold bit t % 32 of word t // 32 for token t; read as little-endian bytes, byte k of a
     row holds tokens 8k .. 8k + 7 in bits 0..7, so unpacking bytes keeps token order with a quarter of the
@@ -205,8 +206,7 @@ def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, words: torch.Ten
     allowed = bits.view(num_rows, -1)[:, :vocab_size].bool()
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
