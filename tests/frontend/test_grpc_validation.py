@@ -4,6 +4,8 @@ request_decoding.py are also tested alone."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -160,6 +162,23 @@ def test_constrained_requests_are_served_matching_their_constraint(server):
     assert re.fullmatch("[0-9]{2}-[0-9]{2}", regex.outputs[0].text)
     stats = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     assert stats.num_constrained_requests >= 2 and stats.num_masked_steps > 0 and stats.token_mask_seconds > 0
+
+
+def test_the_cli_client_sends_its_constraint_flags(server, tmp_path):
+    def client(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "scheduler_svc.entrypoints.cli", "client", "generate", "Hi",
+                               "--addr", server.addr, "--no-stream", "--max-tokens", "16", *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    done = client("--choice", "yes", "--choice", "no")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in ("yes", "no")
+    done = client("--regex", "[0-9]{3}")
+    assert done.returncode == 0 and re.fullmatch("[0-9]{3}", done.stdout.strip()), done.stdout + done.stderr
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "foo"}')
+    done = client("--json-schema", str(schema))
+    assert done.returncode == 1 and "INVALID_ARGUMENT: sampling.json_schema: Invalid type: foo" in done.stderr
 
 
 def test_an_unset_max_tokens_is_cut_to_fit_max_model_len(server):
