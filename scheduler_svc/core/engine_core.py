@@ -275,6 +275,8 @@ class EngineCore:
         for identity in self.frontends:
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(lost=engine_pb2.EngineLost(reason=reason)))
         self._shutdown_executors(self.executors.forget(), reason, spare_rank)
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.scheduler = None
         self.ready = None
 

@@ -105,6 +105,10 @@ class Scheduler:
         self.counters.num_aborted += 1
         return seq
 
+    def close(self) -> None:
+        """Stop the scheduler's helper thread (structured output's grammar compiler)."""
+        self.structured.compiler.close()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -53,7 +53,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by grammar text; guarded by _lock
         self._cache_size = cache_size
         self._queued: set[str] = set()  # requested and not compiled yet; guarded by _lock
-        self._jobs: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: stop
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.num_compiles = 0  # written by the worker, read for stats
@@ -78,9 +78,15 @@ class GrammarCompiler:
                 self._worker.start()
         self._jobs.put(grammar)
 
+    def close(self) -> None:
+        """Stop the worker once it has compiled what it was asked (an engine lost starts a new scheduler)."""
+        self._jobs.put(None)
+
     def _work(self) -> None:
         while True:
             grammar = self._jobs.get()
+            if grammar is None:
+                return
             compiled = self._compile(grammar)
             with self._lock:
                 self._queued.discard(grammar)
