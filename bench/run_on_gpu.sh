@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call on the GPU machine: install the carried wheels (.whl, made by
-# ../shared/gpu/wheels.sh), build the stubs, then run the steps named as arguments:
+# `../shared/gpu/wheels.sh llguidance`: the scheduler needs llguidance), build the stubs, then run the steps
+# named as arguments:
 #   tests        pytest -m gpu (TESTS names files)
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
@@ -14,6 +15,8 @@
 #   text         bench/serving.py --dataset text against the offline LLM: SmolLM2's config and tokenizer
 #                (carried as .smol) with random weights, chat prompts, detokenized text, stop strings
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
+#   structured   bench/structured.py: token-mask fill times, then throughput with half the requests
+#                JSON-schema-constrained against all free (STRUCTURED_ARGS adds flags to the latter)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
@@ -78,6 +81,12 @@ PY
         --out "$OUT/text.json" ${TEXT_ARGS:-} > "$OUT/text.log" 2>&1
       grep -v " INFO " "$OUT/text.log" | tail -n 10
       summary+=("text ${TEXT_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/text.log" | tail -n 1)") ;;
+    structured)
+      python3 bench/structured.py --out "$OUT/structured_mask.json" 2>&1 | tee "$OUT/structured_mask.log" | tail -n 16
+      python3 bench/structured.py --mode throughput --no-progress --out "$OUT/structured_throughput.json" \
+        ${STRUCTURED_ARGS:-} > "$OUT/structured_throughput.log" 2>&1
+      grep -v " INFO " "$OUT/structured_throughput.log" | tail -n 6
+      summary+=("structured ${STRUCTURED_ARGS:-}: $(grep -E '^ratio' "$OUT/structured_throughput.log" | tail -n 1)") ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

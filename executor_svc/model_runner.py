@@ -152,8 +152,9 @@ class ModelRunner:
             inputs = self.prepare_inputs(one_token_chunks_first(chunks))
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            # a decode graph samples in place when every row samples plainly (temperature alone)
-            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain for c in chunks)
+            # a decode graph samples in place when every row samples plainly (temperature alone, no token mask)
+            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain and c.token_mask is None
+                                                        for c in chunks)
             columns = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) \
                 if graph_samples else None
             host = host_inputs(chunks, self.block_size, self.prev_rows)
@@ -183,7 +184,8 @@ class ModelRunner:
         elif self.rank == 0:
             batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
                                         [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device,
-                                        lambda arrays: self.staging.upload(arrays, "sampling"), self._noise_rng)
+                                        lambda arrays: self.staging.upload(arrays, "sampling"), self._noise_rng,
+                                        [c.token_mask for c in chunks])
             out = self.sampler(inputs.logits, batch)
             token_ids = out.token_ids
             if batch.max_logprobs > 0 and out.top_token_ids is not None:

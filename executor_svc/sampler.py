@@ -1,4 +1,4 @@
-"""The sampler: penalties, temperature, min-p / top-k / top-p, then a random draw.
+"""The sampler: penalties, structured-output token masks, temperature, min-p / top-k / top-p, then a random draw.
 
 Everything runs on the logits' device with no per-token host sync. On CUDA the draw is the fused
 Gumbel-max kernel (kernels/sampling.py) keyed by a per-row noise seed; on the CPU it is inverse-CDF
@@ -64,6 +64,8 @@ class SamplingBatch:
     prompt_token_ids: torch.Tensor | None   # int64 [B, Lp], padded with vocab_size; repetition only
     output_token_ids: torch.Tensor | None   # int64 [B, Lo], padded with vocab_size
     noise_seeds: torch.Tensor           # int64 [B]: each row's noise seed, mix_seed(seed, count) if seeded
+    masked_rows: torch.Tensor | None    # int64 [R]: rows with a structured-output token mask
+    mask_words: torch.Tensor | None     # int32 [R, ceil(V / 32)]: bit t % 32 of word t // 32 set = token t allowed
     seeded_rows: torch.Tensor | None    # int64 [S], rows that own a seed
     generator_seeds: list[int]          # [S], mix_seed(seed, generated count) per seeded row
     all_greedy: bool
@@ -82,9 +84,11 @@ class SamplingBatch:
     @staticmethod
     def build(options: "list[engine_pb2.SamplingOptions | SamplingRow]", prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device: torch.device,
-              upload: Upload | None = None, rng: np.random.Generator | None = None) -> "SamplingBatch":
+              upload: Upload | None = None, rng: np.random.Generator | None = None,
+              token_masks: "list[np.ndarray | None] | None" = None) -> "SamplingBatch":
         """`upload` moves the host arrays to the device in one go (default: blocking copies); `rng`
-        draws the noise seeds of unseeded rows (default: a fresh OS-seeded generator)."""
+        draws the noise seeds of unseeded rows (default: a fresh OS-seeded generator); `token_masks`
+        holds each row's structured-output bitmask, or None for a free row."""
         upload = upload or plain_upload(device)
         rng = rng or np.random.default_rng()
         rows = [SamplingRow.of(o) for o in options]
@@ -125,6 +129,10 @@ class SamplingBatch:
                 host["noise_seeds"][i] = seed - (1 << 64) if seed >= 1 << 63 else seed  # as int64
             if seeded:
                 host["seeded_rows"] = np.asarray(seeded, dtype=np.int64)
+        masked = [i for i, m in enumerate(token_masks or ()) if m is not None]
+        if masked:  # uploaded with the rest, in the same copy
+            host["masked_rows"] = np.asarray(masked, dtype=np.int64)
+            host["mask_words"] = np.stack([token_masks[i] for i in masked]).astype(np.int32, copy=False)
         dev = upload(host)
         return SamplingBatch(
             greedy=dev["greedy"], temperature=dev["temperature"], top_k=dev.get("top_k"), top_p=dev.get("top_p"),
@@ -132,6 +140,7 @@ class SamplingBatch:
             frequency_penalty=dev.get("frequency_penalty"), repetition_penalty=dev.get("repetition_penalty"),
             prompt_token_ids=dev.get("prompt_token_ids"), output_token_ids=dev.get("output_token_ids"),
             noise_seeds=dev["noise_seeds"], seeded_rows=dev.get("seeded_rows"), generator_seeds=generator_seeds,
+            masked_rows=dev.get("masked_rows"), mask_words=dev.get("mask_words"),
             all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             max_logprobs=min(vocab_size, max([0] + [r.logprobs for r in rows])), vocab_size=vocab_size,
         )
@@ -139,7 +148,8 @@ class SamplingBatch:
 
 def build_for_sequences(rows: list[SamplingRow], token_ids: list[list[int]], num_prompt_tokens: list[int],
                         vocab_size: int, device: torch.device, upload: Upload | None = None,
-                        rng: np.random.Generator | None = None) -> SamplingBatch:
+                        rng: np.random.Generator | None = None,
+                        token_masks: "list[np.ndarray | None] | None" = None) -> SamplingBatch:
     """SamplingBatch.build from whole token lists, slicing prompt/output only when a row needs them
     (penalties or a seed): copying every sequence's tokens each step would cost more than sampling."""
     needs_prompt = any(r.needs_prompt for r in rows)
@@ -147,7 +157,7 @@ def build_for_sequences(rows: list[SamplingRow], token_ids: list[list[int]], num
     empty: list[int] = []
     prompts = [t[:n] for t, n in zip(token_ids, num_prompt_tokens)] if needs_prompt else [empty] * len(rows)
     outputs = [t[n:] for t, n in zip(token_ids, num_prompt_tokens)] if needs_output else [empty] * len(rows)
-    return SamplingBatch.build(rows, prompts, outputs, vocab_size, device, upload, rng)
+    return SamplingBatch.build(rows, prompts, outputs, vocab_size, device, upload, rng, token_masks)
 
 
 @dataclass
@@ -180,6 +190,23 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # order but finite, so it samples like any other and never poisons the batch (the validators bound
     # the penalties; this is the executor's own guard)
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Structured output: in each masked row, every token its bitmask does not allow becomes -inf (a new
+    tensor: the caller's logits, perhaps a CUDA graph's output, stay as they were).
+
+    words int32 [R, W] hold bit t % 32 of word t // 32 for token t; read as little-endian bytes, byte k of a
+    row holds tokens 8k .. 8k + 7 in bits 0..7, so unpacking bytes keeps token order with a quarter of the
+    intermediate memory of unpacking words. Tokens past 32 W (none when W = ceil(V / 32)) are disallowed.
+    No host sync: it runs on the logits' device and can be launched ahead of the draw."""
+    num_rows, vocab_size = rows.shape[0], logits.shape[-1]
+    shifts = torch.arange(8, dtype=torch.uint8, device=words.device)
+    bits = (words.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
+    allowed = bits.view(num_rows, -1)[:, :vocab_size].bool()
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -222,15 +249,20 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Logprobs describe the raw distribution, before penalties and token masks (as in vLLM)."""
         if logits.is_cuda and not batch.any_penalties and not batch.any_filters:
             # the common case on CUDA: one pass over the logits, no fp32 copy
-            token_ids = sample_tokens(logits, batch.temperature, batch.noise_seeds)
             raw_logprobs = logits.float().log_softmax(dim=-1) if batch.max_logprobs > 0 else None
+            if batch.mask_words is not None:  # masked tokens are -inf, which the fused draw never picks
+                logits = apply_token_masks(logits, batch.masked_rows, batch.mask_words)
+            token_ids = sample_tokens(logits, batch.temperature, batch.noise_seeds)
             return self._with_logprobs(token_ids, raw_logprobs, batch)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs > 0 else None
         if batch.any_penalties:
             logits = apply_penalties(logits, batch)
+        if batch.mask_words is not None:  # after the penalties, which keep a row finite; before every filter
+            logits = apply_token_masks(logits, batch.masked_rows, batch.mask_words)
         if logits.is_cuda:
             # every CUDA row goes through the one Gumbel-max kernel with its own noise seed, so a
             # seeded row's token never depends on which options its neighbours use; dropped tokens

@@ -48,6 +48,7 @@ class ScheduledChunk:
     seq: MirroredSeq
     start: int
     end: int
+    token_mask: np.ndarray | None = None  # structured output: int32 [ceil(V / 32)], bit t set = token t allowed
 
     @property
     def samples(self) -> bool:
@@ -96,6 +97,8 @@ class SequenceMirrors:
                 raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
                                    f"the one this executor sampled ({seq.token_ids[-1]})")
             chunks.append(self._chunk(seq, num_scheduled))
+        if plan.HasField("token_bitmasks"):
+            attach_token_masks(plan.step_id, plan.token_bitmasks, chunks)
         return chunks
 
     @staticmethod
@@ -119,3 +122,21 @@ class SequenceMirrors:
         if seq is not None and seq.num_pending:
             seq.token_ids.append(token_id)
             seq.num_pending -= 1
+
+
+def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: list[ScheduledChunk]) -> None:
+    """Give each constrained chunk that samples its row of the plan's bitmasks (a view, no copy)."""
+    num_rows, num_words = len(masks.seq_ids), masks.num_words
+    if num_words <= 0 or len(masks.words) != num_rows * num_words * 4:
+        raise RuntimeError(f"plan {step_id}: token_bitmasks hold {len(masks.words)} bytes, not {num_rows} masks "
+                           f"of {num_words} words")
+    words = np.frombuffer(masks.words, dtype="<i4").reshape(num_rows, num_words)
+    row_of = {seq_id: i for i, seq_id in enumerate(masks.seq_ids)}
+    for chunk in chunks:
+        row = row_of.pop(chunk.seq.seq_id, None)
+        if row is not None:
+            if not chunk.samples:
+                raise RuntimeError(f"plan {step_id}: seq {chunk.seq.seq_id} has a token mask but does not sample")
+            chunk.token_mask = words[row]
+    if row_of:
+        raise RuntimeError(f"plan {step_id}: token masks for seqs {sorted(row_of)} that the step does not run")

@@ -19,6 +19,7 @@ names = [m.name for m in pkgutil.walk_packages(scheduler_svc.__path__, "schedule
 for name in names:
     importlib.import_module(name)
 assert "scheduler_svc.core.scheduler" in names, names
+assert "llguidance" in sys.modules  # structured output's grammar engine is part of the control plane
 leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(len(names), "modules;", "torch imported" if leaked else "no torch")
 sys.exit(1 if leaked else 0)
@@ -41,6 +42,28 @@ def test_importing_every_scheduler_svc_module_never_imports_torch():
 
 def test_the_control_plane_packages_import_without_torch():
     result = _no_torch_after("import " + ", ".join(TORCH_FREE_PACKAGES))
+    assert result.returncode == 0, result.stderr
+
+
+def test_structured_output_compiles_a_grammar_and_fills_a_token_mask_without_torch(embedded_model):
+    result = _no_torch_after(f"""
+import time
+from protos import engine_pb2
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.scheduler_output import ScheduledSeq
+from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
+from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
+structured = StructuredOutputs(GrammarCompiler(tokenizer_loader({embedded_model!r}, 49152, (2,))), 49152)
+seq = Sequence(seq_id=1, request_id="r", token_ids=[5], num_prompt_tokens=1, sampling=engine_pb2.SamplingOptions(),
+               stopping=engine_pb2.StoppingOptions(), constraint=engine_pb2.Constraint(json_object=True))
+structured.add(seq)
+deadline = time.monotonic() + 60
+while not structured.is_ready(seq):
+    assert not structured.poll() and time.monotonic() < deadline
+    time.sleep(0.01)
+masks = structured.fill_masks([ScheduledSeq(seq, 1, True, 0, True)])
+assert list(masks.seq_ids) == [1] and len(masks.words) == 49152 // 8
+""")
     assert result.returncode == 0, result.stderr
 
 

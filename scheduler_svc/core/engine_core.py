@@ -151,6 +151,7 @@ class EngineCore:
             num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
             priority=add.priority, group_id=add.group_id, reply_to=identity, client_request_id=add.client_request_id,
             beam_options=add.beam_search if add.beam_search.beam_width > 0 else None,
+            constraint=add.constraint if add.HasField("constraint") else None,
         )
         try:
             self.scheduler.add(seq)
@@ -265,6 +266,8 @@ class EngineCore:
             enable_prefix_caching=self.config.enable_prefix_caching,
             eos_token_ids=tuple(facts.eos_token_ids),
             num_host_blocks=facts.num_host_blocks,
+            vocab_size=facts.vocab_size,
+            tokenizer_dir=self.config.model,
         ))
         log.info("serving %s: %d KV blocks, max_model_len %d", facts.model_name, facts.num_blocks,
                  self.ready.max_model_len)
@@ -284,6 +287,8 @@ class EngineCore:
         for identity in self.frontends:
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(lost=engine_pb2.EngineLost(reason=reason)))
         self._shutdown_executors(self.executors.forget(), reason, spare_rank)
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.scheduler = None
         self.ready = None
 
@@ -343,6 +348,9 @@ class EngineCore:
         """Plan ahead while fewer than pipeline_depth steps are in flight, else apply the oldest result."""
         if self.scheduler is None:
             return
+        if self.scheduler.structured.compiling:  # grammars compile in a worker thread; the loop never waits
+            for seq, error in self.scheduler.admit_compiled_grammars():
+                self._tell_ended(seq, ERROR, error)
         if len(self.in_flight) < self.pipeline_depth and self.scheduler.has_unfinished():
             if self._launch_step():
                 return

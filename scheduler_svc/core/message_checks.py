@@ -56,6 +56,9 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     _require(st.min_tokens >= 0, f"stopping.min_tokens = {st.min_tokens} is negative")
     _require(all(0 <= t < vocab_size for t in st.stop_token_ids),
              f"stopping.stop_token_ids outside the vocabulary [0, {vocab_size})")
+    if add.HasField("constraint"):
+        _require(add.constraint.WhichOneof("kind") is not None, "constraint is set but empty")
+        _require(not add.beam_search.beam_width, "constraint: structured output does not apply to beam search")
     beam = add.beam_search
     if beam.beam_width:
         _require(0 < beam.beam_width <= min(MAX_BEAM_WIDTH, max_num_seqs),

@@ -32,7 +32,7 @@ def step_outputs(updates: list[StepUpdate], sampled: dict[int, engine_pb2.Sample
             continue  # a prefill chunk that did not reach the end: nothing to say yet
         out = engine_pb2.RequestOutput(
             request_id=seq.request_id, finish_reason=update.finish_reason, stop_token_id=seq.stop_token_id,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, error=update.error)
         if update.new_token_id is not None:
             out.new_token_ids.append(update.new_token_id)
             token = sampled.get(seq.seq_id)

@@ -19,6 +19,8 @@ from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, S
 from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_rule_for
+from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
+from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 
 ABORT = engine_pb2.FINISH_REASON_ABORT
 RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
@@ -48,6 +50,8 @@ class Scheduler:
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished requests only
         self.samples = ParallelSamples(self)
         self.beams = BeamScheduler(self)
+        self.structured = StructuredOutputs(GrammarCompiler(tokenizer_loader(
+            config.tokenizer_dir, config.vocab_size, config.eos_token_ids)), config.vocab_size)
         self.counters = SchedulerCounters()
         self._next_arrival = 0
         self._next_seq_id = 1
@@ -75,6 +79,8 @@ class Scheduler:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight")
         rule = stop_rule_for(seq, self.eos_token_ids, self.max_seq_len)
         search = self.beams.check(seq, rule) if seq.beam_options is not None else None
+        if seq.constraint is not None:
+            self.structured.add(seq)  # last check: from here on the request is taken
         seq.arrival_order = self._next_arrival
         self._next_arrival += 1
         seq.status = WAITING
@@ -99,12 +105,24 @@ class Scheduler:
         self.counters.num_aborted += 1
         return seq
 
+    def close(self) -> None:
+        """Stop the scheduler's helper thread (structured output's grammar compiler)."""
+        self.structured.compiler.close()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     def requests_served_by(self, seq: Sequence) -> list[Sequence]:
         """The requests a sequence serves: itself, or for a beam its search's members."""
         return [seq] if seq.beam is None else list(seq.beam.members)
+
+    def admit_compiled_grammars(self) -> list[tuple[Sequence, str]]:
+        """Constrained requests whose grammar compiled may be admitted now; those whose grammar failed to
+        compile are aborted and returned with the reason, for their front ends to be told."""
+        failed = self.structured.poll()
+        for seq, _ in failed:
+            self.abort(seq.request_id, seq.reply_to)
+        return failed
 
     def abort_incomplete_beam_searches(self, older_than: float) -> list[Sequence]:
         """Abort the members of beam searches gathering members since before older_than (monotonic)."""
@@ -145,8 +163,10 @@ class Scheduler:
             self.preempted_to_drop += preempted  # no plan carries them this time
             preempted = []
         num_batched = self.config.max_num_batched_tokens - budget
+        masks = self.structured.fill_masks(scheduled) if self.structured.matchers else None
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
-                               has_prefill=count_step(self.counters, scheduled) if scheduled else False)
+                               has_prefill=count_step(self.counters, scheduled) if scheduled else False,
+                               token_bitmasks=masks)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[int],
                           block_copies: list[tuple[int, int]]) -> int:
@@ -160,9 +180,11 @@ class Scheduler:
             start, placeholders = seq.num_computed_tokens, seq.num_placeholders
             total = len(seq.token_ids) + placeholders
             num_new = min(total - start, budget)
-            if num_new <= 0 or (placeholders and (
-                    seq.beam is not None or total >= stop_rules[seq.seq_id].max_num_tokens)):
-                i += 1  # nothing to compute, a beam waiting for its round, or samples in flight reach its limit
+            if num_new <= 0 or (placeholders and (seq.beam is not None or seq.constraint is not None
+                                                  or total >= stop_rules[seq.seq_id].max_num_tokens)):
+                # nothing to compute, a beam waiting for its round, a constrained sequence whose next mask needs
+                # the token in flight, or samples in flight reach its limit
+                i += 1
                 continue
             end = start + num_new
             is_new = not seq.in_executor
@@ -198,8 +220,8 @@ class Scheduler:
             seq = self.waiting[index]
             if not self._has_room(seq, reserved):
                 break
-            if seq.leader is not None:
-                index += 1  # a parallel sample waits for its first sibling to schedule the prompt, then forks
+            if seq.leader is not None or (seq.constraint is not None and not self.structured.is_ready(seq)):
+                index += 1  # a parallel sample waits for its first sibling's prompt; a constrained one for its grammar
                 continue
             if seq.num_placeholders:
                 break  # preempted while a step was in flight: its token must arrive before it is resent
@@ -302,13 +324,15 @@ class Scheduler:
             if seq.beam is not None:
                 self.beams.report(s, candidates, rounds)
                 continue
-            token, reason = None, UNFINISHED
+            token, reason, error = None, UNFINISHED, ""
             if s.samples:
                 token = sampled[seq.seq_id]
                 seq.num_placeholders -= 1
                 seq.token_ids.append(token)
                 seq.last_token_unsent = True
                 reason = check_stop(seq, self.stop_rules[seq.seq_id], token)
+                if seq.constraint is not None and reason == UNFINISHED:
+                    reason, error = self.structured.accept(seq, token)
                 c.num_generated_tokens += 1
             self.hash_computed(s)
             if not seq.prompt_computed and s.start + s.num_new_tokens >= seq.num_prompt_tokens \
@@ -321,7 +345,7 @@ class Scheduler:
                 else:  # preempted after this step was sent
                     self.retire(seq, reason)
                 c.num_finished += 1
-            updates.append(StepUpdate(seq, token, reason))
+            updates.append(StepUpdate(seq, token, reason, error))
         for search in rounds:
             for member in self.beams.advance(search):  # the members that got their hypotheses
                 updates.append(StepUpdate(member, None, member.finish_reason))
@@ -352,6 +376,7 @@ class Scheduler:
             prefix_cache_query_tokens=bm.prefix_query_tokens,
             prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             **vars(self.counters),
+            **self.structured.stats(),
         )
 
     # ------------------------------------------------------------------ queues (the GroupHost interface)
@@ -389,6 +414,8 @@ class Scheduler:
         if self.requests.get(seq.request_key) is seq:
             del self.requests[seq.request_key]
             del self.stop_rules[seq.seq_id]
+            if seq.constraint is not None:
+                self.structured.release(seq)
             if seq.group_id and seq.beam_options is None:
                 self.samples.on_retire(seq)
         if seq.in_executor:

@@ -14,6 +14,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
     num_host_blocks: int = 0  # the executors' host (swap) pool; 0 preempts by recompute only
+    vocab_size: int = 0  # the logits' width: a structured-output token mask covers it
+    tokenizer_dir: str = ""  # the model's tokenizer.json lives here: structured output compiles grammars with it
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protos import engine_pb2
 from scheduler_svc.core.sequence import Sequence
 
 
@@ -29,6 +30,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV block, host block), run first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
     has_prefill: bool = False  # some chunk is not a decode (prompt tokens, or several new tokens)
+    token_bitmasks: engine_pb2.TokenBitmasks | None = None  # structured output: masks of constrained samples
 
 
 @dataclass(slots=True)
@@ -36,3 +38,4 @@ class StepUpdate:
     seq: Sequence
     new_token_id: int | None  # None for a prefill chunk that did not reach the end
     finish_reason: int  # engine_pb2.FinishReason; UNSPECIFIED while running
+    error: str = ""  # why, when finish_reason is ERROR

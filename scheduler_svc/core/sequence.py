@@ -29,6 +29,7 @@ class Sequence:
     leader: "Sequence | None" = None  # the sibling whose cached prompt this one waits to reuse
     beam_options: engine_pb2.BeamSearchOptions | None = None  # a member of a beam search (AddRequest.beam_search)
     beam: "object | None" = None  # the BeamSearch this sequence is a beam of (beams are the scheduler's own)
+    constraint: engine_pb2.Constraint | None = None  # structured output (AddRequest.constraint); None: free text
     cum_logprob: float = 0.0  # a beam's summed logprob over its generated tokens
     beam_logprobs: list = field(default_factory=list)  # a beam's (or finished member's) per-token logprobs
     arrival_order: int = 0  # ties broken by arrival

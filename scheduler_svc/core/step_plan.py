@@ -44,6 +44,8 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
     for copies, field in ((out.block_copies, plan.block_copies), (out.swap_out, plan.swap_out),
                           (out.swap_in, plan.swap_in)):
         field.extend(engine_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies)
+    if out.token_bitmasks is not None:
+        plan.token_bitmasks.CopyFrom(out.token_bitmasks)
     if seq_ids:
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,

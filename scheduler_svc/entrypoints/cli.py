@@ -7,27 +7,8 @@ import os
 import sys
 
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args
+from scheduler_svc.entrypoints.sampling_args import add_sampling_args, constraint_from_args
 from scheduler_svc.frontend.server_config import add_server_args
-
-
-def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None, help="default 256, cut to fit max_model_len")
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--n", type=int, default=1, help="samples per prompt")
-    g.add_argument("--logprobs", type=int, default=0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams; 0 samples")
-    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -47,7 +28,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
         ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-        beam_width=args.beam_width, length_penalty=args.length_penalty)
+        beam_width=args.beam_width, length_penalty=args.length_penalty, **constraint_from_args(args))
     try:
         check_sampling(params)  # the engine-independent checks, before the engine starts
     except ValueError as exc:
@@ -142,7 +123,7 @@ def _add_client_parsers(client: argparse.ArgumentParser) -> None:
                 p.add_argument("--system", default="", help="a system message first")
             p.add_argument("--no-stream", action="store_true", help="one unary Generate call")
             p.add_argument("--priority", type=int, default=0)
-            _add_sampling_args(p)
+            add_sampling_args(p)
         elif name == "tokenize":
             p.add_argument("text")
         elif name == "health":
@@ -177,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_engine_args(gen)
-    _add_sampling_args(gen)
+    add_sampling_args(gen)
     serve = sub.add_parser("serve", help="serve gRPC with every role on this machine")
     add_engine_args(serve)
     add_server_args(serve, with_model=False)

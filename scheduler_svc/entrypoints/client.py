@@ -10,6 +10,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generation_pb2, generation_pb2_grpc
+from scheduler_svc.entrypoints.sampling_args import constraint_from_args
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in generation_pb2.FinishReason.items()}
 
@@ -45,6 +46,11 @@ def sampling_from_args(args: argparse.Namespace) -> generation_pb2.SamplingParam
         beam_width=args.beam_width, length_penalty=args.length_penalty)
     if args.sampling_seed is not None:
         sp.seed = args.sampling_seed
+    for kind, value in constraint_from_args(args).items():
+        if kind == "choice":
+            sp.choice.choices.extend(value)
+        else:
+            setattr(sp, kind, value)
     return sp
 
 

@@ -46,7 +46,7 @@ def engine_error_status(error: str) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if "already in flight" in error:
         return grpc.StatusCode.ALREADY_EXISTS
-    if "leaves no room" in error:
+    if "leaves no room" in error or error.startswith("invalid constraint"):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
 

@@ -39,10 +39,24 @@ class Metrics:
         self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
         self.preemptions = Counter("nanoserve_preemptions", "Sequences preempted", registry=r)
+        self.constrained_requests = Counter("nanoserve_structured_output_requests",
+                                            "Requests with a structured-output constraint", registry=r)
+        self.grammar_compile_errors = Counter("nanoserve_grammar_compile_errors",
+                                              "Structured-output constraints the scheduler could not compile",
+                                              registry=r)
+        self.masked_steps = Counter("nanoserve_token_masked_steps",
+                                    "Steps that sampled a constrained sequence", registry=r)
+        self.token_mask_seconds = Counter(
+            "nanoserve_token_mask_seconds", "Scheduler time filling token masks; per masked step: its rate over "
+            "nanoserve_token_masked_steps_total's", registry=r)
+        # Prometheus counters fed from the scheduler's cumulative ones, by SchedulerStats field
+        self._cumulative = {name: _FromCumulative(counter) for name, counter in (
+            ("num_preemptions", self.preemptions), ("num_constrained_requests", self.constrained_requests),
+            ("num_grammar_compile_errors", self.grammar_compile_errors), ("num_masked_steps", self.masked_steps),
+            ("token_mask_seconds", self.token_mask_seconds))}
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
                                           "Front-end time turning engine outputs into text deltas "
                                           "(incremental detokenizer and stop strings)", registry=r)
-        self._preemptions_seen = 0
 
     def serve(self, host: str, port: int):
         """Serve /metrics over HTTP; returns the server (call .shutdown() to stop it)."""
@@ -57,13 +71,25 @@ class Metrics:
             self.kv_usage.set(1.0 - s.free_kv_blocks / s.total_kv_blocks)
         if s.prefix_cache_query_tokens:
             self.prefix_hit_rate.set(s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens)
-        if s.num_preemptions < self._preemptions_seen:  # the scheduler restarted
-            self._preemptions_seen = 0
-        self.preemptions.inc(s.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = s.num_preemptions
+        for name, cumulative in self._cumulative.items():
+            cumulative.update(getattr(s, name))
 
     def start_request(self) -> "RequestTimer":
         return RequestTimer(self)
+
+
+class _FromCumulative:
+    """A Prometheus counter that follows one of the scheduler's cumulative counters."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.seen = 0
+
+    def update(self, value) -> None:
+        if value < self.seen:  # the scheduler restarted: its counters began again at 0
+            self.seen = 0
+        self.counter.inc(value - self.seen)
+        self.seen = value
 
 
 class RequestTimer:

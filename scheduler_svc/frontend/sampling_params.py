@@ -5,6 +5,7 @@ is the one place that checks it, for the gRPC service and the offline LLM alike.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from protos import engine_pb2, generation_pb2
@@ -30,6 +31,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     beam_width: int = 0  # 0 samples; k >= 1 runs beam search and returns the n best of k beams
     length_penalty: float = 1.0  # beam search: score = sum(logprob) / generated_len ** length_penalty
+    # structured output, at most one of these (the oneof `constraint` of the API):
+    json_schema: str | dict | None = None  # a JSON Schema, as JSON text or a dict
+    json_object: bool = False  # True: any JSON object
+    regex: str | None = None  # the whole completion matches it
+    grammar: str | None = None  # llguidance's Lark-like grammar
+    choice: list[str] | None = None  # exactly one of these strings
+
+    def constraint_kinds(self) -> list[str]:
+        """The structured-output fields that are set (valid params have at most one)."""
+        kinds = [k for k in ("json_schema", "regex", "grammar", "choice") if getattr(self, k) is not None]
+        return kinds + ["json_object"] * bool(self.json_object)
+
+    def constraint(self) -> engine_pb2.Constraint | None:
+        """Wire form of the structured-output constraint; None when there is none."""
+        kinds = self.constraint_kinds()
+        if not kinds:
+            return None
+        kind = kinds[0]
+        if kind == "choice":
+            return engine_pb2.Constraint(choice=engine_pb2.ChoiceList(choices=self.choice))
+        if kind == "json_schema" and isinstance(self.json_schema, dict):
+            return engine_pb2.Constraint(json_schema=json.dumps(self.json_schema))
+        return engine_pb2.Constraint(**{kind: getattr(self, kind)})
 
     def sampling_options(self, seed_offset: int = 0) -> engine_pb2.SamplingOptions:
         """Wire form for the executor; seed_offset separates the n parallel samples of one request."""
@@ -65,12 +89,13 @@ class SamplingParams:
         first one's cached prompt, a beam search so that the scheduler runs one search for all of
         them and hands the i-th best hypothesis to the i-th request.
         """
-        beam = self.beam_search_options()
+        beam, constraint = self.beam_search_options(), self.constraint()
         group_id = request_ids[0] if beam is not None or len(request_ids) > 1 else ""
         return [engine_pb2.AddRequest(
             request_id=rid, prompt_token_ids=prompt_token_ids, sampling=self.sampling_options(seed_offset=i),
             stopping=self.stopping_options(), priority=priority, group_id=group_id,
-            beam_search=beam, client_request_id=client_request_id) for i, rid in enumerate(request_ids)]
+            beam_search=beam, constraint=constraint, client_request_id=client_request_id)
+            for i, rid in enumerate(request_ids)]
 
 
 def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:
@@ -79,6 +104,9 @@ def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:
     def optional(name: str, default):
         return getattr(sp, name) if sp.HasField(name) else default
 
+    kind = sp.WhichOneof("constraint")
+    constraint = {} if kind is None else {kind: list(sp.choice.choices) if kind == "choice" else getattr(sp, kind)}
+
     return SamplingParams(
         temperature=optional("temperature", 1.0), top_p=optional("top_p", 1.0), top_k=sp.top_k, min_p=sp.min_p,
         seed=optional("seed", None), max_tokens=optional("max_tokens", None), min_tokens=sp.min_tokens,
@@ -86,5 +114,5 @@ def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output, n=optional("n", 1), logprobs=sp.logprobs,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=optional("repetition_penalty", 1.0), beam_width=sp.beam_width,
-        length_penalty=optional("length_penalty", 1.0),
+        length_penalty=optional("length_penalty", 1.0), **constraint,
     )

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from protos import engine_pb2, generation_pb2
+from scheduler_svc.core.structured.grammars import grammar_error
 from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -117,6 +118,34 @@ def _check_beam_search(p: SamplingParams) -> None:
     check(p.seed is None, f"sampling.seed {off}: beam search is deterministic; leave it unset")
 
 
+def _check_constraint(p: SamplingParams) -> None:
+    """At most one structured-output constraint, of the right type, that llguidance compiles (no tokenizer
+    needed: the scheduler compiles it again with the model's, and answers the rare error that only shows
+    then the same way)."""
+    kinds = p.constraint_kinds()
+    if not kinds:
+        return
+    check(len(kinds) == 1, f"set at most one of sampling.json_schema, json_object, regex, grammar, choice; "
+                           f"got {', '.join(kinds)}")
+    kind = kinds[0]
+    value = getattr(p, kind)
+    if kind == "choice":
+        check(isinstance(value, (list, tuple)) and all(isinstance(c, str) for c in value),
+              f"sampling.choice must be a list of strings, got {value!r}")
+        check(len(value) > 0 and all(value), "sampling.choice needs at least one string, and no empty one")
+    elif kind == "json_schema":
+        check(isinstance(value, (str, dict)), f"sampling.json_schema must be JSON text or a dict, got {type(value)}")
+    elif kind != "json_object":
+        check(isinstance(value, str), f"sampling.{kind} must be a string, got {value!r}")
+    check(p.beam_width == 0, f"sampling.{kind} (structured output) does not apply to beam search (beam_width > 0)")
+    try:
+        constraint = p.constraint()
+    except (TypeError, ValueError) as exc:  # a dict schema that is not JSON-serializable
+        raise InvalidArgument(f"sampling.{kind}: {exc}") from exc
+    error = grammar_error(constraint)
+    check(not error, f"sampling.{kind}: {error}")
+
+
 # ---------------------------------------------------------------- the shared checks
 
 
@@ -151,6 +180,7 @@ def check_sampling(p: SamplingParams, limits: RequestLimits | None = None) -> No
           f"sampling.beam_width must be in [0, {limits.max_beam_width}] (0 samples), got {p.beam_width}")
     if p.beam_width > 0:
         _check_beam_search(p)
+    _check_constraint(p)
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, ready: engine_pb2.EngineReady,

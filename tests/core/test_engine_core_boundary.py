@@ -137,6 +137,40 @@ def test_a_prompt_token_outside_the_vocabulary_is_rejected():
     assert_still_serves(core, transport)
 
 
+@pytest.mark.parametrize("constraint, beam_width, why", [
+    (engine_pb2.Constraint(), 0, "constraint is set but empty"),
+    (engine_pb2.Constraint(regex="a+"), 2, "does not apply to beam search"),
+])
+def test_a_malformed_constraint_is_rejected(constraint, beam_width, why):
+    core, transport, _ = engine()
+    bad = add_request("bad", [7, 8])
+    bad.add.constraint.CopyFrom(constraint)
+    bad.add.group_id = "g" if beam_width else ""
+    bad.add.beam_search.MergeFrom(engine_pb2.BeamSearchOptions(beam_width=beam_width, num_requests=1))
+    transport.from_frontend(FRONT, bad)
+    pump(core)
+    _, reason, error = served(transport, FRONT, "bad")
+    assert reason == ERROR and why in error
+    assert_still_serves(core, transport)
+
+
+def test_a_constrained_request_on_an_engine_without_a_tokenizer_fails_alone_and_the_engine_serves_on():
+    core, transport, _ = engine()  # its model directory has no tokenizer.json
+    constrained = add_request("json", [4, 5, 6])
+    constrained.add.constraint.json_object = True
+    transport.from_frontend(FRONT, constrained)
+    transport.from_frontend(FRONT, add_request("free", [4, 5, 6], max_tokens=5))
+    pump(core)
+    deadline = time.monotonic() + 30
+    while core.scheduler.structured.compiling and time.monotonic() < deadline:  # the compiler's thread
+        pump(core)
+    tokens, reason, error = served(transport, FRONT, "json")
+    assert (tokens, reason) == ([], ERROR) and "structured output is unavailable" in error
+    assert served(transport, FRONT, "free") == (expected_tokens([4, 5, 6], 5), LENGTH, "")
+    assert core._stats(0).num_grammar_compile_errors == 1
+    assert_still_serves(core, transport)
+
+
 def test_the_same_request_id_from_two_front_ends_names_two_requests():
     core, transport, _ = engine()
     transport.from_frontend(FRONT, add_request("same", [1, 2, 3], max_tokens=6))

@@ -42,3 +42,28 @@ def test_generate_rejects_bad_sampling_flags_before_starting_the_engine(embedded
 def test_generate_without_prompts_says_how_to_give_them(embedded_model):
     done = nanoserve("generate", "--model", embedded_model)
     assert done.returncode == 2 and "--prompts-file" in done.stderr
+
+
+def test_generate_follows_a_json_schema_file(embedded_model, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    schema_file = tmp_path / "cat.schema.json"
+    schema_file.write_text(json.dumps(schema))
+    done = nanoserve("generate", "--model", embedded_model, "--chat", "--json", "--no-progress", "--max-tokens", "40",
+                     "--json-schema", str(schema_file), "Describe a cat as JSON.")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(row["text"]), schema)
+
+
+def test_generate_rejects_a_bad_constraint_before_starting_the_engine(embedded_model, tmp_path):
+    done = nanoserve("generate", "--model", embedded_model, "--regex", "[a-", "hi")
+    assert done.returncode == 2 and "sampling.regex: " in done.stderr and "unclosed character class" in done.stderr
+    done = nanoserve("generate", "--model", embedded_model, "--regex", "a+", "--choice", "yes", "hi")
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr
+    done = nanoserve("generate", "--model", embedded_model, "--json-schema", str(tmp_path / "missing.json"), "hi")
+    assert done.returncode == 2 and "cannot read" in done.stderr

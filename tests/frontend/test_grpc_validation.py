@@ -3,6 +3,10 @@ Runs against `nanoserve serve` (max_model_len 512, default limits); the wire che
 request_decoding.py are also tested alone."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -40,6 +44,12 @@ def bad_utf8(request, placeholder: str = "XXXX") -> bytes:
     data = request.SerializeToString()
     assert data.count(placeholder.encode()) == 1
     return data.replace(placeholder.encode(), b"\xff\xfe\xc3\x28")
+
+
+def two_constraints() -> bytes:
+    """A regex and json_object in one SamplingParams on the wire: a oneof keeps the last."""
+    sampling = pb.SamplingParams(regex="a+").SerializeToString() + pb.SamplingParams(json_object=True).SerializeToString()
+    return pb.GenerateRequest(prompt="Hi").SerializeToString() + bytes([5 << 3 | 2, len(sampling)]) + sampling
 
 
 BAD_GENERATE = [
@@ -88,6 +98,15 @@ BAD_GENERATE = [
      "messages.messages[0].content is not valid UTF-8"),
     ("invalid UTF-8 in the prompt", bad_utf8(pb.GenerateRequest(prompt="say XXXX")), "prompt is not valid UTF-8"),
     ("invalid UTF-8 in a stop string", bad_utf8(sampled(stop=["a", "XXXX"])), "sampling.stop[1] is not valid UTF-8"),
+    ("invalid JSON schema", sampled(json_schema='{"type": "foo"}'), "sampling.json_schema: Invalid type: foo"),
+    ("JSON schema that is not JSON", sampled(json_schema='{"type": '), "sampling.json_schema: EOF while parsing"),
+    ("invalid regex", sampled(regex="[a-"), "unclosed character class"),
+    ("invalid grammar", sampled(grammar="start: greeting"), 'sampling.grammar: at 1(8): unknown name: "greeting"'),
+    ("empty choice", sampled(choice=pb.Choices()), "sampling.choice needs at least one string"),
+    ("constraint with beam search", sampled(beam_width=2, json_object=True),
+     "sampling.json_object (structured output) does not apply to beam search"),
+    ("two constraints", two_constraints(), "set only one of sampling.json_schema, sampling.json_object, "
+                                           "sampling.regex, sampling.grammar, sampling.choice"),
 ]
 
 
@@ -134,6 +153,32 @@ def test_the_server_keeps_serving_after_bad_requests(server):
     assert len(out.token_ids) == 3
     stats = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     assert stats.num_running == stats.num_waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks
+
+
+def test_constrained_requests_are_served_matching_their_constraint(server):
+    choice = server.stub.Generate(sampled(choice=pb.Choices(choices=["red", "green"]), max_tokens=8), timeout=60)
+    regex = server.stub.Generate(sampled(regex="[0-9]{2}-[0-9]{2}", max_tokens=12, temperature=0.0), timeout=60)
+    assert choice.outputs[0].text in ("red", "green") and choice.outputs[0].finish_reason == pb.FINISH_REASON_STOP
+    assert re.fullmatch("[0-9]{2}-[0-9]{2}", regex.outputs[0].text)
+    stats = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert stats.num_constrained_requests >= 2 and stats.num_masked_steps > 0 and stats.token_mask_seconds > 0
+
+
+def test_the_cli_client_sends_its_constraint_flags(server, tmp_path):
+    def client(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "scheduler_svc.entrypoints.cli", "client", "generate", "Hi",
+                               "--addr", server.addr, "--no-stream", "--max-tokens", "16", *flags],
+                              capture_output=True, text=True, timeout=120)
+
+    done = client("--choice", "yes", "--choice", "no")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() in ("yes", "no")
+    done = client("--regex", "[0-9]{3}")
+    assert done.returncode == 0 and re.fullmatch("[0-9]{3}", done.stdout.strip()), done.stdout + done.stderr
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "foo"}')
+    done = client("--json-schema", str(schema))
+    assert done.returncode == 1 and "INVALID_ARGUMENT: sampling.json_schema: Invalid type: foo" in done.stderr
 
 
 def test_an_unset_max_tokens_is_cut_to_fit_max_model_len(server):

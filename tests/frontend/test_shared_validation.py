@@ -4,6 +4,7 @@ No process is started: the service's side is validate_generate, the LLM's is LLM
 a client that fails the test if a request reaches it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -197,3 +198,63 @@ def test_every_request_inside_the_documented_ranges_is_accepted(ids, params):
     valid = validate_request(ids, params, READY, LIMITS)
     rids = [f"r#{i}" for i in range(valid.params.n)]
     assert_the_engine_gets_finite_numbers_in_range(valid.params.add_requests(rids, valid.prompt_token_ids), valid.params)
+
+
+# ---------------------------------------------------------------- structured output
+
+BAD_CONSTRAINTS = [  # (name, the API's fields, the offline SamplingParams' fields, what the message says)
+    ("schema of an unknown type", dict(json_schema='{"type": "foo"}'), None, "sampling.json_schema: Invalid type: foo"),
+    ("schema that is not JSON", dict(json_schema='{"type": '), None, "sampling.json_schema: "),
+    ("schema with a dangling $ref", dict(json_schema='{"$ref": "#/$defs/missing"}'), None,
+     "sampling.json_schema: Pointer '/$defs/missing' does not exist"),
+    ("regex that does not parse", dict(regex="[a-"), None, "sampling.regex: "),
+    ("grammar naming an unknown rule", dict(grammar="start: greeting"), None,
+     'sampling.grammar: at 1(8): unknown name: "greeting"'),
+    ("empty choice", dict(choice=pb.Choices()), dict(choice=[]), "sampling.choice needs at least one string"),
+    ("choice with an empty string", dict(choice=pb.Choices(choices=["yes", ""])), dict(choice=["yes", ""]),
+     "and no empty one"),
+    ("constraint with beam search", dict(beam_width=2, regex="a+"), None,
+     "sampling.regex (structured output) does not apply to beam search"),
+]
+
+
+@pytest.mark.parametrize("wire, offline, says", [b[1:] for b in BAD_CONSTRAINTS], ids=[b[0] for b in BAD_CONSTRAINTS])
+def test_a_bad_constraint_gets_llguidances_message_from_the_service_and_the_offline_llm(wire, offline, says):
+    message = grpc_message([5], wire)
+    assert message.startswith(says) if says.endswith(": ") else says in message
+    assert offline_message([5], offline or wire) == message
+
+
+@pytest.mark.parametrize("sampling, says", [
+    (dict(json_object=True, regex="a+"), "set at most one of sampling.json_schema, json_object, regex, grammar, "
+                                         "choice; got regex, json_object"),
+    (dict(json_schema={"enum": {1, 2}}), "sampling.json_schema: Object of type set is not JSON serializable"),
+    (dict(regex=5), "sampling.regex must be a string, got 5"),
+    (dict(choice="yes"), "sampling.choice must be a list of strings, got 'yes'"),
+])
+def test_the_offline_llm_refuses_constraints_the_wire_cannot_even_carry(sampling, says):
+    assert offline_message([5], sampling) == says
+
+
+VALID_CONSTRAINTS = [
+    (dict(json_schema='{"type": "object"}'), SamplingParams(json_schema={"type": "object"}),
+     engine_pb2.Constraint(json_schema='{"type": "object"}')),
+    (dict(json_object=True), SamplingParams(json_object=True), engine_pb2.Constraint(json_object=True)),
+    (dict(regex="[0-9]+"), SamplingParams(regex="[0-9]+"), engine_pb2.Constraint(regex="[0-9]+")),
+    (dict(grammar='start: "a" | "b"'), SamplingParams(grammar='start: "a" | "b"'),
+     engine_pb2.Constraint(grammar='start: "a" | "b"')),
+    (dict(choice=pb.Choices(choices=["x", "y"])), SamplingParams(choice=["x", "y"]),
+     engine_pb2.Constraint(choice=engine_pb2.ChoiceList(choices=["x", "y"]))),
+]
+
+
+@pytest.mark.parametrize("wire, offline, sent", VALID_CONSTRAINTS, ids=lambda v: "")
+def test_a_valid_constraint_reaches_every_engine_request_of_the_completion(wire, offline, sent):
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5]), sampling=pb.SamplingParams(n=2, **wire))
+    served = validate_generate(request, None, READY, LIMITS).params
+    offline = validate_request([5], dataclasses.replace(offline, n=2), READY, LIMITS).params
+    for params in (served, offline):
+        adds = params.add_requests(["a#0", "a#1"], [5])
+        assert [add.constraint for add in adds] == [sent, sent]
+    unconstrained = validate_request([5], SamplingParams(), READY, LIMITS).params.add_requests(["b"], [5])
+    assert not unconstrained[0].HasField("constraint")

@@ -1,0 +1,160 @@
+"""Structured output on the scheduler: each constrained sequence's matcher, the token masks a step carries,
+and the matcher following every sampled token.
+
+The scheduler calls it through a few hooks: add() when a request arrives (its grammar compiles in the
+background), is_ready() before admitting it (it waits, without blocking others, until its grammar is
+compiled), fill_masks() for the step's constrained samples, accept() with each token sampled, release()
+when it ends. A matcher lives as long as its sequence: preemption by recompute or swap keeps it as it is
+(the tokens it consumed are still the sequence's), and it advances only in accept(), once per sampled
+token, so recomputing a sequence never replays its tokens into it. Unconstrained sequences never reach
+this file. With async scheduling a constrained sequence is not planned while a sample of its is in
+flight: its next mask depends on that token (scheduler.py, DESIGN.md "Structured output").
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from protos import engine_pb2
+from scheduler_svc.core.scheduler_output import ScheduledSeq
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.structured.compiler import GrammarCompiler
+from scheduler_svc.core.structured.grammars import INVALID, grammar_of
+
+STOP = engine_pb2.FINISH_REASON_STOP
+ERROR = engine_pb2.FINISH_REASON_ERROR
+UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class StructuredCounters:
+    """Named as the fields of engine_pb2.SchedulerStats."""
+
+    num_constrained_requests: int = 0
+    num_grammar_compile_errors: int = 0
+    num_masked_steps: int = 0
+    num_token_masks: int = 0
+    token_mask_seconds: float = 0.0
+
+
+@dataclass
+class _InUse:
+    """A compiled grammar held by live sequences, so a sibling or a repeat starts at once, whatever the
+    compiler's cache has dropped since."""
+
+    template: llguidance.LLMatcher
+    num_seqs: int = 0
+
+
+class StructuredOutputs:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int) -> None:
+        self.compiler = compiler
+        self.num_words = (vocab_size + 31) // 32  # a mask covers every logit
+        self.matchers: dict[int, llguidance.LLMatcher] = {}  # seq_id -> its matcher, once its grammar compiled
+        self.compiling: dict[int, tuple[Sequence, str]] = {}  # seq_id -> (seq, grammar) waiting for the compiler
+        self._grammar_of: dict[int, str] = {}  # seq_id -> its grammar text, for every live constrained sequence
+        self._in_use: dict[str, _InUse] = {}
+        self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)  # grown to the most rows a step masked
+        self._executor: llguidance.LLExecutor | None = None  # fills masks in parallel; made on first use
+        self.counters = StructuredCounters()
+
+    # ------------------------------------------------------------------ lifecycle of a constrained sequence
+
+    def add(self, seq: Sequence) -> None:
+        """A new constrained sequence: start it at once if its grammar is compiled, else compile it in the
+        background. Raises ValueError for a request the engine cannot constrain."""
+        if seq.beam_options is not None:
+            raise ValueError(INVALID + "structured output does not apply to beam search")
+        try:
+            grammar = grammar_of(seq.constraint)
+        except ValueError as exc:
+            raise ValueError(INVALID + str(exc)) from exc
+        compiled = None if grammar in self._in_use else self.compiler.get(grammar)
+        if compiled is not None and compiled.error:
+            self.counters.num_grammar_compile_errors += 1
+            raise ValueError(compiled.error)
+        self.counters.num_constrained_requests += 1
+        self._grammar_of[seq.seq_id] = grammar
+        if grammar in self._in_use or compiled is not None:
+            self._start(seq.seq_id, grammar, compiled.matcher if compiled is not None else None)
+        else:
+            self.compiling[seq.seq_id] = (seq, grammar)
+            self.compiler.request(grammar)
+
+    def is_ready(self, seq: Sequence) -> bool:
+        """Whether a constrained sequence's grammar is compiled, so it may be admitted."""
+        return seq.seq_id in self.matchers
+
+    def poll(self) -> list[tuple[Sequence, str]]:
+        """Start the sequences whose grammar has compiled since; returns those whose grammar failed, with
+        the reason (the caller ends them)."""
+        failed = []
+        for seq_id, (seq, grammar) in list(self.compiling.items()):
+            compiled = None if grammar in self._in_use else self.compiler.get(grammar)
+            if compiled is None and grammar not in self._in_use:
+                self.compiler.request(grammar)  # no-op while it compiles; again if the cache dropped it meanwhile
+                continue
+            del self.compiling[seq_id]
+            if compiled is not None and compiled.error:
+                self.counters.num_grammar_compile_errors += 1
+                failed.append((seq, compiled.error))
+                continue
+            self._start(seq_id, grammar, compiled.matcher if compiled is not None else None)
+        return failed
+
+    def _start(self, seq_id: int, grammar: str, template: llguidance.LLMatcher | None) -> None:
+        entry = self._in_use.get(grammar)
+        if entry is None:
+            entry = self._in_use[grammar] = _InUse(template)
+        entry.num_seqs += 1
+        self.matchers[seq_id] = entry.template.deep_copy()  # microseconds: the lexer is shared
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence ended: its matcher goes, and its grammar's hold once no live sequence uses it."""
+        self.compiling.pop(seq.seq_id, None)
+        grammar = self._grammar_of.pop(seq.seq_id, None)
+        if self.matchers.pop(seq.seq_id, None) is not None:
+            entry = self._in_use[grammar]
+            entry.num_seqs -= 1
+            if not entry.num_seqs:
+                del self._in_use[grammar]
+
+    # ------------------------------------------------------------------ each step
+
+    def fill_masks(self, scheduled: list[ScheduledSeq]) -> engine_pb2.TokenBitmasks | None:
+        """The allowed tokens of each constrained sequence that samples in this step; None when there is none."""
+        seqs = [s.seq for s in scheduled if s.samples and s.seq.constraint is not None]
+        if not seqs:
+            return None
+        t0 = time.perf_counter()
+        if len(seqs) > len(self._bitmask):
+            self._bitmask = np.zeros((max(len(seqs), 2 * len(self._bitmask)), self.num_words), dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        bitmask = self._bitmask[: len(seqs)]
+        fill_next_token_bitmask_par(self._executor, [(self.matchers[seq.seq_id], i) for i, seq in enumerate(seqs)],
+                                    bitmask)
+        masks = engine_pb2.TokenBitmasks(seq_ids=[seq.seq_id for seq in seqs], num_words=self.num_words,
+                                         words=bitmask.astype("<i4", copy=False).tobytes())
+        c = self.counters
+        c.num_masked_steps += 1
+        c.num_token_masks += len(seqs)
+        c.token_mask_seconds += time.perf_counter() - t0
+        return masks
+
+    def accept(self, seq: Sequence, token: int) -> tuple[int, str]:
+        """Advance the sequence's matcher by the token it sampled: (finish reason, error). STOP once the
+        grammar is complete and admits nothing more (EOS consumed, or the text can only end)."""
+        matcher = self.matchers[seq.seq_id]
+        if not matcher.consume_token(token):
+            return ERROR, f"structured output: token {token} does not fit the grammar: {matcher.get_error()}"
+        return (STOP if matcher.is_stopped() else UNFINISHED), ""
+
+    def stats(self) -> dict:
+        """Counters named as the fields of engine_pb2.SchedulerStats."""
+        return dict(vars(self.counters), num_grammar_compiles=self.compiler.num_compiles,
+                    grammar_compile_seconds=self.compiler.compile_seconds)

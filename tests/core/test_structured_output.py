@@ -1,0 +1,323 @@
+"""Structured output on the scheduler, with llguidance and the embedded model's tokenizer but no model: a fake
+executor samples a random token among those each plan's mask allows. Every mask sent is the grammar's mask
+after exactly the sequence's output tokens, through chunked prefill, preemption by recompute and by swap,
+parallel samples and async scheduling; grammars compile off the loop, once per text."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+
+import jsonschema
+import llguidance
+import numpy as np
+import pytest
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from protos import engine_pb2
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.step_plan import build_step_plan
+from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
+from scheduler_svc.core.structured.grammars import grammar_of
+from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
+from support.fake_executor import FakeExecutor, check_block_references
+
+VOCAB = 49152
+EOS = 2
+FREE_TOKEN = 7  # what the fake model samples for an unconstrained sequence
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "age"], "additionalProperties": False}
+
+
+def json_constraint(schema: dict) -> engine_pb2.Constraint:
+    return engine_pb2.Constraint(json_schema=json.dumps(schema))
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(embedded_model):
+    return tokenizer_loader(embedded_model, VOCAB, (EOS,))()
+
+
+def make_scheduler(model_dir: str, num_blocks: int = 256, num_host_blocks: int = 0, budget: int = 256,
+                   max_num_seqs: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512,
+                                     block_size=4, num_blocks=num_blocks, eos_token_ids=(EOS,),
+                                     num_host_blocks=num_host_blocks, vocab_size=VOCAB, tokenizer_dir=model_dir))
+
+
+def new_seq(sched: Scheduler, prompt_len: int = 6, constraint=None, max_tokens: int = 48, first_token: int = 100,
+            **fields) -> Sequence:
+    seq_id = sched.new_seq_id()
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(range(first_token, first_token + prompt_len)),
+                    num_prompt_tokens=prompt_len, sampling=engine_pb2.SamplingOptions(),
+                    stopping=engine_pb2.StoppingOptions(max_tokens=max_tokens), constraint=constraint, **fields)
+
+
+def masks_of(masks: engine_pb2.TokenBitmasks | None) -> dict[int, np.ndarray]:
+    """A step's masks by sequence id."""
+    if masks is None:
+        return {}
+    words = np.frombuffer(masks.words, dtype="<i4").reshape(len(masks.seq_ids), masks.num_words)
+    return dict(zip(masks.seq_ids, words))
+
+
+def allowed_tokens(words: np.ndarray) -> np.ndarray:
+    return np.nonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0]
+
+
+def reference_mask(lltokenizer, seq: Sequence) -> np.ndarray:
+    """The grammar's mask after exactly the sequence's output tokens, from a fresh matcher."""
+    matcher = llguidance.LLMatcher(lltokenizer, grammar_of(seq.constraint))
+    assert matcher.consume_tokens(seq.output_token_ids)
+    mask = allocate_token_bitmask(1, VOCAB)
+    fill_next_token_bitmask(matcher, mask)
+    return mask[0]
+
+
+def wait_compiled(sched: Scheduler, timeout_s: float = 30.0) -> list:
+    """Poll the compiler as the engine loop does until nothing is compiling; the failures."""
+    failed, deadline = [], time.monotonic() + timeout_s
+    while sched.structured.compiling:
+        assert time.monotonic() < deadline, "grammars never compiled"
+        failed += sched.admit_compiled_grammars()
+        time.sleep(0.002)
+    return failed
+
+
+def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int = 1, seed: int = 0,
+          max_steps: int = 2000) -> list:
+    """Run to the end with `depth` plans in flight; every constrained sample is drawn among the tokens its
+    mask allows (checked against the grammar when lltokenizer is given), and no constrained sequence is
+    planned while a plan of it is in flight. The plans, in order."""
+    rng = np.random.default_rng(seed)
+    for seq in seqs:
+        sched.add(seq)
+    cfg = sched.config
+    executor = FakeExecutor(cfg.num_blocks, cfg.block_size, cfg.num_host_blocks,
+                            lambda seq, pos: seq.token_ids[pos] if pos < len(seq.token_ids) else FREE_TOKEN)
+    in_flight, plans = deque(), []
+    for _ in range(max_steps):
+        sched.admit_compiled_grammars()
+        out = sched.schedule() if len(in_flight) < depth else None
+        if out is not None and out.scheduled:
+            constrained = {s.seq.seq_id for s in out.scheduled if s.seq.constraint is not None}
+            assert not constrained & {s.seq.seq_id for o, _ in in_flight for s in o.scheduled}
+            executor.run(out)
+            plans.append(build_step_plan(len(plans) + 1, out))
+            masks, sampled = masks_of(out.token_bitmasks), {}
+            for s in out.scheduled:
+                if not s.samples:
+                    continue
+                assert (s.seq.seq_id in masks) == (s.seq.constraint is not None)
+                if s.seq.constraint is None:
+                    sampled[s.seq.seq_id] = FREE_TOKEN
+                    continue
+                if lltokenizer is not None:
+                    assert np.array_equal(masks[s.seq.seq_id], reference_mask(lltokenizer, s.seq))
+                sampled[s.seq.seq_id] = int(rng.choice(allowed_tokens(masks[s.seq.seq_id])))
+            in_flight.append((out, sampled))
+            continue
+        if in_flight:
+            sched.postprocess(*in_flight.popleft())
+            check_block_references(sched)
+        elif not sched.has_unfinished():
+            return plans
+        else:
+            time.sleep(0.002)  # a grammar is compiling
+    raise AssertionError("the requests never finished")
+
+
+def text_of(tokenizer, seq: Sequence) -> str:
+    return tokenizer.decode_str([t for t in seq.output_token_ids if t != EOS])
+
+
+@pytest.mark.parametrize("num_host_blocks", [0, 64], ids=["recompute", "swap"])
+def test_every_mask_is_the_grammars_after_exactly_the_output_tokens_through_preemption(
+        embedded_model, lltokenizer, num_host_blocks):
+    # 5 sequences of 8 to 14 prompt tokens and about 25 outputs on 24 blocks of 4: they preempt one another
+    sched = make_scheduler(embedded_model, num_blocks=24, num_host_blocks=num_host_blocks, budget=16)
+    seqs = [new_seq(sched, prompt_len=8 + 2 * i, constraint=json_constraint(PERSON), first_token=100 + 50 * i)
+            for i in range(4)]
+    seqs.append(new_seq(sched, prompt_len=10, max_tokens=30, first_token=400))  # a free one among them
+    serve(sched, seqs, lltokenizer, seed=1)
+    assert sched.counters.num_preemptions > 0
+    assert (sched.counters.num_swap_outs > 0) == (num_host_blocks > 0)
+    for seq in seqs[:4]:
+        assert seq.finish_reason == engine_pb2.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(text_of(lltokenizer, seq)), PERSON)
+    assert seqs[4].output_token_ids == [FREE_TOKEN] * 30
+
+
+def test_with_async_scheduling_a_constrained_sequence_is_never_planned_on_a_placeholder(
+        embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    constrained, free = new_seq(sched, constraint=json_constraint(PERSON)), new_seq(sched, max_tokens=12)
+    plans = serve(sched, [constrained, free], lltokenizer, depth=2, seed=2)  # serve checks the rule itself
+    ran = [[s in set(p.cached.seq_ids) | {n.seq_id for n in p.new_seqs} for p in plans]
+           for s in (constrained.seq_id, free.seq_id)]
+    assert all(ran[1][:12]), "the free sequence ran in every step, 12 in a row"
+    assert not all(ran[0][:12]), "the constrained one waited for its tokens meanwhile"
+    jsonschema.validate(json.loads(text_of(lltokenizer, constrained)), PERSON)
+
+
+def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embedded_model):
+    # a 20-token prompt in chunks of 8: its first two chunks sample nothing, so they carry no mask
+    sched = make_scheduler(embedded_model, budget=9)
+    constrained = new_seq(sched, prompt_len=20, constraint=json_constraint(PERSON))
+    free = new_seq(sched, prompt_len=1, max_tokens=8)
+    plans = serve(sched, [free, constrained])
+    with_masks = [p for p in plans if p.HasField("token_bitmasks")]
+    assert all(list(p.token_bitmasks.seq_ids) == [constrained.seq_id] for p in with_masks)
+    assert all(p.token_bitmasks.num_words == VOCAB // 32 and len(p.token_bitmasks.words) == VOCAB // 8
+               for p in with_masks)
+    assert len(with_masks) == constrained.num_output_tokens  # one mask per sampled token
+    first_sample = next(i for i, p in enumerate(plans) if p.HasField("token_bitmasks"))
+    assert first_sample >= 2 and not plans[0].HasField("token_bitmasks")
+
+
+def test_parallel_samples_each_follow_their_own_matcher(embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    samples = [new_seq(sched, constraint=json_constraint(PERSON), group_id="g") for _ in range(3)]  # one prompt
+    serve(sched, samples, lltokenizer, seed=3)
+    texts = [text_of(lltokenizer, s) for s in samples]
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1
+    assert sched.stats()["num_grammar_compiles"] == 1
+
+
+def test_a_grammar_is_compiled_once_for_every_request_that_uses_it(embedded_model):
+    sched = make_scheduler(embedded_model)
+    other = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+    seqs = [new_seq(sched, constraint=json_constraint(PERSON)) for _ in range(3)]
+    seqs.append(new_seq(sched, constraint=json_constraint(other)))
+    serve(sched, seqs)
+    seqs.append(new_seq(sched, constraint=json_constraint(PERSON), first_token=300))  # (serve's executor is new)
+    serve(sched, seqs[-1:])  # after the first ones ended: from the cache
+    stats = sched.stats()
+    assert stats["num_grammar_compiles"] == 2 and stats["num_constrained_requests"] == 5
+    assert stats["num_token_masks"] == sum(s.num_output_tokens for s in seqs)  # one mask per constrained sample
+    assert 0 < stats["num_masked_steps"] <= stats["num_steps"] and stats["token_mask_seconds"] > 0
+
+
+class GatedTokenizer:
+    """A tokenizer loader that blocks until the test opens the gate: a grammar that takes long to compile."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.gate = threading.Event()
+        self.load = tokenizer_loader(model_dir, VOCAB, (EOS,))
+
+    def __call__(self):
+        assert self.gate.wait(30)
+        return self.load()
+
+
+def test_a_request_whose_grammar_compiles_waits_without_holding_back_the_others(embedded_model):
+    sched = make_scheduler(embedded_model)
+    gated = GatedTokenizer(embedded_model)
+    sched.structured = StructuredOutputs(GrammarCompiler(gated), VOCAB)
+    constrained, free = new_seq(sched, constraint=json_constraint(PERSON)), new_seq(sched, max_tokens=5)
+    sched.add(constrained)
+    sched.add(free)
+    for _ in range(5):  # the free request runs to its end while the grammar compiles
+        sched.admit_compiled_grammars()
+        out = sched.schedule()
+        assert [s.seq for s in out.scheduled] == [free]
+        sched.postprocess(out, {free.seq_id: FREE_TOKEN})
+    assert free.is_finished and not constrained.is_finished and sched.structured.compiling
+    gated.gate.set()
+    assert wait_compiled(sched) == []
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [constrained] and out.token_bitmasks is not None
+
+
+def test_a_grammar_that_does_not_compile_ends_its_request_with_the_compilers_message(embedded_model):
+    sched = make_scheduler(embedded_model)
+    bad, free = new_seq(sched, constraint=engine_pb2.Constraint(regex="[a-")), new_seq(sched, max_tokens=3)
+    sched.add(bad)
+    sched.add(free)
+    failed = wait_compiled(sched)
+    assert [seq for seq, _ in failed] == [bad] and bad.is_finished
+    assert failed[0][1].startswith("invalid constraint: ") and "unclosed character class" in failed[0][1]
+    assert sched.stats()["num_grammar_compile_errors"] == 1
+    serve(sched, [])
+    assert free.output_token_ids == [FREE_TOKEN] * 3
+    again = new_seq(sched, constraint=engine_pb2.Constraint(regex="[a-"))
+    with pytest.raises(ValueError, match="(?s)invalid constraint: .*unclosed character class"):
+        sched.add(again)  # the failure is cached: refused at once
+
+
+def test_without_the_models_tokenizer_a_constrained_request_fails_and_free_ones_still_run(tmp_path):
+    sched = make_scheduler(str(tmp_path))
+    constrained, free = new_seq(sched, constraint=json_constraint(PERSON)), new_seq(sched, max_tokens=3)
+    sched.add(constrained)
+    sched.add(free)
+    failed = wait_compiled(sched)
+    assert [seq for seq, _ in failed] == [constrained] and "tokenizer.json does not exist" in failed[0][1]
+    serve(sched, [])
+    assert free.output_token_ids == [FREE_TOKEN] * 3
+
+
+def test_a_completed_grammar_stops_the_sequence_and_eos_is_allowed_only_where_it_accepts(
+        embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    exact = new_seq(sched, constraint=engine_pb2.Constraint(choice=engine_pb2.ChoiceList(choices=["yes"])))
+    optional_tail = new_seq(sched, constraint=engine_pb2.Constraint(regex="ab(c)?"))
+    plans = serve(sched, [exact, optional_tail], lltokenizer)
+    assert text_of(lltokenizer, exact) == "yes" and EOS not in exact.output_token_ids  # no EOS needed
+    assert exact.finish_reason == engine_pb2.FINISH_REASON_STOP
+    assert text_of(lltokenizer, optional_tail) in ("ab", "abc")
+    masks = [m[optional_tail.seq_id] for m in map(masks_of_plan, plans) if optional_tail.seq_id in m]
+    eos_allowed = [EOS in allowed_tokens(m) for m in masks]
+    assert eos_allowed == [text == "ab" for text in prefixes(lltokenizer, optional_tail)]
+
+
+def masks_of_plan(plan: engine_pb2.StepPlan) -> dict[int, np.ndarray]:
+    return masks_of(plan.token_bitmasks if plan.HasField("token_bitmasks") else None)
+
+
+def prefixes(lltokenizer, seq: Sequence) -> list[str]:
+    """The output's text before each of its tokens was sampled."""
+    out = seq.output_token_ids
+    return [lltokenizer.decode_str(out[:i]) for i in range(len(out))]
+
+
+def test_max_tokens_ends_a_constrained_request_with_length(embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    seq = new_seq(sched, constraint=engine_pb2.Constraint(regex="a+"), max_tokens=4)
+    sched.add(seq)
+    wait_compiled(sched)
+    a = lltokenizer.tokenize_str("a")[0]
+    for _ in range(4):
+        out = sched.schedule()
+        assert a in allowed_tokens(masks_of(out.token_bitmasks)[seq.seq_id])
+        sched.postprocess(out, {seq.seq_id: a})
+    assert seq.finish_reason == engine_pb2.FINISH_REASON_LENGTH and seq.output_token_ids == [a] * 4
+
+
+def test_a_token_the_mask_forbids_fails_the_request_with_the_matchers_error(embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    seq = new_seq(sched, constraint=engine_pb2.Constraint(regex="[0-9]+"))
+    sched.add(seq)
+    wait_compiled(sched)
+    out = sched.schedule()
+    letter = lltokenizer.tokenize_str("x")[0]
+    (update,) = sched.postprocess(out, {seq.seq_id: letter})  # an executor that ignored the mask
+    assert update.finish_reason == engine_pb2.FINISH_REASON_ERROR and "does not fit the grammar" in update.error
+    assert seq.is_finished and not sched.structured.matchers
+
+
+def test_a_constraint_with_beam_search_is_refused(embedded_model):
+    sched = make_scheduler(embedded_model)
+    seq = new_seq(sched, constraint=json_constraint(PERSON), group_id="g",
+                  beam_options=engine_pb2.BeamSearchOptions(beam_width=2, num_requests=1))
+    with pytest.raises(ValueError, match="does not apply to beam search"):
+        sched.add(seq)
+    assert not sched.requests
