@@ -18,6 +18,7 @@ from scheduler_svc.entrypoints.llm import LLM
 from scheduler_svc.frontend.metrics import Metrics
 from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits, ServerConfig
+from scheduler_svc.frontend.stream_queue import StreamQueue
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.frontend.validation import InvalidArgument, check_sampling, validate_request
 
@@ -176,14 +177,14 @@ class FakeAsyncEngine(FakeBeamEngine):
     def __init__(self):
         super().__init__()
         self.ready = READY
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, StreamQueue] = {}
 
     @property
     def num_in_flight(self) -> int:
         return len(self.queues)
 
     def open_stream(self, request_ids):
-        queue = asyncio.Queue()
+        queue = StreamQueue(max_per_request=64)
         self.queues.update(dict.fromkeys(request_ids, queue))
         return queue
 
