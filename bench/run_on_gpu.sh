@@ -9,6 +9,7 @@
 #                then 5 waves on one launched server from 2 client processes, and the ratios
 #                (SERVING_ARGS adds flags, e.g. --scale-check for a wave at 4 client processes)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
+#   accuracy     bench/kv_fp8_accuracy.py (fp8 KV cache against bf16; ACCURACY_ARGS adds flags, e.g. --model DIR)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
@@ -45,6 +46,9 @@ for step in "$@"; do
         --server-log "$OUT/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
       grep -v " INFO " "$OUT/serving.log" | tail -n 16
       summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
+    accuracy)
+      python3 bench/kv_fp8_accuracy.py --out "$OUT/kv_fp8_accuracy.json" ${ACCURACY_ARGS:-} 2>&1 \
+        | grep -v " INFO " | tee "$OUT/kv_fp8_accuracy.log" | tail -n 12 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

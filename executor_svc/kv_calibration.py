@@ -26,7 +26,7 @@ from kernels.kv_quant import scales_from_amax
 
 log = logging.getLogger("nanoserve.executor")
 
-CALIBRATION_TOKENS = 512  # at most, and never more than one step's budget
+CALIBRATION_TOKENS = 512  # at most, whatever the step budget: the scales depend on the checkpoint alone
 # Varied text (prose, dialogue, code, numbers, lists, another language); none of it is in the
 # accuracy benchmark's prompts.
 CALIBRATION_TEXTS = (

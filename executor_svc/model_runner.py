@@ -149,8 +149,9 @@ class ModelRunner:
         """The largest |K| and |V| per layer and KV head, [2, L, H_kv], over one forward of the
         calibration tokens (executor_svc/kv_calibration.py) through a temporary pool of the model's dtype."""
         cfg = self.config
+        # not bounded by the step budget: the scales must not depend on it, and the pool is not allocated yet
         chunks, num_blocks = calibration_chunks(cfg.model, self.facts.vocab_size, self.block_size,
-                                                min(CALIBRATION_TOKENS, cfg.max_num_batched_tokens), cfg.seed)
+                                                CALIBRATION_TOKENS, cfg.seed)
         pool = KVPool(replace(self.kv_pool.layout, dtype=self.dtype), self.kv_pool.layers, self.staging)
         pool.allocate(num_blocks)
         try:

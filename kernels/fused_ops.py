@@ -282,7 +282,7 @@ def _rotate_store_kv_heads(
     tl.store(v_cache_base + v_cache_offs + half, v2.to(v_cache_base.dtype.element_ty), mask=cache_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])  # rows of the pool's scales
 def _qk_norm_rope_store_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     q_weight_ptr, k_weight_ptr, k_scale_ptr, v_scale_ptr,

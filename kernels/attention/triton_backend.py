@@ -99,9 +99,11 @@ def _attend_tile(
 
 
 # The block-table width changes every step, and a mixed step's prefill part starts its per-sequence
-# arrays mid-tensor: neither may compile a new variant.
+# arrays mid-tensor: neither may compile a new variant. Nor may a layer's scales, a row of the pool's
+# [2, L, H_kv] (nor the unread stand-in for them, here seqlens_k).
 @triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr",
+                                            "k_scale_ptr", "v_scale_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seqlens_k_ptr, cu_seqlens_q_ptr, qk_scale,
     k_scale_ptr, v_scale_ptr,
@@ -167,7 +169,7 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale, k_scale_ptr, v_scale_ptr,

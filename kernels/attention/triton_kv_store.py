@@ -55,7 +55,8 @@ def _round_to_e4m3(y):
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# a layer's scales are a row of the pool's [2, L, H_kv]: any alignment, one compiled variant
+@triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _store_kvcache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
