@@ -5,10 +5,13 @@
   python bench/kernels.py --prefill-sweep      # + prefill tiles / warps / stages on the workload's batch
   python bench/kernels.py --ragged             # + decode at the throughput run's ragged contexts, by splits
   python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
+  python bench/kernels.py --sweep --kv-cache-dtype fp8   # the sweeps over an fp8 pool
 
 Decode is memory bound, so it is scored as effective bandwidth: K+V bytes of every context read
 once, divided by the kernel time, next to a plain device-to-device copy measured in the same run.
-Heads are Qwen3-0.6B's (16 q heads, 8 KV heads, D=128), bf16, block size 16.
+Heads are Qwen3-0.6B's (16 q heads, 8 KV heads, D=128), bf16, block size 16. The fp8 decode table
+runs the same batches from an fp8 pool (--kv-cache-dtype fp8, per-head scales) against bf16 in the
+same call: bandwidth over the fp8 bytes, and context tokens per second for both.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-sweep", action="store_true",
                    help="also sweep prefill configs, on the throughput workload's ragged prefill batch too")
     p.add_argument("--ragged", action="store_true", help="also time decode over ragged contexts by split count")
+    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="the pool of the --sweep and --ragged runs (the fp8 vs bf16 decode table always runs)")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -49,10 +54,11 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
     import torch
 
-    bench = Bench(torch.device(args.device), tiny=args.tiny)
+    bench = Bench(torch.device(args.device), tiny=args.tiny, kv_fp8=args.kv_cache_dtype == "fp8")
     results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
     print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
     results["decode"] = bench.decode()
+    results["decode_fp8"] = bench.decode_fp8()
     results["prefill"] = bench.prefill()
     results["store_kvcache"] = bench.store()
     if args.sweep:
@@ -68,7 +74,7 @@ def main() -> None:
 
 
 class Bench:
-    def __init__(self, device, tiny: bool):
+    def __init__(self, device, tiny: bool, kv_fp8: bool = False):
         import torch
         import triton
 
@@ -78,6 +84,7 @@ class Bench:
 
         self.torch, self.triton, self.ta, self.Meta, self.num_sms = torch, triton, ta, AttentionMetadata, num_sms
         self.device = device
+        self.kv_fp8 = kv_fp8  # --sweep and --ragged over an fp8 pool
         self.dtype = torch.bfloat16
         self.heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
         self.decode_shapes, self.prefill_shapes, self.store_tokens = DECODE_SHAPES, PREFILL_SHAPES, STORE_TOKENS
@@ -133,6 +140,17 @@ class Bench:
         )
         return q, k_cache, v_cache, meta
 
+    def fp8_pool(self, k_cache, v_cache):
+        """The pool quantized as the engine stores it, with per-head scales from its amax (kernels/kv_quant.py)."""
+        from kernels.kv_quant import KVScales, quantize, scales_from_amax
+
+        scales = KVScales(*(scales_from_amax(c.abs().amax(dim=(0, 1, 3))) for c in (k_cache, v_cache)))
+        return quantize(k_cache, scales.k), quantize(v_cache, scales.v), scales
+
+    def pool_for_sweeps(self, k_cache, v_cache):
+        """(k_cache, v_cache, kv_scales) of the --kv-cache-dtype the sweeps run on."""
+        return self.fp8_pool(k_cache, v_cache) if self.kv_fp8 else (k_cache, v_cache, None)
+
     # -- benchmarks --------------------------------------------------------------------------
 
     def copy_bandwidth(self) -> dict:
@@ -181,6 +199,38 @@ class Bench:
             del q, k_cache, v_cache
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the largest shape holds ~10 GB; free it before the next
+        return rows
+
+    def decode_fp8(self) -> list[dict]:
+        """Decode over an fp8 pool against the same batch over bf16, both graph-replayed (eager on the CPU)."""
+        ta = self.ta
+        hq, hkv, d = self.heads
+        graph = self.device.type == "cuda"
+        rows = []
+        print("\ndecode attention, fp8 pool vs bf16 (graph replay; TB/s over each pool's own bytes)")
+        print(f"{'B':>5} {'C':>6} {'bf16 us':>8} {'TB/s':>6} {'fp8 us':>8} {'TB/s':>6} {'Mtok/s bf16':>11}"
+              f" {'fp8':>7} {'speedup':>7} {'rel err':>8}")
+        for num_seqs, context in self.decode_shapes:
+            q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
+            k8, v8, scales = self.fp8_pool(k_cache, v_cache)
+            values = 2 * num_seqs * context * hkv * d  # K and V elements read
+            bf16 = lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5)  # noqa: E731
+            fp8 = lambda: ta.paged_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales)  # noqa: E731
+            ref = bf16().float()
+            err = ((fp8().float() - ref).norm() / ref.norm()).item()
+            bf16_us, fp8_us = self.time_us(bf16, graph=graph), self.time_us(fp8, graph=graph)
+            tokens = num_seqs * context
+            row = {"num_seqs": num_seqs, "context": context, "bf16_us": bf16_us, "fp8_us": fp8_us,
+                   "bf16_tb_per_s": 2 * values / bf16_us / 1e6, "fp8_tb_per_s": values / fp8_us / 1e6,
+                   "bf16_ctx_tok_per_s": tokens / bf16_us * 1e6, "fp8_ctx_tok_per_s": tokens / fp8_us * 1e6,
+                   "speedup": bf16_us / fp8_us, "rel_err_vs_bf16": err}
+            rows.append(row)
+            print(f"{num_seqs:>5} {context:>6} {bf16_us:>8.1f} {row['bf16_tb_per_s']:>6.2f} {fp8_us:>8.1f}"
+                  f" {row['fp8_tb_per_s']:>6.2f} {row['bf16_ctx_tok_per_s'] / 1e6:>11.0f}"
+                  f" {row['fp8_ctx_tok_per_s'] / 1e6:>7.0f} {row['speedup']:>6.2f}x {err:>8.1e}")
+            del q, k_cache, v_cache, k8, v8
+            if self.device.type == "cuda":
+                self.torch.cuda.empty_cache()
         return rows
 
     def prefill(self) -> list[dict]:
@@ -268,9 +318,10 @@ class Bench:
         if self.device.type != "cuda":
             configs = configs[:2]
         rows = []
-        print("\ndecode sweep: best 5 per shape")
+        print(f"\ndecode sweep ({'fp8' if self.kv_fp8 else 'bf16'} pool): best 5 per shape")
         for num_seqs, context in shapes:
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
+            k_cache, v_cache, scales = self.pool_for_sweeps(k_cache, v_cache)
             kv_bytes = 2 * num_seqs * context * hkv * d * k_cache.element_size()
             auto = ta.decode_num_splits(num_seqs, hkv, context, self.num_sms(self.device), 64)
             shape_rows = []
@@ -278,7 +329,8 @@ class Bench:
                 for splits in sorted({1, auto, 2 * auto}):
                     try:
                         us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
-                            q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=cfg), graph=True)
+                            q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=cfg, kv_scales=scales),
+                            graph=True)
                     except Exception as e:  # out of shared memory or registers: skip the config
                         print(f"  skip {cfg} splits={splits}: {type(e).__name__}")
                         continue
@@ -308,6 +360,7 @@ class Bench:
         for num_seqs, generated in points:
             contexts = [rng.randint(100, 1024) + generated for _ in range(num_seqs)]
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, contexts)
+            k_cache, v_cache, scales = self.pool_for_sweeps(k_cache, v_cache)
             kv_bytes = 2 * sum(contexts) * hkv * d * k_cache.element_size()
             auto = ta.decode_num_splits(num_seqs, hkv, max(contexts), self.num_sms(self.device), 64)
             line = []
@@ -317,7 +370,7 @@ class Bench:
             for longest_first, splits in runs:
                 meta.decode_order = order if longest_first else None
                 us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
-                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits), graph=True)
+                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, kv_scales=scales), graph=True)
                 rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
                              "longest_first": longest_first, "us": us, "tb_per_s": kv_bytes / us / 1e6})
                 line.append(f"{'lpt' if longest_first else ''}{splits}:{kv_bytes / us / 1e6:.2f}")

@@ -17,6 +17,7 @@
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   structured   bench/structured.py: token-mask fill times, then throughput with half the requests
 #                JSON-schema-constrained against all free (STRUCTURED_ARGS adds flags to the latter)
+#   accuracy     bench/kv_fp8_accuracy.py (fp8 KV cache against bf16; ACCURACY_ARGS adds flags, e.g. --model DIR)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
@@ -87,6 +88,9 @@ PY
         ${STRUCTURED_ARGS:-} > "$OUT/structured_throughput.log" 2>&1
       grep -v " INFO " "$OUT/structured_throughput.log" | tail -n 6
       summary+=("structured ${STRUCTURED_ARGS:-}: $(grep -E '^ratio' "$OUT/structured_throughput.log" | tail -n 1)") ;;
+    accuracy)
+      python3 bench/kv_fp8_accuracy.py --out "$OUT/kv_fp8_accuracy.json" ${ACCURACY_ARGS:-} 2>&1 \
+        | grep -v " INFO " | tee "$OUT/kv_fp8_accuracy.log" | tail -n 12 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

@@ -95,6 +95,7 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
         eos_token_ids=f.eos_token_ids, dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device), attention_backend=runner.backend.name, pid=os.getpid(),
         num_host_blocks=runner.kv_pool.num_host_blocks,
+        kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
     )
 
 
@@ -199,9 +200,9 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
         _init_distributed(rank, world_size, dist_init_addr, resolve_device(config.device, rank).type)
     t0 = time.perf_counter()
     runner = ModelRunner(config, rank, world_size)
-    log.info("rank %d ready in %.1fs: %s on %s, %s, %d KV blocks of %d, backend %s", rank,
+    log.info("rank %d ready in %.1fs: %s on %s, %s, %d KV blocks of %d (%s), backend %s", rank,
              time.perf_counter() - t0, runner.facts.architecture, runner.device, runner.dtype,
-             runner.kv_pool.num_blocks, runner.block_size, runner.backend.name)
+             runner.kv_pool.num_blocks, runner.block_size, runner.kv_cache_dtype, runner.backend.name)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

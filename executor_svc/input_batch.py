@@ -151,17 +151,18 @@ def decode_graph_inputs(host: HostInputs, graphs: DecodeGraphs, bucket: int,
                       sampling_chunks=host.sampling_chunks)
 
 
-def profiling_chunks(num_tokens: int, max_num_seqs: int, block_size: int,
-                     vocab_size: int) -> tuple[list[ScheduledChunk], int]:
+def profiling_chunks(num_tokens: int, max_num_seqs: int, block_size: int, vocab_size: int,
+                     generator: torch.Generator | None = None) -> tuple[list[ScheduledChunk], int]:
     """The largest step the scheduler may plan: num_tokens of prefill over up to max_num_seqs fresh
-    sequences of random tokens, on blocks 0.. in order. Returns the chunks and the blocks they use."""
+    sequences of random tokens (drawn from `generator`), on blocks 0.. in order. Returns the chunks
+    and the blocks they use."""
     num_seqs = max(1, min(max_num_seqs, num_tokens))
     lengths = [num_tokens // num_seqs] * num_seqs
     lengths[-1] += num_tokens - sum(lengths)
     chunks, next_block = [], 0
     for i, n in enumerate(lengths):
         nb = -(-n // block_size)
-        ids = torch.randint(0, vocab_size, (n,)).tolist()
+        ids = torch.randint(0, vocab_size, (n,), generator=generator).tolist()
         seq = MirroredSeq(i, ids, n, list(range(next_block, next_block + nb)), 0, GREEDY_ROW)
         chunks.append(ScheduledChunk(seq, 0, n))
         next_block += nb

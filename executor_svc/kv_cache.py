@@ -7,6 +7,11 @@ where a sequence preempted by swap keeps its blocks until the scheduler swaps it
 block-major, [N_host, 2, L, block_size, H_kv_local, D], so each host block is one contiguous range
 and moves by one DMA copy.
 
+With --kv-cache-dtype fp8 both pools are float8_e4m3fn (kernels/kv_quant.py): a block takes half the
+bytes of bf16, so the same memory holds twice the blocks. The pool then also holds each layer's
+dequantization scales, [2, L, H_kv] float32 (K, V), fixed at start-up (executor_svc/kv_calibration.py).
+Copies and swaps move the fp8 bytes unchanged, through uint8 views.
+
 The scheduler owns every block id, device and host (invariant 1); this file only copies whole blocks,
 every layer, K and V. On CUDA every copy is queued on the current stream, after the previous step's
 forward and before the next one, so the host never waits: a host block is only ever read or written
@@ -23,6 +28,7 @@ import torch
 
 from executor_svc.layers.attention import Attention
 from executor_svc.pinned_staging import PinnedStaging
+from kernels.kv_quant import KVScales, as_bytes
 from scheduler_svc.common.config import EngineConfig
 
 log = logging.getLogger("nanoserve.executor")
@@ -36,7 +42,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int  # this rank's
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pool's: the model's, or float8_e4m3fn
     device: torch.device
 
     @property
@@ -105,6 +111,7 @@ class KVPool:
         self.staging = staging
         self.cache: torch.Tensor | None = None  # [2, L, N, block_size, H_kv, D]
         self.host_cache: torch.Tensor | None = None  # [N_host, 2, L, block_size, H_kv, D]; None: no swap
+        self.scales: torch.Tensor | None = None  # fp8 pools: [2, L, H_kv] float32, stored = value / scale
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +127,13 @@ class KVPool:
         for i, attn in enumerate(self.layers):
             attn.k_cache = self.cache[0, i]
             attn.v_cache = self.cache[1, i]
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """An fp8 pool's scales [2, L, H_kv]; each layer gets its row, read by its kernels in place
+        (a CUDA graph captures their addresses)."""
+        self.scales = scales.to(device=self.layout.device, dtype=torch.float32).contiguous()
+        for i, attn in enumerate(self.layers):
+            attn.kv_scales = KVScales(self.scales[0, i], self.scales[1, i])
 
     def release(self) -> None:
         self.cache = None
@@ -149,16 +163,17 @@ class KVPool:
             return
         src, dst = _columns(copies)
         dev = self.staging.upload({"src": src, "dst": dst}, "copies")
-        self.cache[:, :, dev["dst"]] = self.cache[:, :, dev["src"]]
+        cache = as_bytes(self.cache)
+        cache[:, :, dev["dst"]] = cache[:, :, dev["src"]]
 
     def swap_out(self, copies: BlockPairs) -> None:
         """Preemption by swap: KV pool block src -> host block dst, after the work already queued."""
         if not copies:
             return
-        host = self._host("swap_out")
+        host = as_bytes(self._host("swap_out"))
         src, dst = _checked_ids(copies, self.num_blocks, self.num_host_blocks, "swap_out")
         # block-major on the device too, so each block is one contiguous copy
-        gathered = self.cache.index_select(2, src.to(self.cache.device)).movedim(2, 0).contiguous()
+        gathered = as_bytes(self.cache).index_select(2, src.to(self.cache.device)).movedim(2, 0).contiguous()
         for i, block in enumerate(dst.tolist()):
             host[block].copy_(gathered[i], non_blocking=self._pinned)
 
@@ -166,12 +181,12 @@ class KVPool:
         """A swapped sequence resumes: host block src -> KV pool block dst, queued before the forward."""
         if not copies:
             return
-        host = self._host("swap_in")
+        host = as_bytes(self._host("swap_in"))
         src, dst = _checked_ids(copies, self.num_host_blocks, self.num_blocks, "swap_in")
-        staged = torch.empty((len(src),) + host.shape[1:], dtype=self.cache.dtype, device=self.cache.device)
+        staged = torch.empty((len(src),) + host.shape[1:], dtype=host.dtype, device=self.cache.device)
         for i, block in enumerate(src.tolist()):
             staged[i].copy_(host[block], non_blocking=self._pinned)
-        self.cache[:, :, dst.to(self.cache.device)] = staged.movedim(0, 2)
+        as_bytes(self.cache)[:, :, dst.to(self.cache.device)] = staged.movedim(0, 2)
 
     def _host(self, what: str) -> torch.Tensor:
         if self.host_cache is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -14,12 +14,15 @@ from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
                                       one_token_chunks_first, profiling_chunks)
 from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
+from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
+                                         pool_amax)
 from executor_svc.model_loader import load_model
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
 from kernels.attention.registry import get_backend
+from kernels.kv_quant import FP8_DTYPE, is_fp8
 from scheduler_svc.common.config import EngineConfig
 
 log = logging.getLogger("nanoserve.executor")
@@ -41,6 +44,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 is float8_e4m3fn (kernels/kv_quant.py)."""
+    return FP8_DTYPE if name == "fp8" else model_dtype
 
 
 @dataclass(slots=True)
@@ -78,6 +86,7 @@ class ModelRunner:
         self.world_size = world_size
         self.device = resolve_device(config.device, rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
@@ -86,7 +95,8 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.backend = get_backend(config.attention_backend, self.device, config.block_size)
+        self.backend = get_backend(config.attention_backend, self.device, config.block_size,
+                                   fp8_kv_cache=is_fp8(self.kv_cache_dtype))
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
@@ -96,8 +106,12 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
         f = self.facts
         layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
-                          f.head_dim, self.dtype, self.device)
+                          f.head_dim, self.kv_cache_dtype, self.device)
         self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
+        if is_fp8(layout.dtype):  # before sizing: the profiling forward runs on the fp8 pool too
+            method = config.kv_cache_scales
+            amax = None if method == "static" else self.calibration_amax()
+            self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
         self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward))
         host_blocks = num_host_blocks(config.num_host_blocks, config.swap_space_gb, layout.bytes_per_block)
         if host_blocks:
@@ -129,6 +143,26 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self.model.compute_logits(hidden[inputs.logits_indices])
         self.kv_pool.release()
+
+    @torch.inference_mode()
+    def calibration_amax(self) -> torch.Tensor:
+        """The largest |K| and |V| per layer and KV head, [2, L, H_kv], over one forward of the
+        calibration tokens (executor_svc/kv_calibration.py) through a temporary pool of the model's dtype."""
+        cfg = self.config
+        # not bounded by the step budget: the scales must not depend on it, and the pool is not allocated yet
+        chunks, num_blocks = calibration_chunks(cfg.model, self.facts.vocab_size, self.block_size,
+                                                CALIBRATION_TOKENS, cfg.seed)
+        pool = KVPool(replace(self.kv_pool.layout, dtype=self.dtype), self.kv_pool.layers, self.staging)
+        pool.allocate(num_blocks)
+        try:
+            inputs = self.prepare_inputs(chunks)
+            self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            amax = pool_amax(pool)  # unused slots hold zeros
+        finally:
+            pool.release()
+        log.info("KV cache scales calibrated on %d tokens of %d sequences (%s)", sum(c.end for c in chunks),
+                 len(chunks), calibration_source(cfg.model))
+        return amax
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs on the device, in one copy."""

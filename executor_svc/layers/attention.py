@@ -4,7 +4,7 @@ This is the one place a token's K/V is written: by the backend's store_kvcache a
 meta.slot_mapping (computed in executor_svc/input_batch.py), or, on CUDA when the backend's
 capabilities say fused_norm_rope_store, by one kernel that also does the q/k norm and RoPE. The math
 lives in a kernels/ backend; this layer only owns its slice of the KV pool, which the KV pool
-(executor_svc/kv_cache.py) assigns after allocating it.
+(executor_svc/kv_cache.py) assigns after allocating it, and with an fp8 pool its dequantization scales.
 """
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch import nn
 from executor_svc.layers.layernorm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.kv_quant import KVScales
 
 
 class Attention(nn.Module):
@@ -24,6 +25,7 @@ class Attention(nn.Module):
         # [N, block_size, H_kv, D] views into the pool, set by the KV pool.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
+        self.kv_scales: KVScales | None = None  # an fp8 pool's scales of this layer, set by the KV pool
         self.backend: AttentionBackend | None = None  # set by the model loader
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,14 +43,15 @@ class Attention(nn.Module):
             k_w = k_norm.weight if k_norm is not None else None
             eps = q_norm.eps if q_norm is not None else 1e-6
             q, k = self.backend.norm_rope_store_kvcache(positions, q, k, v, rotary_emb.cos, rotary_emb.sin,
-                                                        self.k_cache, self.v_cache, meta.slot_mapping, q_w, k_w, eps)
+                                                        self.k_cache, self.v_cache, meta.slot_mapping, q_w, k_w, eps,
+                                                        self.kv_scales)
         else:
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             q, k = rotary_emb(positions, q, k)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         q = q.view(-1, self.num_heads, self.head_dim)
-        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)

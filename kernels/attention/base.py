@@ -6,6 +6,9 @@ Shapes, with T = tokens in the step, B = sequences in the step:
   key, value        [T, H_kv, D]               (the new tokens' K/V, written by store_kvcache)
   k_cache, v_cache  [N, block_size, H_kv, D]   (one layer's slice of the KV pool)
   output            [T, H_q, D]
+
+An fp8 pool (k_cache.dtype float8_e4m3fn) comes with the layer's KVScales; a backend quantizes on
+write and dequantizes on load as kernels/kv_quant.py defines. Other pools take no scales.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from kernels.kv_quant import KVScales
 
 
 @dataclass
@@ -81,6 +86,8 @@ class AttentionCapabilities:
     cuda_graph_safe: bool
     # its paged cache reads blocks whose token count is a multiple of this
     block_size_multiple: int = 1
+    # it stores and attends over a float8_e4m3fn pool (--kv-cache-dtype fp8)
+    fp8_kv_cache: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size % self.block_size_multiple == 0
@@ -97,8 +104,10 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """Scatter key/value rows into the cache at slot_mapping, skipping slots equal to -1."""
+        """Scatter key/value rows into the cache at slot_mapping, skipping slots equal to -1 (quantized
+        by kv_scales when the cache is fp8)."""
 
     def forward(
         self,
@@ -107,8 +116,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
-        """Causal paged attention of q over each sequence's cached context; returns [T, H_q, D]."""
+        """Causal paged attention of q over each sequence's cached context (dequantized by kv_scales when
+        the cache is fp8); returns [T, H_q, D]."""
 
 
 class FusedNormRopeStore(Protocol):
@@ -118,6 +129,7 @@ class FusedNormRopeStore(Protocol):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
         q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+        kv_scales: KVScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm(q), rms_norm(k) (when the weights are given) and RoPE on both, in place (CUDA
-        tensors only), then store_kvcache(k, v); returns q and k."""
+        tensors only), then store_kvcache(k, v, kv_scales); returns q and k."""

@@ -2,7 +2,8 @@
 
 Used when `flash_attn` imports. FlashAttention-2 reads a paged cache only when a page holds a
 multiple of 256 tokens, so this backend needs --block-size 256 (or 512, ...); with smaller blocks
-`auto` picks the Triton backend instead. K/V are written by the Triton store_kvcache kernel.
+`auto` picks the Triton backend instead. K/V are written by the Triton store_kvcache kernel. It reads
+no fp8 pool (FlashAttention-2 has no fp8 paged path): with --kv-cache-dtype fp8, `auto` picks Triton.
 """
 from __future__ import annotations
 
@@ -24,17 +25,17 @@ class FlashAttentionBackend:
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        from kernels.attention.triton_backend import store_kvcache
+        from kernels.attention.triton_kv_store import store_kvcache
 
         self._varlen = flash_attn_varlen_func
         self._kvcache = flash_attn_with_kvcache
         self._store = store_kvcache
 
-    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kvcache(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         self._store(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_scales=None) -> torch.Tensor:
         if not self.capabilities.supports_block_size(meta.block_size):
             raise ValueError(f"flash_attn needs a block size that is a multiple of {FLASH_PAGE_MULTIPLE}, "
                              f"got {meta.block_size}; use --attention-backend triton")

@@ -3,18 +3,22 @@
 One step is one batched SDPA call: each sequence's context is gathered from its blocks into a
 padded [B, max_seqlen_k] tensor, its queries padded to [B, max_seqlen_q], and a boolean mask
 encodes both causality and each sequence's length.
+
+An fp8 pool is written as kernels/kv_quant.py quantizes and read back through its dequantize, so the
+whole engine runs with --kv-cache-dtype fp8 on the CPU too.
 """
 import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
 from kernels.attention.names import TORCH
+from kernels.kv_quant import KVScales, as_bytes, dequantize, is_fp8, quantize
 
 
 class TorchAttentionBackend:
     name = TORCH
     # store_kvcache asks the host whether any slot is -1, a sync no CUDA graph can capture
-    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False)
+    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False, fp8_kv_cache=True)
 
     def store_kvcache(
         self,
@@ -23,15 +27,18 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None:
         """Write token t's K/V into flat slot slot_mapping[t]; slots of -1 are skipped."""
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         heads, dim = k_cache.shape[-2:]
+        if is_fp8(k_cache):
+            key, value = quantize(key, kv_scales.k), quantize(value, kv_scales.v)
         # view (not reshape) so that a non-contiguous cache fails loudly instead of writing a copy
-        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        as_bytes(k_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, as_bytes(key.to(k_cache.dtype)))
+        as_bytes(v_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, as_bytes(value.to(v_cache.dtype)))
 
     def forward(
         self,
@@ -40,22 +47,23 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         if not meta.is_mixed:
-            return self._attend(q, k_cache, v_cache, meta, scale)
+            return self._attend(q, k_cache, v_cache, meta, scale, kv_scales)
         # padded to the longest chunk, each one-token row would cost as much as that chunk
         d = meta.num_decodes
         out = torch.empty_like(q)
-        out[:d] = self._attend(q[:d], k_cache, v_cache, meta.decode_part(), scale)
-        out[d:] = self._attend(q[d:], k_cache, v_cache, meta.prefill_part(), scale)
+        out[:d] = self._attend(q[:d], k_cache, v_cache, meta.decode_part(), scale, kv_scales)
+        out[d:] = self._attend(q[d:], k_cache, v_cache, meta.prefill_part(), scale, kv_scales)
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, kv_scales: KVScales | None) -> torch.Tensor:
         """One batched SDPA over meta's sequences, whose tokens are q (cu_seqlens_q may start past 0)."""
         num_seqs, max_q, max_k = meta.num_seqs, meta.max_seqlen_q, meta.max_seqlen_k
         num_kv_heads = k_cache.shape[2]
-        key, value = self._gather_context(k_cache, v_cache, meta)  # [B, H_kv, max_k, D]
+        key, value = self._gather_context(k_cache, v_cache, meta, kv_scales, q.dtype)  # [B, H_kv, max_k, D]
         k_pos = torch.arange(max_k, device=q.device)
         key_valid = k_pos < meta.seqlens_k.long().unsqueeze(1)  # [B, max_k]
 
@@ -89,8 +97,10 @@ class TorchAttentionBackend:
         return out.transpose(1, 2)[seq_of_token, slot_of_token]
 
     @staticmethod
-    def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
-        """Each sequence's K and V, [B, H_kv, max_seqlen_k, D], read through its block table.
+    def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        kv_scales: KVScales | None, dtype: torch.dtype):
+        """Each sequence's K and V, [B, H_kv, max_seqlen_k, D], read through its block table (and
+        dequantized to `dtype` from an fp8 pool).
 
         Positions past a sequence's length hold stale or padding slots, which the mask hides.
         That is exact only if they are finite (0 * NaN is NaN), so the pool must be allocated
@@ -100,8 +110,10 @@ class TorchAttentionBackend:
         flat_ids = meta.block_tables[:, :num_blocks].reshape(-1).long()
         # index_select copies whole blocks at memcpy speed; advanced indexing took twice as long on the CPU
         shape = (meta.num_seqs, num_blocks * meta.block_size, *k_cache.shape[2:])
-        key = k_cache.index_select(0, flat_ids).view(shape)[:, : meta.max_seqlen_k]
-        value = v_cache.index_select(0, flat_ids).view(shape)[:, : meta.max_seqlen_k]
+        key = as_bytes(k_cache).index_select(0, flat_ids).view(k_cache.dtype).view(shape)[:, : meta.max_seqlen_k]
+        value = as_bytes(v_cache).index_select(0, flat_ids).view(v_cache.dtype).view(shape)[:, : meta.max_seqlen_k]
+        if is_fp8(k_cache):
+            key, value = dequantize(key, kv_scales.k, dtype), dequantize(value, kv_scales.v, dtype)
         return key.transpose(1, 2), value.transpose(1, 2)
 
     @staticmethod

@@ -1,9 +1,15 @@
-"""Triton paged attention, the GPU path: store_kvcache, varlen causal prefill, split-K decode.
+"""Triton paged attention, the GPU path: varlen causal prefill and split-K decode (the K/V store is
+kernels/attention/triton_kv_store.py).
 
 Every kernel reads or writes the pool [N, block_size, H_kv, D] in place, through the block table or
 the slot mapping, so paging never copies K/V. The same kernels run on the CPU under
 TRITON_INTERPRET=1 (set before this module is imported). There, loads are upcast to fp32 because the
 interpreter computes bf16 wrongly, and every tl.dot keeps its tiles >= 16 as the GPU requires.
+
+An fp8 pool (kernels/kv_quant.py) is a compile-time branch (KV_FP8), so the other dtypes compile to
+the kernels they always were. The store quantizes on write; attention converts the fp8 values,
+exactly, to q's dtype for its dots and applies the dequantization scales as two multiplies per
+program: K's scale joins the softmax scale, V's scales the accumulated output.
 """
 from __future__ import annotations
 
@@ -16,38 +22,11 @@ from kernels.attention.base import AttentionCapabilities, AttentionMetadata
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
+from kernels.attention.triton_kv_store import check_last_dim_contiguous, kv_scale_args, store_kvcache
+from kernels.kv_quant import KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
-
-
-# ---------------------------------------------------------------------------------------------
-# store_kvcache
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _store_kvcache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, HKV_D: tl.constexpr, BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
-    offs = tl.arange(0, BLOCK)
-    head = offs // D
-    d = offs % D
-    # slot -1 (padding, or a prefix-cache hit already stored) masks the whole row.
-    mask = (offs < HKV_D) & (slot >= 0)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + head * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + head * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +55,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over context positions start .. start+BLOCK_N (end excluded).
 
@@ -94,6 +74,9 @@ def _attend_tile(
     v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :]
     k = _load_rows(k_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
     v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
+    if KV_FP8:  # exact: every e4m3 value is a bf16, fp16 and fp32 value; the scales come outside the dots
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK_N:
@@ -116,15 +99,19 @@ def _attend_tile(
 
 
 # The block-table width changes every step, and a mixed step's prefill part starts its per-sequence
-# arrays mid-tensor: neither may compile a new variant.
+# arrays mid-tensor: neither may compile a new variant. Nor may a layer's scales, a row of the pool's
+# [2, L, H_kv] (nor the unread stand-in for them, here seqlens_k).
 @triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "seqlens_k_ptr", "cu_seqlens_q_ptr",
+                                            "k_scale_ptr", "v_scale_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seqlens_k_ptr, cu_seqlens_q_ptr, qk_scale,
+    k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # The last query tiles see the most keys; launching them first shortens the grid's tail.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -138,6 +125,8 @@ def _prefill_kernel(
     seqlen_k = tl.load(seqlens_k_ptr + seq)
     ctx_off = seqlen_k - seqlen_q  # query i sits at context position ctx_off + i
     kv_head = head // GROUP
+    if KV_FP8:  # K's dequantization scale, once per program, in the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -161,13 +150,15 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8)
     for start in range(full_hi, hi, BLOCK_N):  # the diagonal: causal and context-end masks
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, KV_FP8)
 
+    if KV_FP8:  # V's dequantization scale, on the sum of p * v
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d < D)[None, :])
@@ -178,15 +169,16 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale,
+    block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0)
@@ -202,6 +194,8 @@ def _decode_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen_k), lo)
     full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    if KV_FP8:  # K's dequantization scale, once per program, in the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     # All q heads of this kv head share one pass over its K/V: a [GROUP padded to 16, D] tile.
     offs_g = tl.arange(0, BLOCK_G)
@@ -221,13 +215,15 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8)
     for start in range(full_hi, hi, BLOCK_N):  # at most one ragged tile
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION, KV_FP8)
 
+    if KV_FP8:  # V's dequantization scale, on the sum of p * v (partials too: the merge is linear in acc)
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out_mask = g_mask[:, None] & (offs_d < D)[None, :]
     if SPLIT:
         # Unnormalised partials; an empty split leaves m = -inf, l = 0, acc = 0.
@@ -280,58 +276,39 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.stride(-1) != 1:
-            raise ValueError(f"the head_dim axis must be contiguous, got strides {t.stride()}")
-
-
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, H_kv, D] into the caches at slot_mapping, skipping slots equal to -1."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    _check_last_dim_contiguous(key, value, k_cache, v_cache)
-    _store_kvcache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], D=head_dim, HKV_D=num_kv_heads * head_dim,
-        BLOCK=triton.next_power_of_2(num_kv_heads * head_dim), num_warps=4,
-    )
-
-
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                            config: PrefillConfig | None = None) -> torch.Tensor:
-    """Causal varlen attention of q [T, H_q, D] over each sequence's paged context."""
+                            config: PrefillConfig | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
+    """Causal varlen attention of q [T, H_q, D] over each sequence's paged context (an fp8 one
+    dequantized by kv_scales)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
-    _check_last_dim_contiguous(q, k_cache, v_cache, out)
+    check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     cfg = config or prefill_config(block_d, q.dtype)
+    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     grid = (triton.cdiv(meta.max_seqlen_q, cfg.block_m), num_q_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seqlens_k, meta.cu_seqlens_q, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence (token i belongs to sequence i) over its paged context.
+                           num_splits: int | None = None, config: DecodeConfig | None = None,
+                           kv_scales: KVScales | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence (token i belongs to sequence i) over its paged context
+    (an fp8 one dequantized by kv_scales).
 
     num_splits only changes speed; None picks it from the batch size, the context and the SM count.
     """
@@ -342,7 +319,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    _check_last_dim_contiguous(q, k_cache, v_cache, out)
+    check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     cfg = config or decode_config(block_d, q.dtype)
     if num_splits is None:
@@ -354,16 +331,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
     else:
         part_acc = part_m = part_l = out  # not touched when SPLIT is False
+    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
-        meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E,
+        meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, num_seqs)](
@@ -378,26 +356,26 @@ class TritonAttentionBackend:
     """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
 
     name = TRITON
-    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True)
+    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True, fp8_kv_cache=True)
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+        store_kvcache(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def norm_rope_store_kvcache(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                q_norm_weight, k_norm_weight, eps):
+                                q_norm_weight, k_norm_weight, eps, kv_scales=None):
         """FusedNormRopeStore: kernels/fused_ops.qk_norm_rope_store, CUDA tensors only."""
         return fused_ops.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                            q_norm_weight, k_norm_weight, eps)
+                                            q_norm_weight, k_norm_weight, eps, kv_scales)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         if meta.is_decode:
-            return paged_decode_attention(q, k_cache, v_cache, meta, scale)
+            return paged_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales)
         if not meta.is_mixed:
-            return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+            return paged_prefill_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales)
         # the prefill kernel writes only its own sequences' rows (cu_seqlens_q offsets into all of q)
-        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part(), scale)
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part(), scale, kv_scales=kv_scales)
         d = meta.num_decodes
-        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part(), scale, out=out[:d])
+        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part(), scale, out=out[:d], kv_scales=kv_scales)
         return out

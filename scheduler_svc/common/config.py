@@ -11,6 +11,10 @@ from scheduler_svc.common.model_paths import default_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+# auto: the KV pool holds the model's dtype; fp8: float8_e4m3fn with float32 scales (executor_svc/kv_calibration.py)
+KV_CACHE_DTYPES = ("auto", "fp8")
+# how an fp8 pool's scales are chosen: 1.0 everywhere, or calibrated at start-up per layer or per KV head
+KV_CACHE_SCALES = ("calibrated", "calibrated-per-head", "static")
 
 
 @dataclass
@@ -39,6 +43,8 @@ class EngineConfig:
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
     cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    kv_cache_scales: str = "calibrated-per-head"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,6 +74,10 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.load_format in LOAD_FORMATS, f"--load-format must be one of {LOAD_FORMATS}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_scales in KV_CACHE_SCALES,
+             f"--kv-cache-scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
              "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
@@ -127,6 +137,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="with async scheduling, how many planned steps may be unanswered")
     g.add_argument("--cpu-threads", type=int, default=d["cpu_threads"].default,
                    help="torch threads of a CPU executor (0: cores - 1, at least 1)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"].default,
+                   help="fp8: K and V as float8_e4m3fn with float32 scales, about twice the blocks per byte")
+    g.add_argument("--kv-cache-scales", choices=KV_CACHE_SCALES, default=d["kv_cache_scales"].default,
+                   help="fp8 scales: from a calibration forward at start-up, per layer or per KV head, or 1.0")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

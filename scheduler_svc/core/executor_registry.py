@@ -38,8 +38,9 @@ class ExecutorRegistry:
 
     def join(self, hs: engine_pb2.ExecutorHandshake, serving: bool) -> None:
         """Record a checked handshake. While serving, a rank's new process means its KV pool is gone."""
-        log.info("executor rank %d/%d joined (pid %d): %d blocks of %d on %s, %s, backend %s", hs.rank,
-                 hs.world_size, hs.pid, hs.num_blocks, hs.block_size, hs.device, hs.dtype, hs.attention_backend)
+        log.info("executor rank %d/%d joined (pid %d): %d blocks of %d (%s) on %s, %s, backend %s", hs.rank,
+                 hs.world_size, hs.pid, hs.num_blocks, hs.block_size, hs.kv_cache_dtype, hs.device, hs.dtype,
+                 hs.attention_backend)
         old = self.handshakes.get(hs.rank)
         if old is not None and old.pid != hs.pid and serving:
             raise ExecutorReplaced(hs)

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES, AUTO, FLASH_ATTN, TORCH, TRITON
-from kernels.attention.registry import backend_class, get_backend
+from kernels.attention.registry import auto_backend_name, backend_class, get_backend
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -101,6 +101,18 @@ def test_a_backend_that_claims_the_fused_store_has_it():
     for name in (TORCH, FLASH_ATTN) + ((TRITON,) if importlib.util.find_spec("triton") else ()):
         cls = backend_class(name)
         assert cls.capabilities.fused_norm_rope_store == hasattr(cls, "norm_rope_store_kvcache"), name
+
+
+def test_an_fp8_kv_cache_goes_only_to_backends_that_declare_they_read_one(monkeypatch):
+    assert backend_class(TORCH).capabilities.fp8_kv_cache and not backend_class(FLASH_ATTN).capabilities.fp8_kv_cache
+    if importlib.util.find_spec("triton") is not None:
+        assert backend_class(TRITON).capabilities.fp8_kv_cache
+    with pytest.raises(ValueError, match="cannot read an fp8 KV cache"):
+        get_backend(FLASH_ATTN, torch.device("cuda"), 256, fp8_kv_cache=True)
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))  # as if it were installed
+    assert auto_backend_name(torch.device("cuda"), 256) == FLASH_ATTN
+    assert auto_backend_name(torch.device("cuda"), 256, fp8_kv_cache=True) == TRITON
+    assert get_backend(AUTO, torch.device("cpu"), fp8_kv_cache=True).name == TORCH
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")

@@ -1,0 +1,36 @@
+"""Greedy SmolLM2 with an fp8 KV cache against the same engine with an fp32 one, on the CPU: a short
+version of bench/kv_fp8_accuracy.py (8 chat prompts x 16 tokens, the default scales), held to issue
+13's targets: mean per-token KL <= 0.01 nats and top-1 agreement >= 98%.
+
+Top-1 falls short: 95-97% on every run so far (bench/RESULTS.md), the misses at positions where the
+reference's two best tokens are within ~0.15 nats. The error is e4m3's 3-bit mantissa on K (fp8 V
+alone keeps KL under 0.001), which no choice of scale changes; the test says so until that is fixed.
+"""
+from __future__ import annotations
+
+import pytest
+
+from bench.kv_fp8_accuracy import MEAN_KL_TARGET, TOP1_TARGET, measure
+from scheduler_svc.common.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_scales_row(embedded_model) -> dict:
+    method = EngineConfig.__dataclass_fields__["kv_cache_scales"].default
+    result = measure(embedded_model, "cpu", num_prompts=8, new_tokens=16, methods=[method], batch=8,
+                     exact_match_len=False)
+    (row,) = result["rows"]
+    assert row["num_tokens"] == 8 * 16 and result["reference_kv_dtype"] == "float32"
+    return row
+
+
+def test_fp8_kv_cache_keeps_the_mean_kl_to_the_fp32_cache_within_the_target(default_scales_row):
+    assert default_scales_row["mean_kl"] <= MEAN_KL_TARGET, default_scales_row
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="e4m3 K on SmolLM2-135M: 95-97% top-1 measured, near-ties (issue 13 target 98%)")
+def test_fp8_kv_cache_keeps_top1_agreement_with_the_fp32_cache_within_the_target(default_scales_row):
+    assert default_scales_row["top1"] >= TOP1_TARGET, default_scales_row

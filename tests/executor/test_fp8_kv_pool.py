@@ -1,0 +1,109 @@
+"""The executor's fp8 KV pool (--kv-cache-dtype fp8): it holds more blocks in the same memory, says
+so in the handshake, moves fp8 bytes unchanged through copies and swaps, and fixes its scales at
+start-up as --kv-cache-scales asks, logging them."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from executor_svc.executor import handshake
+from executor_svc.kv_calibration import CALIBRATION_TEXTS, calibration_chunks
+from executor_svc.model_runner import ModelRunner
+from kernels.kv_quant import FP8_DTYPE, as_bytes, scales_from_amax
+from scheduler_svc.common.config import EngineConfig
+from support.tiny_checkpoints import make_tiny_llama
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("fp8") / "llama"))
+
+
+def make_runner(model: str, **overrides) -> ModelRunner:
+    args = dict(model=model, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks=10,
+                num_host_blocks=6, max_num_seqs=4, enforce_eager=True, attention_backend="torch",
+                kv_cache_dtype="fp8")
+    return ModelRunner(EngineConfig(**{**args, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama) -> ModelRunner:
+    return make_runner(tiny_llama)
+
+
+def test_the_same_memory_holds_four_times_the_fp32_blocks_and_the_handshake_says_fp8(tiny_llama):
+    sizes = dict(num_gpu_blocks=None, cpu_kv_cache_gb=2 ** -10)  # 1 MiB, a whole number of blocks either way
+    fp32, fp8 = make_runner(tiny_llama, kv_cache_dtype="auto", **sizes), make_runner(tiny_llama, **sizes)
+    assert fp8.kv_pool.cache.dtype == FP8_DTYPE and fp32.kv_pool.cache.dtype == torch.float32
+    assert fp8.kv_pool.num_blocks == 4 * fp32.kv_pool.num_blocks  # 1 byte a value instead of 4 (bf16: 2)
+    assert fp8.kv_pool.cache.nbytes == fp32.kv_pool.cache.nbytes
+    hs, hs32 = handshake(fp8), handshake(fp32)
+    assert (hs.kv_cache_dtype, hs.dtype, hs.num_blocks) == ("float8_e4m3fn", "float32", fp8.kv_pool.num_blocks)
+    assert hs32.kv_cache_dtype == "float32"
+    assert fp8.kv_pool.host_cache.dtype == FP8_DTYPE
+
+
+def random_bytes(pool) -> torch.Tensor:
+    """Every byte pattern, NaN codes included, in the device pool; returns a copy of its bytes."""
+    as_bytes(pool.cache).copy_(torch.randint(0, 256, pool.cache.shape, dtype=torch.uint8))
+    return as_bytes(pool.cache).clone()
+
+
+def test_block_copies_and_swaps_move_fp8_bytes_unchanged(runner):
+    pool = runner.kv_pool
+    before = random_bytes(pool)
+    pool.copy_blocks([(2, 9), (5, 0)])
+    assert torch.equal(as_bytes(pool.cache)[:, :, 9], before[:, :, 2])
+    assert torch.equal(as_bytes(pool.cache)[:, :, 0], before[:, :, 5])
+    before = random_bytes(pool)
+    pool.swap_out([(1, 4), (7, 0), (3, 5)])
+    as_bytes(pool.cache).zero_()
+    pool.swap_in([(4, 8), (0, 2), (5, 6)])
+    for src, dst in ((1, 8), (7, 2), (3, 6)):
+        assert torch.equal(as_bytes(pool.cache)[:, :, dst], before[:, :, src])
+    assert torch.equal(as_bytes(pool.host_cache)[0], before[:, :, 7])  # the host pool holds the same bytes
+
+
+def test_static_scales_are_one_and_every_layer_reads_its_own_row(tiny_llama):
+    runner = make_runner(tiny_llama, kv_cache_scales="static")
+    assert torch.equal(runner.kv_pool.scales, torch.ones(2, 2, 2))  # [K/V, layers, KV heads]
+    for i, attn in enumerate(runner.kv_pool.layers):
+        assert attn.kv_scales.k.data_ptr() == runner.kv_pool.scales[0, i].data_ptr()
+        assert attn.kv_scales.v.data_ptr() == runner.kv_pool.scales[1, i].data_ptr()
+
+
+def test_calibrated_scales_come_from_the_calibration_forward_per_layer_or_per_head(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        per_layer = make_runner(tiny_llama, kv_cache_scales="calibrated")
+    per_head = make_runner(tiny_llama, kv_cache_scales="calibrated-per-head")
+    amax = per_head.calibration_amax()
+    assert (amax > 0).all() and amax.shape == (2, 2, 2)
+    torch.testing.assert_close(per_head.kv_pool.scales, scales_from_amax(amax))
+    torch.testing.assert_close(per_layer.kv_pool.scales, scales_from_amax(amax.amax(2, keepdim=True).expand(2, 2, 2)))
+    assert not torch.equal(per_head.kv_pool.scales, per_layer.kv_pool.scales), "heads should differ"
+    logged = caplog.text
+    assert "calibrated scales" in logged and "random token ids" in logged  # the tiny model has no tokenizer
+    assert f"{per_layer.kv_pool.scales[0, 0, 0].item():.3g}" in logged
+
+
+def test_calibration_reads_text_through_the_tokenizer_when_the_checkpoint_has_one(embedded_model):
+    from tokenizers import Tokenizer
+
+    chunks, num_blocks = calibration_chunks(embedded_model, 49152, 16, 512, seed=0)
+    tokenizer = Tokenizer.from_file(f"{embedded_model}/tokenizer.json")
+    texts = [tokenizer.encode(t).ids for t in CALIBRATION_TEXTS]
+    got = [c.seq.token_ids for c in chunks]
+    assert sum(map(len, got)) <= 512 and got[0] == texts[0] and all(g == t[:len(g)] for g, t in zip(got, texts))
+    assert num_blocks == sum(-(-len(g) // 16) for g in got)
+    blocks = [b for c in chunks for b in c.seq.block_table]
+    assert blocks == list(range(num_blocks)), "fresh sequences on blocks 0.. in order"
+
+
+def test_calibration_without_a_tokenizer_draws_random_ids_from_the_seed(tiny_llama):
+    ids = lambda seed: [c.seq.token_ids for c in calibration_chunks(tiny_llama, 256, 4, 64, seed)[0]]  # noqa: E731
+    assert ids(0) == ids(0) != ids(1)
+    assert sum(map(len, ids(0))) == 64 and all(0 <= t < 256 for seq in ids(0) for t in seq)

@@ -1,0 +1,229 @@
+"""The Triton kernels over an fp8 KV pool: store_kvcache and the fused q/k-norm + RoPE + store write
+exactly the bytes kernels/kv_quant.quantize writes (overflow clamped to +-448, slots of -1 skipped),
+and paged prefill and decode attention match a float64 attention over the dequantized pool.
+
+On the CPU these run in Triton's interpreter (a child process, as in test_triton_attention.py). Its
+fp32 -> fp8 cast is wrong (values that round into the next power of two, ties, subnormals), so there
+the store kernels round onto the e4m3 grid themselves before the cast
+(kernels/attention/triton_kv_store.py); the GPU tests check the hardware cast at realistic shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
+                                       interpreter, needs_cuda)
+
+pytest.importorskip("triton")
+
+from kernels.kv_quant import FP8_DTYPE, KVScales, as_bytes, dequantize, quantize  # noqa: E402
+from support.paged_batches import make_batch, reference_attention, rel_error  # noqa: E402
+from test_fused_ops import EPS, prologue_inputs, split_heads  # noqa: E402
+
+if KERNELS_RUN_HERE:
+    from kernels import fused_ops as fo
+    from kernels.attention import triton_backend as ta
+
+
+def fp8_batch(seqlens_q, seqlens_k, heads, block_size, *, seed, dtype=torch.float32, device="cpu"):
+    """make_batch's q and pool, the pool quantized with distinct per-head scales (K spread over
+    +-40, so scale 1 would not do), and its float64 values as stored."""
+    hq, hkv, d = heads
+    q, k_cache, v_cache, meta = make_batch(seqlens_q, seqlens_k, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                           block_size=block_size, dtype=dtype, device=device, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    scales = KVScales((0.02 + 0.1 * torch.rand(hkv, generator=gen)).to(device),
+                      (0.005 + 0.01 * torch.rand(hkv, generator=gen)).to(device))
+    k8, v8 = quantize(k_cache * 10, scales.k), quantize(v_cache, scales.v)
+    k64, v64 = dequantize(k8, scales.k, torch.float64), dequantize(v8, scales.v, torch.float64)
+    return q, k8, v8, meta, scales, k64, v64
+
+
+def random_rows(tokens, heads, dim, *, gen, dtype, device="cpu"):
+    """Rows whose heads span 1e-4 .. 1e3 (subnormal, normal and overflowing values after the scales)."""
+    magnitude = 10.0 ** torch.empty(tokens, heads, dim).uniform_(-4, 3, generator=gen)
+    return (torch.randn(tokens, heads, dim, generator=gen) * magnitude).to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the child process")
+def test_fp8_kernels_pass_under_the_interpreter():
+    assert_module_passes_under_interpreter(__file__, "test_fp8_kernels_pass_under_the_interpreter", timeout=900)
+
+
+def check_store(device, dtype, num_blocks, block_size, heads, dim, tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(device=device, dtype=FP8_DTYPE)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(device=device, dtype=FP8_DTYPE)
+    before = as_bytes(k_cache).clone(), as_bytes(v_cache).clone()
+    kv = random_rows(tokens, 2 * heads + 1, dim, gen=gen, dtype=dtype, device=device)
+    key, value = kv[:, :heads], kv[:, heads:2 * heads]  # strided views of one projection
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::5] = -1
+    slots = slots.to(device)
+    scales = KVScales((0.1 + torch.rand(heads, generator=gen)).to(device),
+                      (0.01 + torch.rand(heads, generator=gen)).to(device))
+
+    ta.store_kvcache(key, value, k_cache, v_cache, slots, scales)
+
+    kept = slots >= 0
+    for cache, old, rows, scale in ((k_cache, before[0], key, scales.k), (v_cache, before[1], value, scales.v)):
+        expected = old.flatten(0, 1).clone()
+        expected[slots[kept]] = as_bytes(quantize(rows[kept], scale))
+        assert torch.equal(as_bytes(cache).flatten(0, 1), expected)  # untouched slots keep their bytes
+        stored = cache.flatten(0, 1)[slots[kept]].float()
+        assert torch.isfinite(stored).all() and (stored.abs() == 448).any(), "overflowing rows are clamped"
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_quantizes_each_row_at_its_slot_clamping_overflow(dtype):
+    check_store("cpu", dtype, num_blocks=6, block_size=4, heads=3, dim=16, tokens=10, seed=int(dtype.itemsize))
+
+
+@interpreter
+def test_store_quantization_matches_torch_on_every_e4m3_boundary_and_tie():
+    # every finite e4m3 value, the midpoints between neighbours and a hair either side, both signs
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    rows = torch.cat([values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                      torch.tensor([-0.0, 460.0, 464.0, -1e30, 1e30])])
+    rows = torch.cat([rows, torch.zeros(-rows.numel() % 16)]).view(-1, 1, 16)
+    k_cache = torch.zeros(rows.shape[0], 1, 1, 16, dtype=FP8_DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    scales = KVScales(torch.ones(1), torch.tensor([0.75]))
+    ta.store_kvcache(rows, rows, k_cache, v_cache, torch.arange(rows.shape[0]), scales)
+    assert torch.equal(as_bytes(k_cache).flatten(), as_bytes(quantize(rows, scales.k)).flatten())
+    assert torch.equal(as_bytes(v_cache).flatten(), as_bytes(quantize(rows, scales.v)).flatten())
+
+
+@interpreter
+@pytest.mark.parametrize("seqlens_q, seqlens_k", [([5, 17, 1], [5, 17, 1]), ([3, 16, 7], [11, 40, 7])],
+                         ids=["fresh", "prefix"])
+def test_prefill_over_an_fp8_pool_matches_float64_over_the_dequantized_values(seqlens_q, seqlens_k):
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch(seqlens_q, seqlens_k, (4, 2, 24), 4, seed=sum(seqlens_k))
+    out = ta.paged_prefill_attention(q, k8, v8, meta, 24 ** -0.5, kv_scales=scales)
+    assert out.dtype == q.dtype
+    assert rel_error(out, reference_attention(q, k64, v64, meta, 24 ** -0.5)) < 1e-3
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_over_an_fp8_pool_matches_float64_for_any_split_count(num_splits):
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1, 1, 1], [33, 1, 16], (6, 2, 16), 4, seed=num_splits)
+    out = ta.paged_decode_attention(q, k8, v8, meta, 0.25, num_splits=num_splits, kv_scales=scales)
+    assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
+
+
+@interpreter
+def test_mixed_step_over_an_fp8_pool_and_a_missing_scale_is_refused():
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1, 1, 4, 7], [5, 23, 10, 7], (4, 2, 16), 4, seed=8)
+    meta.num_decodes = 2
+    backend = ta.TritonAttentionBackend()
+    out = backend.forward(q, k8, v8, meta, 0.25, scales)
+    assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
+    with pytest.raises(ValueError, match="KVScales"):
+        backend.forward(q, k8, v8, meta, 0.25)
+
+
+def fp8_prologue(device, dtype, norm, tokens, hq, hkv, d, seed):
+    """The fused prologue, the unfused chain and eager torch over one fp8 pool; returns their pools."""
+    inputs = prologue_inputs(tokens, hq, hkv, d, gen=torch.Generator().manual_seed(seed), dtype=dtype, device=device)
+    inputs["qkv"] *= 30
+    gen = torch.Generator().manual_seed(seed + 1)  # small K scales: some rotated k beyond 448 * scale, clamped
+    scales = KVScales((0.001 + 0.004 * torch.rand(hkv, generator=gen)).to(device),
+                      (0.01 + torch.rand(hkv, generator=gen)).to(device))
+    pools = {}
+    for name in ("fused", "chain", "eager"):
+        x = {n: t.clone() for n, t in inputs.items()}
+        x["k_cache"], x["v_cache"] = x["k_cache"].to(FP8_DTYPE), x["v_cache"].to(FP8_DTYPE)
+        q, k, v = split_heads(x["qkv"], hq, hkv, d)
+        w = (x["q_norm_weight"], x["k_norm_weight"]) if norm else (None, None)
+        args = (x["positions"], q, k, v, x["cos"], x["sin"], x["k_cache"], x["v_cache"], x["slot_mapping"])
+        if name == "fused":
+            fo.qk_norm_rope_store(*args, *w, EPS, scales)
+        elif name == "chain":
+            if norm:
+                q, k = fo.rms_norm(q, w[0], EPS), fo.rms_norm(k, w[1], EPS)
+            fo.rotary_embedding(x["positions"], q, k, x["cos"], x["sin"])
+            ta.store_kvcache(k, v, x["k_cache"], x["v_cache"], x["slot_mapping"], scales)
+        else:
+            fo.qk_norm_rope_store_ref(*args, *w, EPS, scales)
+        pools[name] = (x["k_cache"], x["v_cache"])
+    return pools, scales
+
+
+@interpreter
+@pytest.mark.parametrize("norm", [False, True])
+def test_fused_prologue_stores_the_same_fp8_bytes_as_the_unfused_chain_and_eager_torch(norm):
+    pools, _ = fp8_prologue("cpu", torch.float32, norm, tokens=5, hq=4, hkv=2, d=16, seed=3 + norm)
+    for name in ("chain", "eager"):
+        for got, want in zip(pools["fused"], pools[name]):
+            assert torch.equal(as_bytes(got), as_bytes(want)), name
+    assert (pools["fused"][0].float().abs().amax() == 448.0), "the case should overflow some scale"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled kernels, the hardware fp8 cast, realistic shapes
+# ---------------------------------------------------------------------------------------------
+
+GPU_HEADS = [(16, 8, 128), (9, 3, 64), (4, 2, 192)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_store_kvcache_writes_torch_quantized_bytes(dtype):
+    check_store("cuda", dtype, num_blocks=600, block_size=16, heads=8, dim=128, tokens=4096, seed=13)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", GPU_HEADS)
+def test_gpu_prefill_and_decode_over_an_fp8_pool_match_float64(heads):
+    seqlens_q = [1024, 300, 1, 17, 700]
+    seqlens_k = [1024, 2100, 4096, 17, 3000]
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch(seqlens_q, seqlens_k, heads, 16, seed=10, dtype=torch.bfloat16,
+                                                  device="cuda")
+    out = ta.paged_prefill_attention(q, k8, v8, meta, heads[2] ** -0.5, kv_scales=scales)
+    assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+    lens = torch.randint(1, 4097, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1] * 40, lens, heads, 16, seed=12, dtype=torch.bfloat16,
+                                                  device="cuda")
+    for num_splits in (None, 1, 4):
+        out = ta.paged_decode_attention(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
+        assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("norm", [False, True])
+def test_gpu_fused_prologue_stores_the_unfused_chains_fp8_bytes(norm):
+    pools, scales = fp8_prologue("cuda", torch.bfloat16, norm, tokens=256, hq=16, hkv=8, d=128, seed=5)
+    for got, want in zip(pools["fused"], pools["chain"]):
+        assert torch.equal(as_bytes(got), as_bytes(want))
+    for got, want, scale in zip(pools["fused"], pools["eager"], (scales.k, scales.v)):
+        assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fp8_decode_replayed_from_a_cuda_graph_follows_new_lengths():
+    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1] * 8, [4096] * 8, (16, 8, 128), 16, seed=14,
+                                                  dtype=torch.bfloat16, device="cuda")
+    backend = ta.TritonAttentionBackend()
+    backend.forward(q, k8, v8, meta, 128 ** -0.5, scales)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k8, v8, meta, 128 ** -0.5, scales)
+    meta.seqlens_k.copy_(torch.randint(1, 4097, (8,), generator=torch.Generator().manual_seed(15), dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out, reference_attention(q, k64, v64, meta, 128 ** -0.5)) < 1e-2
