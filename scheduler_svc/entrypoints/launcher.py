@@ -22,6 +22,9 @@ IPC_DIR_PREFIX = "nanoserve-"
 # drops the lock when the owner dies, SIGKILL included; a pid alone could be reused, or belong to
 # another pid namespace sharing this /tmp.
 OWNER_LOCK = "owner.lock"
+# NVLink multicast (NVLS, symmetric-memory multicast) stays off in tensor-parallel groups: the lent
+# multi-GPU machines do not support it (shared/gpu/README.md).
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(eq=False)
@@ -214,6 +217,8 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
     executor_addr = f"ipc://{ipc_dir.path}/executor.sock"
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    for name, value in NVLINK_MULTICAST_OFF.items():  # the executors' NCCL groups, unless the user says otherwise
+        env.setdefault(name, value)
     stdout = open(log_path, "ab") if log_path else None
     flags = config.to_argv()
     scheduler_argv = [sys.executable, "-m", "scheduler_svc.core.scheduler_process", "--watch-parent",
