@@ -18,7 +18,10 @@ QWEN3_0_6B = {
 TINY_QWEN3 = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 16384,
               "bos_token_id": 16382, "eos_token_id": 16383}
-MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY_QWEN3}
+# The Qwen3-8B shape (the brief's second workload model; its decode is near the bandwidth roofline).
+QWEN3_8B = {**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
+MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": TINY_QWEN3}
 
 # bench/throughput.py's engine flags over the engine's defaults
 ENGINE_DEFAULTS = {"max_num_batched_tokens": 16384, "max_num_seqs": 512}

@@ -14,6 +14,8 @@
 #   streams1024  1,024 concurrent streams at once (nanovllm draws, outputs <= 256): all must complete
 #   text         bench/serving.py --dataset text against the offline LLM: SmolLM2's config and tokenizer
 #                (carried as .smol) with random weights, chat prompts, detokenized text, stop strings
+#   tp           bench/throughput.py at -tp 1 and -tp 2 on the Qwen3-8B shape, then -tp 2 on the 0.6B shape
+#                (a machine of 2+ GPUs; the all-reduce share comes from a `timeline` run with THROUGHPUT_ARGS=-tp 2)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
 #   structured   bench/structured.py: token-mask fill times, then throughput with half the requests
 #                JSON-schema-constrained against all free (STRUCTURED_ARGS adds flags to the latter)
@@ -91,6 +93,11 @@ PY
     accuracy)
       python3 bench/kv_fp8_accuracy.py --out "$OUT/kv_fp8_accuracy.json" ${ACCURACY_ARGS:-} 2>&1 \
         | grep -v " INFO " | tee "$OUT/kv_fp8_accuracy.log" | tail -n 12 ;;
+    tp)
+      for args in "--model-shape qwen3-8b -tp 1" "--model-shape qwen3-8b -tp 2" "-tp 2"; do
+        python3 bench/throughput.py --no-progress --out "$OUT/throughput_tp.json" $args > "$OUT/tp.log" 2>&1
+        summary+=("throughput $args: $(grep -E '^ +nanoserve ' "$OUT/tp.log" | tail -n 1)")
+      done ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.nanovllm_workload import ENGINE_DEFAULTS, QWEN3_0_6B, dummy_model_dir, workload  # noqa: E402
+from bench.nanovllm_workload import ENGINE_DEFAULTS, MODEL_SHAPES, dummy_model_dir, workload  # noqa: E402
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
 from scheduler_svc.entrypoints.llm import LLM  # noqa: E402
 from scheduler_svc.frontend.sampling_params import SamplingParams  # noqa: E402
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
+                        help="the random-weight model when --model is not given")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", default="bench/results/throughput.json")
     add_engine_args(parser)
@@ -97,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = None
     if not args.model:  # the Qwen3-0.6B architecture with random weights, made in-process
-        tmp = dummy_model_dir(QWEN3_0_6B)
+        tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
         args.model = tmp.name
         args.load_format = "dummy"
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.workload_seed)
