@@ -103,6 +103,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             valid = await self.tokenizing.run(validate_generate, request, self.tokenizer, ready, self.config.limits)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._admit(context)  # again: draining may have begun, or the engine gone, while it tokenized
         rid, params = request.request_id or uuid.uuid4().hex, valid.params
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
