@@ -198,6 +198,8 @@ class Scheduler:
                 if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
                     break
                 bm.allocate(seq, end)
+            if i >= len(running) or running[i] is not seq:  # idle beams ahead of it gave way
+                i = running.index(seq)
             samples = end == total  # committed at schedule time; a sample leaves a placeholder token
             seq.num_computed_tokens = end
             if samples:
@@ -291,9 +293,12 @@ class Scheduler:
         scheduled.append(ScheduledSeq(seq, num_new, True, start, samples, seq.epoch))
 
     def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
-        """Preempt the most recently admitted sequences until fits(); False if seq itself had to go."""
+        """Preempt until fits(): beams idle in their round first (they compute nothing until it comes, and it
+        may wait for siblings that need the very blocks they hold), then the most recently admitted
+        sequences. False if seq itself had to go."""
         while not fits():
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s is not seq and s.beam is not None
+                           and not s.num_placeholders and s.num_uncomputed_tokens <= 0), self.running[-1])
             self._preempt(victim, preempted)
             if victim is seq:
                 return False

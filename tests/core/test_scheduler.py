@@ -404,3 +404,19 @@ def test_a_sequence_preempted_in_a_step_that_schedules_nothing_is_dropped_by_the
     sent = [first, sched.schedule()]  # only steps that schedule something are sent
     dropped = {i for out in sent for i in out.finished_seq_ids + out.preempted_seq_ids}
     assert b.seq_id in dropped, "the executors mirror b until a plan that runs tells them to drop it"
+
+
+
+def test_a_sequence_short_of_blocks_takes_them_from_beams_idle_in_their_round_before_giving_way_itself():
+    # Search a's first beam has reported and waits for its round while its sibling is swapped out; search b's
+    # beam then needs a block. Newest first, b's beam used to preempt itself: nothing ran and nothing was in
+    # flight (with a plain sequence in its place, admitted and preempted again every step, a livelock), and
+    # a's idle beam kept the blocks its swapped sibling needed to reach the round.
+    sched = make_scheduler(max_num_seqs=5, max_num_batched_tokens=6, max_model_len=14, block_size=2, num_blocks=12,
+                           num_host_blocks=8)
+    sched.add(member(next(_ids), "a", [3, 3, 0, 0, 0, 0, 0, 0, 0, 0], width=2, n=1, max_tokens=2, length_penalty=0.0))
+    sched.add(member(next(_ids), "b", [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0], width=1, n=1, max_tokens=2,
+                     length_penalty=0.0))
+    drive(sched, FakeExecutor(12, 2, 8), salt=0)  # asserts something is scheduled while work is left
+    set_up(sched.counters.num_swap_outs > 0 and sched.counters.num_preemptions > sched.counters.num_swap_outs,
+           "a beam swapped out, and the idle one preempted by recompute")
