@@ -13,6 +13,7 @@ from executor_svc.layers.layernorm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.kv_quant import KVScales
+from kernels.kv_rotation import rotate
 
 
 class Attention(nn.Module):
@@ -26,6 +27,9 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         self.kv_scales: KVScales | None = None  # an fp8 pool's scales of this layer, set by the KV pool
+        # [D, D] orthogonal, on the device: K and q are rotated before the store and attention
+        # (kernels/kv_rotation.py, --kv-cache-rotation); None: stored as they come
+        self.kv_rotation: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None  # set by the model loader
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -37,7 +41,7 @@ class Attention(nn.Module):
             raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
         if self.backend is None:
             raise RuntimeError("attention layer has no backend: load the model with model_loader.load_model")
-        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store:
+        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store and self.kv_rotation is None:
             # q/k norm, RoPE and the K/V store in one kernel: the same rounding as the chain below
             q_w = q_norm.weight if q_norm is not None else None
             k_w = k_norm.weight if k_norm is not None else None
@@ -50,6 +54,8 @@ class Attention(nn.Module):
                 q, k = q_norm(q), k_norm(k)
             q, k = rotary_emb(positions, q, k)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.kv_rotation is not None:
+                q, k = rotate(q.view(-1, self.num_heads, self.head_dim), self.kv_rotation), rotate(k, self.kv_rotation)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         q = q.view(-1, self.num_heads, self.head_dim)
