@@ -111,7 +111,7 @@ class ModelRunner:
         self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
         if is_fp8(layout.dtype):  # before sizing: the profiling forward runs on the fp8 pool too
             if config.kv_cache_rotation == "hadamard":  # before calibrating: the scales are of the rotated K
-                self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, device=self.device))
+                self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, self.dtype, self.device))
             method = config.kv_cache_scales
             amax = None if method == "static" else self.calibration_amax()
             self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))

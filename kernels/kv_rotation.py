@@ -8,7 +8,9 @@ Walsh-Hadamard matrix spreads every channel over all D elements with equal weigh
 element mixes all channels and the per-element errors average over the dot product (the QuaRot /
 SpinQuant observation). V is stored as it comes.
 
-H is symmetric (Sylvester's construction), so rotating a row vector is x @ H. Torch-only.
+H is symmetric (Sylvester's construction), so rotating a row vector is x @ H: one [T*H, D] x [D, D]
+matmul, in the activation dtype (the model runner keeps H in it, on the device), so the step allocates
+only the rotated q and k, from the CUDA graph's pool when captured. Torch-only.
 """
 from __future__ import annotations
 
@@ -26,5 +28,5 @@ def hadamard_matrix(dim: int, dtype: torch.dtype = torch.float32, device: torch.
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """x [..., D] -> x @ h in float32, returned in x's dtype."""
-    return (x.float() @ h.float()).to(x.dtype)
+    """x [..., D] -> x @ h, a new tensor of x's dtype (h has it too)."""
+    return torch.matmul(x, h)
