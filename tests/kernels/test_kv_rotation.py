@@ -46,10 +46,12 @@ def test_attention_over_rotated_q_and_k_equals_attention_over_the_originals(seql
     assert rel_error(rotated, plain.double()) < 1e-12
 
 
-def attention_layer(num_heads, num_kv_heads, dim, num_blocks, block_size, rotation, scales):
+def attention_layer(num_heads, num_kv_heads, dim, num_blocks, block_size, rotation, scales, backend=None,
+                    device="cpu"):
+    """An attention layer over an fp8 pool of its own, the torch backend unless told."""
     layer = Attention(num_heads, dim, dim ** -0.5, num_kv_heads)
-    layer.backend = TorchAttentionBackend()
-    layer.k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, dim, dtype=FP8_DTYPE)
+    layer.backend = backend or TorchAttentionBackend()
+    layer.k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, dim, dtype=FP8_DTYPE, device=device)
     layer.v_cache = torch.zeros_like(layer.k_cache)
     layer.kv_scales, layer.kv_rotation = scales, rotation
     return layer
