@@ -4,7 +4,7 @@ The reference is the engine with a KV cache of the model's dtype (bf16 on the GP
 its greedy trajectory of N chat prompts x T tokens is teacher-forced through an engine with
 --kv-cache-dtype fp8 and each --kv-cache-scales. One prefill over prompt + trajectory gives the
 next-token distribution at every generated position; its K/V are read back from the pool, so fp8
-reads are what it sees, as in decode. Reported per method:
+reads are what it sees, as in decode. Reported per --kv-cache-rotation and method:
 
 - top-1: how often fp8's argmax is the reference's (teacher-forced, same positions);
 - KL(ref || fp8) per token, mean and p99, in nats;
@@ -15,6 +15,7 @@ Targets (issue 13): top-1 >= 98%, mean KL <= 0.01.
 
     python bench/kv_fp8_accuracy.py                                   # GPU: 64 prompts x 128 tokens
     python bench/kv_fp8_accuracy.py --device cpu --num-prompts 8 --new-tokens 32
+    python bench/kv_fp8_accuracy.py --device cpu --methods calibrated-per-head --rotations none hadamard
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from scheduler_svc.common.model_paths import default_model_dir  # noqa: E402
 from scheduler_svc.text.tokenizer import Tokenizer  # noqa: E402
 
 TOP1_TARGET, MEAN_KL_TARGET = 0.98, 0.01
+DEFAULT_ROTATION = EngineConfig.__dataclass_fields__["kv_cache_rotation"].default
 SUBJECTS = ["the moon", "volcanoes", "honey bees", "the printing press", "black holes", "the Roman army",
             "coffee", "earthquakes", "the human heart", "rainbows", "glaciers", "the internet", "chess",
             "tides", "penguins", "electric cars"]
@@ -51,7 +53,7 @@ def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
 
 
 def make_runner(model_dir: str, device: str, kv_cache_dtype: str, kv_cache_scales: str, num_blocks: int,
-                block_size: int = 16, kv_cache_rotation: str = "none") -> ModelRunner:
+                block_size: int = 16, kv_cache_rotation: str = DEFAULT_ROTATION) -> ModelRunner:
     config = EngineConfig(model=model_dir, device=device, kv_cache_dtype=kv_cache_dtype,
                           kv_cache_scales=kv_cache_scales, kv_cache_rotation=kv_cache_rotation,
                           num_gpu_blocks=num_blocks, block_size=block_size,
@@ -116,7 +118,7 @@ def exact_match(reference: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, methods: list[str],
-            batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = ("none",)) -> dict:
+            batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,)) -> dict:
     """Every (rotation, method) row against the reference engine; batches of `batch` prompts at a time."""
     prompts = chat_prompts(model_dir, num_prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
