@@ -4,6 +4,7 @@ start-up as --kv-cache-scales asks, logging them; with --kv-cache-rotation hadam
 K and q by one shared matrix, and the scales are calibrated on the rotated K."""
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from executor_svc.kv_calibration import CALIBRATION_TEXTS, calibration_chunks
 from executor_svc.model_runner import ModelRunner
 from kernels.kv_quant import FP8_DTYPE, as_bytes, scales_from_amax
 from kernels.kv_rotation import hadamard_matrix
-from scheduler_svc.common.config import EngineConfig
+from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 from support.tiny_checkpoints import make_tiny_llama
 
 BLOCK_SIZE = 4
@@ -137,3 +138,13 @@ def test_rotated_calibration_gives_the_scales_of_the_rotated_keys(tiny_llama, mo
     torch.testing.assert_close(rotated.kv_pool.scales, scales_from_amax(amax))
     assert not torch.allclose(rotated.kv_pool.scales[0], unrotated_scales[0])
     torch.testing.assert_close(rotated.kv_pool.scales[1], unrotated_scales[1])  # V is stored as it comes
+
+
+def test_the_rotation_flag_reaches_another_process_role_and_an_unknown_rotation_is_refused(tiny_llama):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig(model=tiny_llama, kv_cache_dtype="fp8", kv_cache_rotation="hadamard")
+    assert engine_config_from_args(parser.parse_args(config.to_argv())).kv_cache_rotation == "hadamard"
+    assert EngineConfig(model=tiny_llama).kv_cache_rotation == "none"
+    with pytest.raises(ValueError, match="--kv-cache-rotation"):
+        EngineConfig(model=tiny_llama, kv_cache_rotation="random")
