@@ -2,7 +2,7 @@
 head_dim, applied to K after RoPE (and the k-norm) before it is quantized, and to q before attention.
 
 q.k = (q H).(k H) for orthogonal H, so attention is unchanged in exact arithmetic. What changes is
-what the fp8 pool stores: e4m3 carries ~3.6% rms relative error per element whatever the scale, and
+what the fp8 pool stores: e4m3 carries ~2.6% rms relative error per element whatever the scale, and
 q.k is dominated by a few outlier channels, whose errors do not average out. The normalized
 Walsh-Hadamard matrix spreads every channel over all D elements with equal weight, so each stored
 element mixes all channels and the per-element errors average over the dot product (the QuaRot /
