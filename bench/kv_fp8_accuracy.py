@@ -4,7 +4,7 @@ The reference is the engine with a KV cache of the model's dtype (bf16 on the GP
 its greedy trajectory of N chat prompts x T tokens is teacher-forced through an engine with
 --kv-cache-dtype fp8 and each --kv-cache-scales. One prefill over prompt + trajectory gives the
 next-token distribution at every generated position; its K/V are read back from the pool, so fp8
-reads are what it sees, as in decode. Reported per method:
+reads are what it sees, as in decode. Reported per --kv-cache-rotation and method:
 
 - top-1: how often fp8's argmax is the reference's (teacher-forced, same positions);
 - KL(ref || fp8) per token, mean and p99, in nats;
@@ -15,6 +15,7 @@ Targets (issue 13): top-1 >= 98%, mean KL <= 0.01.
 
     python bench/kv_fp8_accuracy.py                                   # GPU: 64 prompts x 128 tokens
     python bench/kv_fp8_accuracy.py --device cpu --num-prompts 8 --new-tokens 32
+    python bench/kv_fp8_accuracy.py --device cpu --methods calibrated-per-head --rotations none hadamard
 """
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ import torch  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
 from executor_svc.sampling_row import GREEDY_ROW  # noqa: E402
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk  # noqa: E402
-from scheduler_svc.common.config import KV_CACHE_SCALES, EngineConfig  # noqa: E402
+from scheduler_svc.common.config import KV_CACHE_ROTATIONS, KV_CACHE_SCALES, EngineConfig  # noqa: E402
 from scheduler_svc.common.model_paths import default_model_dir  # noqa: E402
 from scheduler_svc.text.tokenizer import Tokenizer  # noqa: E402
 
 TOP1_TARGET, MEAN_KL_TARGET = 0.98, 0.01
+DEFAULT_ROTATION = EngineConfig.__dataclass_fields__["kv_cache_rotation"].default
 SUBJECTS = ["the moon", "volcanoes", "honey bees", "the printing press", "black holes", "the Roman army",
             "coffee", "earthquakes", "the human heart", "rainbows", "glaciers", "the internet", "chess",
             "tides", "penguins", "electric cars"]
@@ -51,9 +53,10 @@ def chat_prompts(model_dir: str, n: int) -> list[list[int]]:
 
 
 def make_runner(model_dir: str, device: str, kv_cache_dtype: str, kv_cache_scales: str, num_blocks: int,
-                block_size: int = 16) -> ModelRunner:
+                block_size: int = 16, kv_cache_rotation: str = DEFAULT_ROTATION) -> ModelRunner:
     config = EngineConfig(model=model_dir, device=device, kv_cache_dtype=kv_cache_dtype,
-                          kv_cache_scales=kv_cache_scales, num_gpu_blocks=num_blocks, block_size=block_size,
+                          kv_cache_scales=kv_cache_scales, kv_cache_rotation=kv_cache_rotation,
+                          num_gpu_blocks=num_blocks, block_size=block_size,
                           enforce_eager=True, max_num_seqs=256)
     return ModelRunner(config)
 
@@ -115,8 +118,8 @@ def exact_match(reference: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, methods: list[str],
-            batch: int, exact_match_len: bool = True) -> dict:
-    """Every method's row against the reference engine; batches of `batch` prompts at a time."""
+            batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,)) -> dict:
+    """Every (rotation, method) row against the reference engine; batches of `batch` prompts at a time."""
     prompts = chat_prompts(model_dir, num_prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     num_blocks = batch * -(-(max(len(p) for p in prompts) + new_tokens + 1) // 16)
@@ -126,11 +129,11 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, meth
     ref_logprobs = [teacher_forced_logprobs(ref_runner, b, t) for b, t in zip(batches, trajectories)]
     del ref_runner
     rows = []
-    for method in methods:
+    for rotation, method in [(r, m) for r in rotations for m in methods]:
         t0 = time.perf_counter()
-        runner = make_runner(model_dir, device, "fp8", method, num_blocks)
+        runner = make_runner(model_dir, device, "fp8", method, num_blocks, kv_cache_rotation=rotation)
         test = torch.cat([teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
-        row = {"method": method, **agreement(torch.cat(ref_logprobs), test)}
+        row = {"rotation": rotation, "method": method, **agreement(torch.cat(ref_logprobs), test)}
         if exact_match_len:
             outs = [o for b in batches for o in greedy(runner, b, new_tokens)]
             row |= exact_match([t for ts in trajectories for t in ts], outs)
@@ -145,9 +148,9 @@ def print_table(result: dict) -> None:
     print(f"\nfp8 KV cache vs {result['reference_kv_dtype']} KV: {result['model']} on {result['device']}, "
           f"{result['num_prompts']} prompts x {result['new_tokens']} tokens (targets: top-1 >= "
           f"{TOP1_TARGET:.0%}, mean KL <= {MEAN_KL_TARGET})")
-    print(f"{'scales':>20} {'top-1':>7} {'mean KL':>9} {'p99 KL':>9} {'match len':>9} {'full':>5} {'s':>6}")
+    print(f"{'rotation':>9} {'scales':>20} {'top-1':>7} {'mean KL':>9} {'p99 KL':>9} {'match len':>9} {'full':>5} {'s':>6}")
     for r in result["rows"]:
-        print(f"{r['method']:>20} {r['top1']:>7.2%} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} "
+        print(f"{r.get('rotation', 'none'):>9} {r['method']:>20} {r['top1']:>7.2%} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} "
               f"{r.get('mean_match_len', float('nan')):>9.1f} {r.get('full_match', float('nan')):>5.0%} "
               f"{r['seconds']:>6.1f}")
 
@@ -160,13 +163,15 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=None, help="prompts per forward (default: all on GPU, 4 on CPU)")
     p.add_argument("--methods", nargs="+", choices=KV_CACHE_SCALES, default=list(KV_CACHE_SCALES))
+    p.add_argument("--rotations", nargs="+", choices=KV_CACHE_ROTATIONS, default=list(KV_CACHE_ROTATIONS),
+                   help="--kv-cache-rotation values to measure, each with every method")
     p.add_argument("--out", default="bench/results/kv_fp8_accuracy.json")
     args = p.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens,
-                     args.methods, batch)
+                     args.methods, batch, rotations=tuple(args.rotations))
     print_table(result)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -135,6 +135,12 @@ class KVPool:
         for i, attn in enumerate(self.layers):
             attn.kv_scales = KVScales(self.scales[0, i], self.scales[1, i])
 
+    def set_rotation(self, rotation: torch.Tensor) -> None:
+        """An fp8 pool's rotation of K (and q) [D, D], on the device (kernels/kv_rotation.py); every layer
+        shares it."""
+        for attn in self.layers:
+            attn.kv_rotation = rotation
+
     def release(self) -> None:
         self.cache = None
         for attn in self.layers:

@@ -23,6 +23,7 @@ from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, is_fp8
+from kernels.kv_rotation import hadamard_matrix
 from scheduler_svc.common.config import EngineConfig
 
 log = logging.getLogger("nanoserve.executor")
@@ -109,6 +110,8 @@ class ModelRunner:
                           f.head_dim, self.kv_cache_dtype, self.device)
         self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
         if is_fp8(layout.dtype):  # before sizing: the profiling forward runs on the fp8 pool too
+            if config.kv_cache_rotation == "hadamard":  # before calibrating: the scales are of the rotated K
+                self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, self.dtype, self.device))
             method = config.kv_cache_scales
             amax = None if method == "static" else self.calibration_amax()
             self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))

@@ -2,7 +2,10 @@
 
 This is the one place a token's K/V is written: by the backend's store_kvcache at the slots of
 meta.slot_mapping (computed in executor_svc/input_batch.py), or, on CUDA when the backend's
-capabilities say fused_norm_rope_store, by one kernel that also does the q/k norm and RoPE. The math
+capabilities say fused_norm_rope_store, by one kernel that also does the q/k norm and RoPE. An fp8
+pool with a rotation (--kv-cache-rotation hadamard, kernels/kv_rotation.py) takes the unfused chain
+everywhere, K and q rotated by one matmul each between RoPE and the store: the fused kernel would
+store K unrotated. The math
 lives in a kernels/ backend; this layer only owns its slice of the KV pool, which the KV pool
 (executor_svc/kv_cache.py) assigns after allocating it, and with an fp8 pool its dequantization scales.
 """
@@ -13,6 +16,7 @@ from executor_svc.layers.layernorm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
 from kernels.attention.base import AttentionBackend, AttentionMetadata
 from kernels.kv_quant import KVScales
+from kernels.kv_rotation import rotate
 
 
 class Attention(nn.Module):
@@ -26,18 +30,22 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         self.kv_scales: KVScales | None = None  # an fp8 pool's scales of this layer, set by the KV pool
+        # [D, D] orthogonal, on the device: K and q are rotated before the store and attention
+        # (kernels/kv_rotation.py, --kv-cache-rotation); None: stored as they come
+        self.kv_rotation: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None  # set by the model loader
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> torch.Tensor:
         """q [T, H, D], k [T, H_kv, D], v [T, H_kv*D] -> [T, H*D]: q/k RMSNorm (when given), RoPE,
-        the K/V store, attention."""
+        the rotation of q and k (when set), the K/V store, attention."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
         if self.backend is None:
             raise RuntimeError("attention layer has no backend: load the model with model_loader.load_model")
-        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store:
+        # a rotation goes between RoPE and the store, which the fused kernel does in one go
+        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store and self.kv_rotation is None:
             # q/k norm, RoPE and the K/V store in one kernel: the same rounding as the chain below
             q_w = q_norm.weight if q_norm is not None else None
             k_w = k_norm.weight if k_norm is not None else None
@@ -50,6 +58,8 @@ class Attention(nn.Module):
                 q, k = q_norm(q), k_norm(k)
             q, k = rotary_emb(positions, q, k)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.kv_rotation is not None:
+                q, k = rotate(q.view(-1, self.num_heads, self.head_dim), self.kv_rotation), rotate(k, self.kv_rotation)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         q = q.view(-1, self.num_heads, self.head_dim)

@@ -15,6 +15,9 @@ LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # how an fp8 pool's scales are chosen: 1.0 everywhere, or calibrated at start-up per layer or per KV head
 KV_CACHE_SCALES = ("calibrated", "calibrated-per-head", "static")
+# how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
+# of K and q over head_dim, which attention does not see, or none
+KV_CACHE_ROTATIONS = ("hadamard", "none")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class EngineConfig:
     cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     kv_cache_scales: str = "calibrated-per-head"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8
+    kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -78,6 +82,8 @@ class EngineConfig:
              f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.kv_cache_scales in KV_CACHE_SCALES,
              f"--kv-cache-scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
+        need(self.kv_cache_rotation in KV_CACHE_ROTATIONS,
+             f"--kv-cache-rotation must be one of {KV_CACHE_ROTATIONS}, got {self.kv_cache_rotation!r}")
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
              "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
@@ -141,6 +147,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fp8: K and V as float8_e4m3fn with float32 scales, about twice the blocks per byte")
     g.add_argument("--kv-cache-scales", choices=KV_CACHE_SCALES, default=d["kv_cache_scales"].default,
                    help="fp8 scales: from a calibration forward at start-up, per layer or per KV head, or 1.0")
+    g.add_argument("--kv-cache-rotation", choices=KV_CACHE_ROTATIONS, default=d["kv_cache_rotation"].default,
+                   help="fp8: rotate K and q by a Hadamard matrix over head_dim before K is quantized "
+                        "(attention is unchanged; the quantization error averages over q.k)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

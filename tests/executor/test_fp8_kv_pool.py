@@ -1,18 +1,22 @@
 """The executor's fp8 KV pool (--kv-cache-dtype fp8): it holds more blocks in the same memory, says
 so in the handshake, moves fp8 bytes unchanged through copies and swaps, and fixes its scales at
-start-up as --kv-cache-scales asks, logging them."""
+start-up as --kv-cache-scales asks, logging them; with --kv-cache-rotation hadamard every layer rotates
+K and q by one shared matrix, and the scales are calibrated on the rotated K."""
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
 import torch
 
+from executor_svc import model_runner
 from executor_svc.executor import handshake
 from executor_svc.kv_calibration import CALIBRATION_TEXTS, calibration_chunks
 from executor_svc.model_runner import ModelRunner
 from kernels.kv_quant import FP8_DTYPE, as_bytes, scales_from_amax
-from scheduler_svc.common.config import EngineConfig
+from kernels.kv_rotation import hadamard_matrix
+from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 from support.tiny_checkpoints import make_tiny_llama
 
 BLOCK_SIZE = 4
@@ -107,3 +111,40 @@ def test_calibration_without_a_tokenizer_draws_random_ids_from_the_seed(tiny_lla
     ids = lambda seed: [c.seq.token_ids for c in calibration_chunks(tiny_llama, 256, 4, 64, seed)[0]]  # noqa: E731
     assert ids(0) == ids(0) != ids(1)
     assert sum(map(len, ids(0))) == 64 and all(0 <= t < 256 for seq in ids(0) for t in seq)
+
+
+def test_a_hadamard_rotation_is_shared_by_every_layer_of_an_fp8_pool_and_never_set_on_another(tiny_llama):
+    rotated = make_runner(tiny_llama, kv_cache_rotation="hadamard", kv_cache_scales="static")
+    h = rotated.kv_pool.layers[0].kv_rotation
+    torch.testing.assert_close(h, hadamard_matrix(16))  # the tiny model's head_dim, in its dtype
+    assert all(attn.kv_rotation is h for attn in rotated.kv_pool.layers)
+    plain = make_runner(tiny_llama, kv_cache_dtype="auto", kv_cache_rotation="hadamard")
+    assert all(attn.kv_rotation is None for attn in plain.kv_pool.layers), "only an fp8 pool is rotated"
+    assert all(attn.kv_rotation is None for attn in make_runner(tiny_llama).kv_pool.layers)
+
+
+def test_rotated_calibration_gives_the_scales_of_the_rotated_keys(tiny_llama, monkeypatch):
+    rotated = make_runner(tiny_llama, kv_cache_rotation="hadamard")
+    unrotated_scales = make_runner(tiny_llama).kv_pool.scales
+    plain = make_runner(tiny_llama, kv_cache_dtype="auto")
+    h = hadamard_matrix(16)
+
+    def amax_after_rotating_the_stored_keys(pool):  # the unrotated engine's K, rotated after the fact
+        k, v = pool.cache.float()
+        return torch.stack([(k @ h).abs().amax(dim=(1, 2, 4)), v.abs().amax(dim=(1, 2, 4))])
+
+    monkeypatch.setattr(model_runner, "pool_amax", amax_after_rotating_the_stored_keys)
+    amax = plain.calibration_amax()
+    torch.testing.assert_close(rotated.kv_pool.scales, scales_from_amax(amax))
+    assert not torch.allclose(rotated.kv_pool.scales[0], unrotated_scales[0])
+    torch.testing.assert_close(rotated.kv_pool.scales[1], unrotated_scales[1])  # V is stored as it comes
+
+
+def test_the_rotation_flag_reaches_another_process_role_and_an_unknown_rotation_is_refused(tiny_llama):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = EngineConfig(model=tiny_llama, kv_cache_dtype="fp8", kv_cache_rotation="hadamard")
+    assert engine_config_from_args(parser.parse_args(config.to_argv())).kv_cache_rotation == "hadamard"
+    assert EngineConfig(model=tiny_llama).kv_cache_rotation == "none"
+    with pytest.raises(ValueError, match="--kv-cache-rotation"):
+        EngineConfig(model=tiny_llama, kv_cache_rotation="random")

@@ -19,6 +19,10 @@ pytest.importorskip("triton")
 from kernels.kv_quant import FP8_DTYPE, KVScales, as_bytes, dequantize, quantize  # noqa: E402
 from support.paged_batches import make_batch, reference_attention, rel_error  # noqa: E402
 from test_fused_ops import EPS, prologue_inputs, split_heads  # noqa: E402
+from test_kv_rotation import attention_layer, outlier_qkv  # noqa: E402
+
+from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
+from kernels.kv_rotation import hadamard_matrix  # noqa: E402
 
 if KERNELS_RUN_HERE:
     from kernels import fused_ops as fo
@@ -169,6 +173,36 @@ def test_fused_prologue_stores_the_same_fp8_bytes_as_the_unfused_chain_and_eager
     assert (pools["fused"][0].float().abs().amax() == 448.0), "the case should overflow some scale"
 
 
+def rotated_layers(device, dtype, seqlens_q, seqlens_k, heads, block_size, seed):
+    """The same step through a rotated attention layer over the Triton backend and over the torch
+    backend (--kv-cache-rotation hadamard); returns (out, layer) for each."""
+    hq, hkv, d = heads
+    _, _, _, meta = make_batch(seqlens_q, seqlens_k, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=block_size, device=device, seed=seed)
+    num_blocks = int(meta.block_tables.max()) + 1
+    q, k, v = (x.to(device=device, dtype=dtype) for x in outlier_qkv(sum(seqlens_q), hq, hkv, d,
+                                                                      torch.Generator().manual_seed(seed)))
+    positions = torch.cat([torch.arange(nk - nq, nk) for nq, nk in zip(seqlens_q, seqlens_k)]).to(device)
+    rope = RotaryEmbedding(d, max(seqlens_k), 10000.0).to(device)
+    scales = KVScales(torch.full((hkv,), 0.02, device=device), torch.full((hkv,), 0.01, device=device))
+    h = hadamard_matrix(d, dtype, device)
+    results = {}
+    for name, backend in (("triton", ta.TritonAttentionBackend()), ("torch", None)):
+        layer = attention_layer(hq, hkv, d, num_blocks, block_size, h, scales, backend, device)
+        out = layer(positions, q.clone(), k.clone(), v.flatten(1).clone(), meta, rope)
+        results[name] = (out, layer)
+    return results
+
+
+@interpreter
+def test_a_rotated_layer_over_triton_stores_the_torch_backends_fp8_bytes_and_attends_alike():
+    results = rotated_layers("cpu", torch.float32, [6, 1, 9], [6, 1, 9], (4, 2, 16), 4, seed=21)
+    (out, layer), (ref_out, ref_layer) = results["triton"], results["torch"]
+    assert torch.equal(as_bytes(layer.k_cache), as_bytes(ref_layer.k_cache))
+    assert torch.equal(as_bytes(layer.v_cache), as_bytes(ref_layer.v_cache))
+    assert rel_error(out, ref_out.double()) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: compiled kernels, the hardware fp8 cast, realistic shapes
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +244,19 @@ def test_gpu_fused_prologue_stores_the_unfused_chains_fp8_bytes(norm):
         assert torch.equal(as_bytes(got), as_bytes(want))
     for got, want, scale in zip(pools["fused"], pools["eager"], (scales.k, scales.v)):
         assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(16, 8, 128), (9, 3, 64)])
+def test_gpu_rotated_layer_takes_the_unfused_chain_and_matches_the_torch_backend(heads):
+    # the fused prologue would store K unrotated: with a rotation the layer norms, ropes, rotates, stores
+    results = rotated_layers("cuda", torch.bfloat16, [300, 1, 17], [300, 900, 40], heads, 16, seed=22)
+    (out, layer), (ref_out, ref_layer) = results["triton"], results["torch"]
+    for got, want, scale in ((layer.k_cache, ref_layer.k_cache, layer.kv_scales.k),
+                             (layer.v_cache, ref_layer.v_cache, layer.kv_scales.v)):
+        assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 1e-2
+    assert rel_error(out, ref_out.double()) < 2e-2
 
 
 @pytest.mark.gpu
