@@ -13,11 +13,13 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from typing import TYPE_CHECKING
 
 import zmq
 from google.protobuf.message import DecodeError
 
+from executor_svc.late_masks import LateMaskError, wait_late_masks
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
@@ -104,10 +106,12 @@ class StepLoop:
     as the device finishes it."""
 
     def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int,
-                 epoch: SchedulerEpoch | None = None) -> None:
+                 epoch: SchedulerEpoch | None = None, late_mask_timeout_s: float = 10.0) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
-        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
+        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds, error)
+        self.late_mask_timeout_s = late_mask_timeout_s  # how long rank 0 waits for a step's late token masks
+        self.backlog: deque[engine_pb2.SchedulerToExecutor] = deque()  # read while waiting for late masks
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
         self.py_profile = PythonProfileWindow.from_env(f"executor{rank}")
@@ -115,6 +119,8 @@ class StepLoop:
     def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
         """The next message, or None once the pending step is done and no message is waiting."""
         while True:
+            if self.backlog:
+                return self.backlog.popleft()
             if self.sock.poll(0 if self.pending else 1000):
                 payload = self.sock.recv()
                 try:
@@ -130,10 +136,12 @@ class StepLoop:
     def reply_pending(self) -> None:
         if self.pending is None:
             return
-        step_id, pending, execute_seconds, idle_seconds = self.pending
+        step_id, pending, execute_seconds, idle_seconds, error = self.pending
         self.pending = None
         result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
         try:
+            if error:  # sampled all the same (the other ranks take its tokens), but never answered
+                raise error
             sampled = self.runner.finalize(pending)
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
@@ -173,8 +181,15 @@ class StepLoop:
             self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
+        error = None
+        if plan.late_mask_seq_ids and self.rank == 0:  # as late as it can be: the forward runs meanwhile
+            try:
+                wait_late_masks(self.sock, self.epoch.value, plan.step_id, chunks, self.late_mask_timeout_s,
+                                self.backlog)
+            except LateMaskError as exc:
+                error = exc
         pending = self.runner.sample(inputs)
-        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
+        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle, error)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:
@@ -214,14 +229,15 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.send(engine_pb2.ExecutorToScheduler(handshake=handshake(runner)).SerializeToString())
 
     mirrors = SequenceMirrors()
-    loop = StepLoop(runner, mirrors, sock, rank, epoch)
+    # rank 0 waits for late token masks as long as the scheduler waits for a silent executor
+    loop = StepLoop(runner, mirrors, sock, rank, epoch, late_mask_timeout_s=config.executor_timeout_s)
     try:
         while True:
             msg = loop.next_message()
             if msg is None:  # the device finished the pending step before the next plan came
                 loop.reply_pending()
                 continue
-            kind = msg.WhichOneof("kind")
+            kind = msg.WhichOneof("kind")  # late_masks here belong to a step that failed before it waited
             if kind == "shutdown":
                 log.info("rank %d shutting down: %s", rank, msg.shutdown.reason)
                 return 0

@@ -4,10 +4,12 @@ after exactly the sequence's output tokens, through chunked prefill, preemption 
 parallel samples and async scheduling; grammars compile off the loop, once per text."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import jsonschema
 import llguidance
@@ -18,6 +20,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from protos import engine_pb2
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
+from scheduler_svc.core.scheduler_output import SchedulerOutput
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.step_plan import build_step_plan
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
@@ -91,41 +94,91 @@ def wait_compiled(sched: Scheduler, timeout_s: float = 30.0) -> list:
 
 
 def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int = 1, seed: int = 0,
-          max_steps: int = 2000) -> list:
-    """Run to the end with `depth` plans in flight; every constrained sample is drawn among the tokens its
-    mask allows (checked against the grammar when lltokenizer is given), and no constrained sequence is
-    planned while a plan of it is in flight. The plans, in order."""
+          max_steps: int = 2000, aborts: dict[int, Sequence] | None = None, lates: list | None = None) -> list:
+    """Run to the end with `depth` plans in flight, in the engine's order: when a step's result is applied, the
+    late masks of the next step in flight are filled (the engine sends them to rank 0) and its late rows are
+    drawn; a step's forward runs once every sample of the step before it is drawn. Every constrained sample is
+    drawn among the tokens its mask allows (checked against the grammar after exactly the output tokens when
+    lltokenizer is given); a late row whose sequence ended is dropped, never masked. aborts: plan number ->
+    sequence aborted right after that plan is sent. lates: collects the LateTokenMasks. The plans, in order."""
     rng = np.random.default_rng(seed)
     for seq in seqs:
         sched.add(seq)
     cfg = sched.config
-    executor = FakeExecutor(cfg.num_blocks, cfg.block_size, cfg.num_host_blocks,
-                            lambda seq, pos: seq.token_ids[pos] if pos < len(seq.token_ids) else FREE_TOKEN)
-    in_flight, plans = deque(), []
+    drawn: dict[int, list[int]] = {}  # seq_id -> tokens drawn by steps not yet applied, in step order
+    live: dict[int, Sequence] = {}
+
+    def token_at(mirror, pos: int) -> int:
+        seq = live[mirror.seq_id]
+        return seq.token_ids[pos] if pos < len(seq.token_ids) else drawn[seq.seq_id][pos - len(seq.token_ids)]
+
+    executor = FakeExecutor(cfg.num_blocks, cfg.block_size, cfg.num_host_blocks, token_at)
+    in_flight, to_run, plans = deque(), deque(), []  # in flight: (step id, out, sampled, late rows not drawn yet)
+
+    def draw(seq: Sequence, mask: np.ndarray, sampled: dict[int, int]) -> None:
+        if lltokenizer is not None:
+            assert np.array_equal(mask, reference_mask(lltokenizer, seq))
+        sampled[seq.seq_id] = int(rng.choice(allowed_tokens(mask)))
+        drawn.setdefault(seq.seq_id, []).append(sampled[seq.seq_id])
+
+    def run_forwards() -> None:  # a step's forward runs once every step before it has all its samples
+        while to_run:
+            before = [late for step_id, _, _, late in in_flight if step_id < to_run[0][0]]
+            if any(before):
+                return
+            out = to_run.popleft()[1]  # a sequence that ended since: its writes and reads no longer matter
+            executor.run(dataclasses.replace(out, scheduled=[s for s in out.scheduled
+                                                             if not live[s.seq.seq_id].is_finished]))
+
     for _ in range(max_steps):
         sched.admit_compiled_grammars()
         out = sched.schedule() if len(in_flight) < depth else None
         if out is not None and out.scheduled:
-            constrained = {s.seq.seq_id for s in out.scheduled if s.seq.constraint is not None}
-            assert not constrained & {s.seq.seq_id for o, _ in in_flight for s in o.scheduled}
-            executor.run(out)
-            plans.append(build_step_plan(len(plans) + 1, out))
-            masks, sampled = masks_of(out.token_bitmasks), {}
+            plan = engine_pb2.StepPlan.FromString(build_step_plan(len(plans) + 1, out).SerializeToString())
+            plans.append(plan)
+            masks, late, sampled = masks_of_plan(plan), set(plan.late_mask_seq_ids), {}
+            assert late == {seq.seq_id for seq in out.late_masked} and not late & set(masks)
             for s in out.scheduled:
-                if not s.samples:
-                    continue
-                assert (s.seq.seq_id in masks) == (s.seq.constraint is not None)
-                if s.seq.constraint is None:
-                    sampled[s.seq.seq_id] = FREE_TOKEN
-                    continue
-                if lltokenizer is not None:
-                    assert np.array_equal(masks[s.seq.seq_id], reference_mask(lltokenizer, s.seq))
-                sampled[s.seq.seq_id] = int(rng.choice(allowed_tokens(masks[s.seq.seq_id])))
-            in_flight.append((out, sampled))
+                seq = s.seq
+                if not s.samples or seq.seq_id in late:
+                    continue  # a late row is drawn when its mask comes
+                assert (seq.seq_id in masks) == (seq.constraint is not None)
+                if seq.constraint is None:
+                    sampled[seq.seq_id] = FREE_TOKEN
+                    drawn.setdefault(seq.seq_id, []).append(FREE_TOKEN)
+                else:
+                    draw(seq, masks[seq.seq_id], sampled)
+            in_flight.append((len(plans), out, sampled, late))
+            live.update((s.seq.seq_id, s.seq) for s in out.scheduled)
+            to_run.append((len(plans), as_mirrored(out)))
+            run_forwards()
+            if aborts and len(plans) in aborts:
+                sched.abort(aborts[len(plans)].request_id)
             continue
         if in_flight:
-            sched.postprocess(*in_flight.popleft())
+            _, out, sampled, late = in_flight.popleft()
+            assert not late, "a step is applied only after its late masks came"
+            for seq_id in sampled:
+                drawn[seq_id].pop(0)
+            sched.postprocess(out, sampled)
             check_block_references(sched)
+            if in_flight and in_flight[0][1].late_masked:
+                next_id, next_out, next_sampled, next_late = in_flight[0]
+                msg = sched.structured.late_masks(next_id, next_out.late_masked)
+                msg = engine_pb2.LateTokenMasks.FromString(msg.SerializeToString())
+                if lates is not None:
+                    lates.append(msg)
+                by_id = {seq.seq_id: seq for seq in next_out.late_masked}
+                assert set(msg.masks.seq_ids) | set(msg.dropped_seq_ids) == next_late
+                assert all(by_id[i].is_finished for i in msg.dropped_seq_ids)
+                for seq_id, mask in masks_of(msg.masks if msg.HasField("masks") else None).items():
+                    assert not by_id[seq_id].is_finished
+                    draw(by_id[seq_id], mask, next_sampled)
+                for seq_id in msg.dropped_seq_ids:  # sampled free by the executor; the scheduler discards it
+                    next_sampled[seq_id] = FREE_TOKEN
+                    drawn.setdefault(seq_id, []).append(FREE_TOKEN)
+                next_late.clear()
+                run_forwards()
         elif not sched.has_unfinished():
             return plans
         else:
@@ -133,19 +186,26 @@ def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int =
     raise AssertionError("the requests never finished")
 
 
+def as_mirrored(out: SchedulerOutput) -> SchedulerOutput:
+    """The step as the executors hold it once it is sent: each sequence's block table as it was then."""
+    return dataclasses.replace(out, scheduled=[dataclasses.replace(s, seq=SimpleNamespace(
+        seq_id=s.seq.seq_id, block_table=list(s.seq.block_table))) for s in out.scheduled])
+
+
 def text_of(tokenizer, seq: Sequence) -> str:
     return tokenizer.decode_str([t for t in seq.output_token_ids if t != EOS])
 
 
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 @pytest.mark.parametrize("num_host_blocks", [0, 64], ids=["recompute", "swap"])
 def test_every_mask_is_the_grammars_after_exactly_the_output_tokens_through_preemption(
-        embedded_model, lltokenizer, num_host_blocks):
+        embedded_model, lltokenizer, num_host_blocks, depth):
     # 5 sequences of 8 to 14 prompt tokens and about 25 outputs on 24 blocks of 4: they preempt one another
     sched = make_scheduler(embedded_model, num_blocks=24, num_host_blocks=num_host_blocks, budget=16)
     seqs = [new_seq(sched, prompt_len=8 + 2 * i, constraint=json_constraint(PERSON), first_token=100 + 50 * i)
             for i in range(4)]
     seqs.append(new_seq(sched, prompt_len=10, max_tokens=30, first_token=400))  # a free one among them
-    serve(sched, seqs, lltokenizer, seed=1)
+    serve(sched, seqs, lltokenizer, depth=depth, seed=1)
     assert sched.counters.num_preemptions > 0
     assert (sched.counters.num_swap_outs > 0) == (num_host_blocks > 0)
     for seq in seqs[:4]:
@@ -154,16 +214,63 @@ def test_every_mask_is_the_grammars_after_exactly_the_output_tokens_through_pree
     assert seqs[4].output_token_ids == [FREE_TOKEN] * 30
 
 
-def test_with_async_scheduling_a_constrained_sequence_is_never_planned_on_a_placeholder(
-        embedded_model, lltokenizer):
+def runs_of(plans: list, seq: Sequence) -> list[int]:
+    """The plans (0-based) that run the sequence."""
+    return [i for i, p in enumerate(plans) if seq.seq_id in set(p.cached.seq_ids) | {n.seq_id for n in p.new_seqs}]
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_with_async_scheduling_a_constrained_sequence_decodes_in_every_step_with_late_masks(
+        embedded_model, lltokenizer, depth):
     sched = make_scheduler(embedded_model)
     constrained, free = new_seq(sched, constraint=json_constraint(PERSON)), new_seq(sched, max_tokens=12)
-    plans = serve(sched, [constrained, free], lltokenizer, depth=2, seed=2)  # serve checks the rule itself
-    ran = [[s in set(p.cached.seq_ids) | {n.seq_id for n in p.new_seqs} for p in plans]
-           for s in (constrained.seq_id, free.seq_id)]
-    assert all(ran[1][:12]), "the free sequence ran in every step, 12 in a row"
-    assert not all(ran[0][:12]), "the constrained one waited for its tokens meanwhile"
+    lates = []
+    plans = serve(sched, [constrained, free], lltokenizer, depth=depth, seed=2, lates=lates)
+    runs = runs_of(plans, constrained)
+    assert runs == list(range(runs[0], runs[0] + len(runs))), "no step without it from its first to its last"
+    assert len(runs) >= constrained.num_output_tokens  # (plus a sample discarded after it ended, if planned)
+    # its first sample's mask rides in the plan; each later one comes late, once the token before it is known
+    assert [p for p in plans if p.HasField("token_bitmasks")] == [plans[runs[0]]]
+    assert sum(constrained.seq_id in m.masks.seq_ids for m in lates) == constrained.num_output_tokens - 1
     jsonschema.validate(json.loads(text_of(lltokenizer, constrained)), PERSON)
+
+
+def test_with_async_scheduling_a_half_constrained_batch_takes_as_many_steps_as_an_all_free_one(embedded_model):
+    letters = engine_pb2.Constraint(regex="[a-z]{400}")  # 24 tokens of letters can never complete it
+
+    def steps(constrain_half: bool) -> int:
+        sched = make_scheduler(embedded_model)
+        seqs = [new_seq(sched, max_tokens=24, constraint=letters if constrain_half and i % 2 else None,
+                        first_token=100 + 10 * i) for i in range(8)]
+        for seq in seqs:
+            sched.add(seq)
+        wait_compiled(sched)  # all start together
+        plans = serve(sched, [], depth=2, seed=4)
+        assert all(seq.num_output_tokens == 24 for seq in seqs)
+        return len(plans)
+
+    free, half = steps(False), steps(True)
+    assert half <= free + 1  # not the 2x of planning a constrained sequence every other step
+
+
+def test_a_late_mask_of_a_sequence_aborted_in_flight_is_dropped_and_the_others_carry_on(
+        embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    victim, other = (new_seq(sched, constraint=json_constraint(PERSON), first_token=t) for t in (100, 200))
+    free = new_seq(sched, max_tokens=20, first_token=300)
+    for seq in (victim, other, free):
+        sched.add(seq)
+    wait_compiled(sched)  # all run from the first plan: the victim's rows from the second on are late
+    lates = []
+    plans = serve(sched, [], lltokenizer, depth=2, seed=5, aborts={4: victim}, lates=lates)
+    assert victim.seq_id in plans[3].late_mask_seq_ids  # aborted while plan 4 and its late row are in flight
+    dropped = [m for m in lates if victim.seq_id in m.dropped_seq_ids]
+    assert len(dropped) == 1 and victim.seq_id not in dropped[0].masks.seq_ids  # never masked, never waited on
+    assert victim.finish_reason == engine_pb2.FINISH_REASON_ABORT
+    assert not any(victim.seq_id in m.masks.seq_ids or victim.seq_id in m.dropped_seq_ids
+                   for m in lates[lates.index(dropped[0]) + 1:])
+    jsonschema.validate(json.loads(text_of(lltokenizer, other)), PERSON)
+    assert free.output_token_ids == [FREE_TOKEN] * 20
 
 
 def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embedded_model):
@@ -181,10 +288,11 @@ def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embed
     assert first_sample >= 2 and not plans[0].HasField("token_bitmasks")
 
 
-def test_parallel_samples_each_follow_their_own_matcher(embedded_model, lltokenizer):
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_parallel_samples_each_follow_their_own_matcher(embedded_model, lltokenizer, depth):
     sched = make_scheduler(embedded_model)
     samples = [new_seq(sched, constraint=json_constraint(PERSON), group_id="g") for _ in range(3)]  # one prompt
-    serve(sched, samples, lltokenizer, seed=3)
+    serve(sched, samples, lltokenizer, depth=depth, seed=3)
     texts = [text_of(lltokenizer, s) for s in samples]
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
