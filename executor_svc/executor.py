@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -28,7 +29,7 @@ from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
-    from executor_svc.model_runner import ModelRunner, SampledToken
+    from executor_svc.model_runner import ModelRunner, PendingStep, SampledToken
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -100,6 +101,15 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
     )
 
 
+@dataclass
+class SampledStep:
+    """A step sampled on the device, not answered yet."""
+
+    step: PendingStep
+    result: engine_pb2.StepResult  # its id and timings; the tokens are added when it is answered
+    error: Exception | None = None  # it failed after sampling (its late token masks never came)
+
+
 class StepLoop:
     """Overlaps the host with the device: step N+1 is prepared and launched while step N still runs,
     and step N's ids are sent back only then. With no next plan waiting, step N is answered as soon
@@ -109,7 +119,7 @@ class StepLoop:
                  epoch: SchedulerEpoch | None = None, late_mask_timeout_s: float = 10.0) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
-        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds, error)
+        self.pending: SampledStep | None = None
         self.late_mask_timeout_s = late_mask_timeout_s  # how long rank 0 waits for a step's late token masks
         self.backlog: deque[engine_pb2.SchedulerToExecutor] = deque()  # read while waiting for late masks
         self.last_reply: float | None = None
@@ -128,7 +138,7 @@ class StepLoop:
                 except DecodeError as exc:
                     log.error("rank %d dropped a malformed message: %s", self.rank, exc)
                     continue
-            if self.pending is not None and self.pending[1].done():
+            if self.pending is not None and self.pending.step.done():
                 return None
             if self.pending is not None:
                 self.sock.poll(0.2)  # ms: a short wait keeps both the socket and the device in view
@@ -136,13 +146,12 @@ class StepLoop:
     def reply_pending(self) -> None:
         if self.pending is None:
             return
-        step_id, pending, execute_seconds, idle_seconds, error = self.pending
-        self.pending = None
-        result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
+        sampled_step, self.pending = self.pending, None
+        result, step_id = sampled_step.result, sampled_step.result.step_id
         try:
-            if error:  # sampled all the same (the other ranks take its tokens), but never answered
-                raise error
-            sampled = self.runner.finalize(pending)
+            if sampled_step.error is not None:  # sampled all the same (the other ranks take its tokens)
+                raise sampled_step.error
+            sampled = self.runner.finalize(sampled_step.step)
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id)
@@ -181,15 +190,19 @@ class StepLoop:
             self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
-        error = None
+        error, wait = None, 0.0
         if plan.late_mask_seq_ids and self.rank == 0:  # as late as it can be: the forward runs meanwhile
+            t_wait = time.perf_counter()
             try:
                 wait_late_masks(self.sock, self.epoch.value, plan.step_id, chunks, self.late_mask_timeout_s,
                                 self.backlog)
             except LateMaskError as exc:
                 error = exc
-        pending = self.runner.sample(inputs)
-        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle, error)
+            wait = time.perf_counter() - t_wait
+        step = self.runner.sample(inputs)
+        self.pending = SampledStep(step, engine_pb2.StepResult(
+            step_id=plan.step_id, execute_seconds=time.perf_counter() - t0, idle_seconds=idle,
+            late_mask_wait_seconds=wait), error)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:

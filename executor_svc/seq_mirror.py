@@ -138,7 +138,7 @@ def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: li
     for chunk in chunks:
         row = row_of.pop(chunk.seq.seq_id, None)
         if row is not None:
-            if not chunk.samples:
+            if not (chunk.samples or chunk.late_mask):  # (a late one was checked with its plan, committed since)
                 raise RuntimeError(f"plan {step_id}: seq {chunk.seq.seq_id} has a token mask but does not sample")
             chunk.token_mask = words[row]
     if row_of:

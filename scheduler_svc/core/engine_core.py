@@ -70,6 +70,7 @@ class StepTimings:
     decode_step_seconds: float = 0.0
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0
+    late_mask_wait_seconds: float = 0.0
 
 
 class EngineCore:
@@ -400,6 +401,7 @@ class EngineCore:
         self.last_result_at = now
         t.executor_busy_seconds += result.execute_seconds
         t.executor_idle_seconds += result.idle_seconds
+        t.late_mask_wait_seconds += result.late_mask_wait_seconds
         if not result.error:
             sampled = {s.seq_id: s for s in result.sampled}
             candidates = None

@@ -15,6 +15,8 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from protos import engine_pb2
@@ -286,6 +288,31 @@ def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embed
     assert len(with_masks) == constrained.num_output_tokens  # one mask per sampled token
     first_sample = next(i for i, p in enumerate(plans) if p.HasField("token_bitmasks"))
     assert first_sample >= 2 and not plans[0].HasField("token_bitmasks")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(1, 3), budget=st.sampled_from([5, 9, 64]), num_blocks=st.sampled_from([22, 256]),
+       num_host_blocks=st.sampled_from([0, 32]), n=st.integers(1, 3), seed=st.integers(0, 2**16),
+       aborts=st.dictionaries(st.integers(1, 40), st.integers(0, 4), max_size=2))
+def test_every_mask_sent_in_a_plan_or_late_is_the_grammars_after_exactly_the_output_tokens(
+        embedded_model, lltokenizer, depth, budget, num_blocks, num_host_blocks, n, seed, aborts):
+    """Chunked prefill (budgets of 5 and 9), preemption by recompute and swap (22 blocks of 4), n samples,
+    aborts while steps are in flight, up to 3 plans in flight: serve checks each mask against the grammar."""
+    sched = make_scheduler(embedded_model, num_blocks=num_blocks, num_host_blocks=num_host_blocks, budget=budget)
+    seqs = [new_seq(sched, prompt_len=12, constraint=json_constraint(PERSON), first_token=100, group_id="g")
+            for _ in range(n)]
+    seqs += [new_seq(sched, prompt_len=8 + i, constraint=json_constraint(PERSON), first_token=200 + 40 * i)
+             for i in range(2)]
+    seqs.append(new_seq(sched, prompt_len=10, max_tokens=30, first_token=400))
+    serve(sched, seqs, lltokenizer, depth=depth, seed=seed,
+          aborts={step: seqs[i % len(seqs)] for step, i in aborts.items()})
+    check_block_references(sched)
+    assert sched.block_manager.num_free_blocks == num_blocks and not sched.structured.matchers
+    for seq in seqs:
+        if seq.finish_reason == engine_pb2.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(text_of(lltokenizer, seq)), PERSON)
+        else:
+            assert seq.finish_reason in (engine_pb2.FINISH_REASON_ABORT, engine_pb2.FINISH_REASON_LENGTH)
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])

@@ -40,6 +40,7 @@ class StructuredCounters:
     num_masked_steps: int = 0
     num_token_masks: int = 0
     token_mask_seconds: float = 0.0
+    num_late_token_masks: int = 0  # of num_token_masks, those sent after their plan
 
 
 @dataclass
@@ -148,6 +149,7 @@ class StructuredOutputs:
         msg = engine_pb2.LateTokenMasks(step_id=step_id, dropped_seq_ids=dropped)
         if live:
             msg.masks.CopyFrom(self._fill(live))
+            self.counters.num_late_token_masks += len(live)
         return msg
 
     def _fill(self, seqs: list[Sequence]) -> engine_pb2.TokenBitmasks:
