@@ -1,5 +1,6 @@
 """Prometheus counters follow the scheduler's cumulative ones: preemptions and structured output (constrained
-requests, compile errors, masked steps, mask time and rank 0's wait for late masks), counted again from 0 when the scheduler restarts."""
+requests, compile errors, masked steps, mask time and rank 0's wait for late masks), counted again from 0
+when the scheduler restarts."""
 from __future__ import annotations
 
 from prometheus_client import generate_latest

@@ -6,10 +6,11 @@ background), is_ready() before admitting it (it waits, without blocking others, 
 compiled), plan_masks() for the step's constrained samples, late_masks() for those planned on a token
 still in flight once it is known, accept() with each token sampled, release() when it ends. A matcher
 lives as long as its sequence: preemption by recompute or swap keeps it as it is (the tokens it consumed
-are still the sequence's), and it advances only in accept(), once per sampled token, so recomputing a sequence never replays its tokens into it. Unconstrained sequences never reach
-this file. With async scheduling a constrained sequence is planned on its placeholder like a free one, and
-its mask, which depends on the token in flight, follows the plan once that token is applied (a late mask:
-DESIGN.md "Structured output").
+are still the sequence's), and it advances only in accept(), once per sampled token, so recomputing a
+sequence never replays its tokens into it. Unconstrained sequences never reach this file. With async
+scheduling a constrained sequence is planned on its placeholder like a free one, and its mask, which
+depends on the token in flight, follows the plan once that token is applied (a late mask: DESIGN.md
+"Structured output").
 """
 from __future__ import annotations
 
