@@ -7,12 +7,15 @@ is on these machines, so by default the vocabulary is a synthetic byte-level one
 Qwen3's); --tokenizer DIR takes a real tokenizer.json instead. The matcher walks a valid document token
 by token and each mask is timed (median, p99; the first mask after a compile, which builds the lexer's
 states lazily, is reported apart), then one step's masks for B rows through the scheduler's own path
-(StructuredOutputs.fill_masks: llguidance's parallel fill). Compile time per schema: a fresh matcher each.
+(StructuredOutputs.plan_masks: llguidance's parallel fill). Compile time per schema: a fresh matcher each.
 
 --mode throughput: bench/throughput.py's workload through the real engine, all requests free, then half
 of them constrained by the nested schema (the same prompts and max_tokens; ignore_eos), with the synthetic
 tokenizer beside the random-weight model. On the H200: the defaults (Qwen3-0.6B, 256 sequences). On the
-CPU: --shape tiny --num-seqs 8 --max-input-len 64 --max-output-len 48 --min-len 16 --device cpu.
+CPU: --shape tiny --num-seqs 8 --max-input-len 64 --max-output-len 48 --min-len 16 --device cpu. With async
+scheduling constrained rows decode every step, their masks sent after the plan: "late masks" counts those,
+"mask wait" is rank 0's time waiting for them before sampling (inside "exec busy"; on a GPU the forward runs
+meanwhile).
 
     python bench/structured.py [--mode mask] [--rows 1 16 128] [--tokenizer DIR]
     python bench/structured.py --mode throughput [--shape qwen3-0.6b] [engine flags]
@@ -165,7 +168,7 @@ def bench_masks(tokenizer_dir: str, vocab: int, eos: int, repeats: int, rows_lis
         times = []
         for _ in range(max(5, repeats)):
             t0 = time.perf_counter()
-            structured.fill_masks(scheduled)
+            structured.plan_masks(scheduled)
             times.append((time.perf_counter() - t0) * 1e3)
         step_ms[rows] = {"median": statistics.median(times), "p99": percentile(times, 0.99)}
         assert np.count_nonzero(structured._bitmask[:rows]) > 0
@@ -218,6 +221,8 @@ def run_throughput(args, model_dir: str, constrain_half: bool) -> dict:
     return {"run": "half constrained" if constrain_half else "all free", "output_tokens": out_tokens,
             "seconds": elapsed, "output_tok_per_s": out_tokens / elapsed, "steps": delta("num_steps"),
             "masked_steps": delta("num_masked_steps"), "token_masks": delta("num_token_masks"),
+            "late_token_masks": delta("num_late_token_masks"),
+            "late_mask_wait_seconds": delta("late_mask_wait_seconds"),
             "mask_ms_per_masked_step": 1e3 * delta("token_mask_seconds") / max(1, delta("num_masked_steps")),
             "executor_busy_seconds": delta("executor_busy_seconds"),
             "executor_idle_seconds": delta("executor_idle_seconds"),
@@ -229,10 +234,12 @@ def print_throughput(rows: list[dict], args) -> None:
     print(f"\nthroughput: {args.num_seqs} seqs, input U[{args.min_len},{args.max_input_len}], output "
           f"U[{args.min_len},{args.max_output_len}], async scheduling {'on' if args.async_scheduling else 'off'}")
     print(f"{'run':>17} {'out tokens':>10} {'seconds':>8} {'tok/s':>9} {'steps':>6} {'masked':>7} "
-          f"{'mask ms/step':>12} {'exec busy':>9} {'exec idle':>9} {'constr. tokens':>14} {'grammar ends':>12}")
+          f"{'mask ms/step':>12} {'late masks':>10} {'mask wait':>9} {'exec busy':>9} {'exec idle':>9} "
+          f"{'constr. tokens':>14} {'grammar ends':>12}")
     for r in rows:
         print(f"{r['run']:>17} {r['output_tokens']:>10} {r['seconds']:>8.2f} {r['output_tok_per_s']:>9.0f} "
               f"{r['steps']:>6} {r['masked_steps']:>7} {r['mask_ms_per_masked_step']:>12.3f} "
+              f"{r['late_token_masks']:>10} {r['late_mask_wait_seconds']:>9.2f} "
               f"{r['executor_busy_seconds']:>9.2f} {r['executor_idle_seconds']:>9.2f} "
               f"{r['constrained_tokens']:>14} {r['constrained_finished_by_grammar']:>12}")
     print(f"ratio half constrained / all free: {rows[1]['output_tok_per_s'] / rows[0]['output_tok_per_s']:.3f}x "

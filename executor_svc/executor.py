@@ -13,11 +13,14 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
 from google.protobuf.message import DecodeError
 
+from executor_svc.late_masks import LateMaskError, wait_late_masks
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
@@ -26,7 +29,7 @@ from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
-    from executor_svc.model_runner import ModelRunner, SampledToken
+    from executor_svc.model_runner import ModelRunner, PendingStep, SampledToken
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -99,16 +102,27 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
     )
 
 
+@dataclass
+class SampledStep:
+    """A step sampled on the device, not answered yet."""
+
+    step: PendingStep
+    result: engine_pb2.StepResult  # its id and timings; the tokens are added when it is answered
+    error: Exception | None = None  # it failed after sampling (its late token masks never came)
+
+
 class StepLoop:
     """Overlaps the host with the device: step N+1 is prepared and launched while step N still runs,
     and step N's ids are sent back only then. With no next plan waiting, step N is answered as soon
     as the device finishes it."""
 
     def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int,
-                 epoch: SchedulerEpoch | None = None) -> None:
+                 epoch: SchedulerEpoch | None = None, late_mask_timeout_s: float = 10.0) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
-        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
+        self.pending: SampledStep | None = None
+        self.late_mask_timeout_s = late_mask_timeout_s  # how long rank 0 waits for a step's late token masks
+        self.backlog: deque[engine_pb2.SchedulerToExecutor] = deque()  # read while waiting for late masks
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
         self.py_profile = PythonProfileWindow.from_env(f"executor{rank}")
@@ -116,6 +130,8 @@ class StepLoop:
     def next_message(self) -> engine_pb2.SchedulerToExecutor | None:
         """The next message, or None once the pending step is done and no message is waiting."""
         while True:
+            if self.backlog:
+                return self.backlog.popleft()
             if self.sock.poll(0 if self.pending else 1000):
                 payload = self.sock.recv()
                 try:
@@ -123,7 +139,7 @@ class StepLoop:
                 except DecodeError as exc:
                     log.error("rank %d dropped a malformed message: %s", self.rank, exc)
                     continue
-            if self.pending is not None and self.pending[1].done():
+            if self.pending is not None and self.pending.step.done():
                 return None
             if self.pending is not None:
                 self.sock.poll(0.2)  # ms: a short wait keeps both the socket and the device in view
@@ -131,11 +147,12 @@ class StepLoop:
     def reply_pending(self) -> None:
         if self.pending is None:
             return
-        step_id, pending, execute_seconds, idle_seconds = self.pending
-        self.pending = None
-        result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
+        sampled_step, self.pending = self.pending, None
+        result, step_id = sampled_step.result, sampled_step.result.step_id
         try:
-            sampled = self.runner.finalize(pending)
+            if sampled_step.error is not None:  # sampled all the same (the other ranks take its tokens)
+                raise sampled_step.error
+            sampled = self.runner.finalize(sampled_step.step)
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id)
@@ -174,8 +191,19 @@ class StepLoop:
             self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
             return
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
-        pending = self.runner.sample(inputs)
-        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
+        error, wait = None, 0.0
+        if plan.late_mask_seq_ids and self.rank == 0:  # as late as it can be: the forward runs meanwhile
+            t_wait = time.perf_counter()
+            try:
+                wait_late_masks(self.sock, self.epoch.value, plan.step_id, chunks, self.late_mask_timeout_s,
+                                self.backlog)
+            except LateMaskError as exc:
+                error = exc
+            wait = time.perf_counter() - t_wait
+        step = self.runner.sample(inputs)
+        self.pending = SampledStep(step, engine_pb2.StepResult(
+            step_id=plan.step_id, execute_seconds=time.perf_counter() - t0, idle_seconds=idle,
+            late_mask_wait_seconds=wait), error)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:
@@ -215,14 +243,15 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
     sock.send(engine_pb2.ExecutorToScheduler(handshake=handshake(runner)).SerializeToString())
 
     mirrors = SequenceMirrors()
-    loop = StepLoop(runner, mirrors, sock, rank, epoch)
+    # rank 0 waits for late token masks as long as the scheduler waits for a silent executor
+    loop = StepLoop(runner, mirrors, sock, rank, epoch, late_mask_timeout_s=config.executor_timeout_s)
     try:
         while True:
             msg = loop.next_message()
             if msg is None:  # the device finished the pending step before the next plan came
                 loop.reply_pending()
                 continue
-            kind = msg.WhichOneof("kind")
+            kind = msg.WhichOneof("kind")  # late_masks here belong to a step that failed before it waited
             if kind == "shutdown":
                 log.info("rank %d shutting down: %s", rank, msg.shutdown.reason)
                 return 0

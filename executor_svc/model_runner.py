@@ -189,9 +189,10 @@ class ModelRunner:
             inputs = self.prepare_inputs(one_token_chunks_first(chunks))
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            # a decode graph samples in place when every row samples plainly (temperature alone, no token mask)
+            # a decode graph samples in place when every row samples plainly (temperature alone, no token mask,
+            # none to come late); otherwise the graph gives the logits and the sampler runs after it
             graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain and c.token_mask is None
-                                                        for c in chunks)
+                                                        and not c.late_mask for c in chunks)
             columns = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) \
                 if graph_samples else None
             host = host_inputs(chunks, self.block_size, self.prev_rows)

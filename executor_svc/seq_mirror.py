@@ -49,6 +49,7 @@ class ScheduledChunk:
     start: int
     end: int
     token_mask: np.ndarray | None = None  # structured output: int32 [ceil(V / 32)], bit t set = token t allowed
+    late_mask: bool = False  # its mask comes after the plan (LateTokenMasks), before the step samples
 
     @property
     def samples(self) -> bool:
@@ -99,6 +100,8 @@ class SequenceMirrors:
             chunks.append(self._chunk(seq, num_scheduled))
         if plan.HasField("token_bitmasks"):
             attach_token_masks(plan.step_id, plan.token_bitmasks, chunks)
+        if plan.late_mask_seq_ids:
+            mark_late_masks(plan.step_id, plan.late_mask_seq_ids, chunks)
         return chunks
 
     @staticmethod
@@ -125,7 +128,7 @@ class SequenceMirrors:
 
 
 def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: list[ScheduledChunk]) -> None:
-    """Give each constrained chunk that samples its row of the plan's bitmasks (a view, no copy)."""
+    """Give each constrained chunk that samples its row of the bitmasks (a view, no copy)."""
     num_rows, num_words = len(masks.seq_ids), masks.num_words
     if num_words <= 0 or len(masks.words) != num_rows * num_words * 4:
         raise RuntimeError(f"plan {step_id}: token_bitmasks hold {len(masks.words)} bytes, not {num_rows} masks "
@@ -135,8 +138,35 @@ def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: li
     for chunk in chunks:
         row = row_of.pop(chunk.seq.seq_id, None)
         if row is not None:
-            if not chunk.samples:
+            if not (chunk.samples or chunk.late_mask):  # (a late one was checked with its plan, committed since)
                 raise RuntimeError(f"plan {step_id}: seq {chunk.seq.seq_id} has a token mask but does not sample")
             chunk.token_mask = words[row]
     if row_of:
         raise RuntimeError(f"plan {step_id}: token masks for seqs {sorted(row_of)} that the step does not run")
+
+
+def mark_late_masks(step_id: int, seq_ids, chunks: list[ScheduledChunk]) -> None:
+    """The chunks whose masks come late: each samples, and has no mask in the plan."""
+    late = set(seq_ids)
+    for chunk in chunks:
+        if chunk.seq.seq_id in late:
+            late.discard(chunk.seq.seq_id)
+            if not chunk.samples or chunk.token_mask is not None:
+                raise RuntimeError(f"plan {step_id}: seq {chunk.seq.seq_id} has a late token mask but does not "
+                                   "sample, or has a mask in the plan already")
+            chunk.late_mask = True
+    if late:
+        raise RuntimeError(f"plan {step_id}: late token masks for seqs {sorted(late)} that the step does not run")
+
+
+def attach_late_masks(late: engine_pb2.LateTokenMasks, chunks: list[ScheduledChunk]) -> None:
+    """Give each late chunk its mask; a dropped one (its sequence ended) samples free. Every late chunk must be
+    answered, and only those."""
+    waiting = [c for c in chunks if c.late_mask]
+    if late.HasField("masks"):
+        attach_token_masks(late.step_id, late.masks, waiting)
+    dropped = set(late.dropped_seq_ids)
+    unanswered = [c.seq.seq_id for c in waiting if c.token_mask is None and c.seq.seq_id not in dropped]
+    if unanswered or len(dropped) + len(late.masks.seq_ids) != len(waiting):
+        raise RuntimeError(f"step {late.step_id}: late token masks answer seqs {sorted(late.masks.seq_ids)} and drop "
+                           f"{sorted(dropped)}, but the step waits for {sorted(c.seq.seq_id for c in waiting)}")

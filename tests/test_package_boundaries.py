@@ -61,7 +61,7 @@ deadline = time.monotonic() + 60
 while not structured.is_ready(seq):
     assert not structured.poll() and time.monotonic() < deadline
     time.sleep(0.01)
-masks = structured.fill_masks([ScheduledSeq(seq, 1, True, 0, True)])
+masks, _ = structured.plan_masks([ScheduledSeq(seq, 1, True, 0, True)])
 assert list(masks.seq_ids) == [1] and len(masks.words) == 49152 // 8
 """)
     assert result.returncode == 0, result.stderr

@@ -70,6 +70,7 @@ class StepTimings:
     decode_step_seconds: float = 0.0
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0
+    late_mask_wait_seconds: float = 0.0
 
 
 class EngineCore:
@@ -356,6 +357,7 @@ class EngineCore:
                 return
         if self.in_flight:
             updates, sampled = self._finish_step(self.in_flight[0])  # still in flight until its result is in
+            self._send_late_masks()  # rank 0 may be waiting for them to sample the next step
             # the executor may be waiting for a plan: send the next one before telling the front ends
             if self.scheduler.has_unfinished() and len(self.in_flight) < self.pipeline_depth:
                 self._launch_step()
@@ -376,6 +378,14 @@ class EngineCore:
         self.in_flight.append(InFlightStep(self.step_id, out, time.perf_counter()))
         return True
 
+    def _send_late_masks(self) -> None:
+        """The oldest step in flight may hold constrained samples planned on tokens of the step just applied:
+        their masks go to rank 0 (the only one that samples), which waits for them before sampling it."""
+        if self.in_flight and self.in_flight[0].out.late_masked:
+            step = self.in_flight[0]
+            masks = self.scheduler.structured.late_masks(step.step_id, step.out.late_masked)
+            self.to_executor(0, engine_pb2.SchedulerToExecutor(late_masks=masks))
+
     def _finish_step(self, step: InFlightStep) -> tuple[list[StepUpdate], dict[int, engine_pb2.SampledToken]]:
         """Apply a step's result to the scheduler; returns what _emit tells the front ends."""
         result = self._wait_result(step.step_id)
@@ -391,6 +401,7 @@ class EngineCore:
         self.last_result_at = now
         t.executor_busy_seconds += result.execute_seconds
         t.executor_idle_seconds += result.idle_seconds
+        t.late_mask_wait_seconds += result.late_mask_wait_seconds
         if not result.error:
             sampled = {s.seq_id: s for s in result.sampled}
             candidates = None

@@ -163,10 +163,10 @@ class Scheduler:
             self.preempted_to_drop += preempted  # no plan carries them this time
             preempted = []
         num_batched = self.config.max_num_batched_tokens - budget
-        masks = self.structured.fill_masks(scheduled) if self.structured.matchers else None
+        masks, late = self.structured.plan_masks(scheduled) if self.structured.matchers else (None, [])
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
                                has_prefill=count_step(self.counters, scheduled) if scheduled else False,
-                               token_bitmasks=masks)
+                               token_bitmasks=masks, late_masked=late)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[int],
                           block_copies: list[tuple[int, int]]) -> int:
@@ -180,10 +180,10 @@ class Scheduler:
             start, placeholders = seq.num_computed_tokens, seq.num_placeholders
             total = len(seq.token_ids) + placeholders
             num_new = min(total - start, budget)
-            if num_new <= 0 or (placeholders and (seq.beam is not None or seq.constraint is not None
+            if num_new <= 0 or (placeholders and (seq.beam is not None
                                                   or total >= stop_rules[seq.seq_id].max_num_tokens)):
-                # nothing to compute, a beam waiting for its round, a constrained sequence whose next mask needs
-                # the token in flight, or samples in flight reach its limit
+                # nothing to compute, a beam waiting for its round, or samples in flight reach its limit (a
+                # constrained sequence runs on its placeholder: its mask follows the plan, see plan_masks)
                 i += 1
                 continue
             end = start + num_new

@@ -31,6 +31,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
     has_prefill: bool = False  # some chunk is not a decode (prompt tokens, or several new tokens)
     token_bitmasks: engine_pb2.TokenBitmasks | None = None  # structured output: masks of constrained samples
+    # constrained samples planned while an earlier sample of theirs is in flight: masks sent late (LateTokenMasks)
+    late_masked: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(slots=True)

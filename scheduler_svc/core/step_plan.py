@@ -46,6 +46,8 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
         field.extend(engine_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in copies)
     if out.token_bitmasks is not None:
         plan.token_bitmasks.CopyFrom(out.token_bitmasks)
+    if out.late_masked:
+        plan.late_mask_seq_ids.extend(seq.seq_id for seq in out.late_masked)
     if seq_ids:
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,

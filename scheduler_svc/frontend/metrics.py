@@ -49,11 +49,14 @@ class Metrics:
         self.token_mask_seconds = Counter(
             "nanoserve_token_mask_seconds", "Scheduler time filling token masks; per masked step: its rate over "
             "nanoserve_token_masked_steps_total's", registry=r)
+        self.late_mask_wait_seconds = Counter(
+            "nanoserve_late_mask_wait_seconds", "Rank 0's time waiting for token masks sent after their plan "
+            "(async scheduling; on a GPU the forward runs meanwhile)", registry=r)
         # Prometheus counters fed from the scheduler's cumulative ones, by SchedulerStats field
         self._cumulative = {name: _FromCumulative(counter) for name, counter in (
             ("num_preemptions", self.preemptions), ("num_constrained_requests", self.constrained_requests),
             ("num_grammar_compile_errors", self.grammar_compile_errors), ("num_masked_steps", self.masked_steps),
-            ("token_mask_seconds", self.token_mask_seconds))}
+            ("token_mask_seconds", self.token_mask_seconds), ("late_mask_wait_seconds", self.late_mask_wait_seconds))}
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
                                           "Front-end time turning engine outputs into text deltas "
                                           "(incremental detokenizer and stop strings)", registry=r)

@@ -1,33 +1,28 @@
 """Structured output on the scheduler, with llguidance and the embedded model's tokenizer but no model: a fake
-executor samples a random token among those each plan's mask allows. Every mask sent is the grammar's mask
-after exactly the sequence's output tokens, through chunked prefill, preemption by recompute and by swap,
-parallel samples and async scheduling; grammars compile off the loop, once per text."""
+executor samples a random token among those each mask allows (support/structured_serving.py). Every mask sent,
+in the plan or late, is the grammar's mask after exactly the sequence's output tokens, through chunked
+prefill, preemption by recompute and by swap, parallel samples, aborts in flight and async scheduling, where
+a constrained sequence decodes in every step; grammars compile off the loop, once per text."""
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections import deque
 
 import jsonschema
-import llguidance
-import numpy as np
 import pytest
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protos import engine_pb2
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
-from scheduler_svc.core.step_plan import build_step_plan
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
-from scheduler_svc.core.structured.grammars import grammar_of
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
-from support.fake_executor import FakeExecutor, check_block_references
+from support.fake_executor import check_block_references
+from support.structured_serving import EOS, FREE_TOKEN, VOCAB, allowed_tokens, masks_of, masks_of_plan, serve
 
-VOCAB = 49152
-EOS = 2
-FREE_TOKEN = 7  # what the fake model samples for an unconstrained sequence
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -59,27 +54,6 @@ def new_seq(sched: Scheduler, prompt_len: int = 6, constraint=None, max_tokens: 
                     stopping=engine_pb2.StoppingOptions(max_tokens=max_tokens), constraint=constraint, **fields)
 
 
-def masks_of(masks: engine_pb2.TokenBitmasks | None) -> dict[int, np.ndarray]:
-    """A step's masks by sequence id."""
-    if masks is None:
-        return {}
-    words = np.frombuffer(masks.words, dtype="<i4").reshape(len(masks.seq_ids), masks.num_words)
-    return dict(zip(masks.seq_ids, words))
-
-
-def allowed_tokens(words: np.ndarray) -> np.ndarray:
-    return np.nonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0]
-
-
-def reference_mask(lltokenizer, seq: Sequence) -> np.ndarray:
-    """The grammar's mask after exactly the sequence's output tokens, from a fresh matcher."""
-    matcher = llguidance.LLMatcher(lltokenizer, grammar_of(seq.constraint))
-    assert matcher.consume_tokens(seq.output_token_ids)
-    mask = allocate_token_bitmask(1, VOCAB)
-    fill_next_token_bitmask(matcher, mask)
-    return mask[0]
-
-
 def wait_compiled(sched: Scheduler, timeout_s: float = 30.0) -> list:
     """Poll the compiler as the engine loop does until nothing is compiling; the failures."""
     failed, deadline = [], time.monotonic() + timeout_s
@@ -90,62 +64,20 @@ def wait_compiled(sched: Scheduler, timeout_s: float = 30.0) -> list:
     return failed
 
 
-def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int = 1, seed: int = 0,
-          max_steps: int = 2000) -> list:
-    """Run to the end with `depth` plans in flight; every constrained sample is drawn among the tokens its
-    mask allows (checked against the grammar when lltokenizer is given), and no constrained sequence is
-    planned while a plan of it is in flight. The plans, in order."""
-    rng = np.random.default_rng(seed)
-    for seq in seqs:
-        sched.add(seq)
-    cfg = sched.config
-    executor = FakeExecutor(cfg.num_blocks, cfg.block_size, cfg.num_host_blocks,
-                            lambda seq, pos: seq.token_ids[pos] if pos < len(seq.token_ids) else FREE_TOKEN)
-    in_flight, plans = deque(), []
-    for _ in range(max_steps):
-        sched.admit_compiled_grammars()
-        out = sched.schedule() if len(in_flight) < depth else None
-        if out is not None and out.scheduled:
-            constrained = {s.seq.seq_id for s in out.scheduled if s.seq.constraint is not None}
-            assert not constrained & {s.seq.seq_id for o, _ in in_flight for s in o.scheduled}
-            executor.run(out)
-            plans.append(build_step_plan(len(plans) + 1, out))
-            masks, sampled = masks_of(out.token_bitmasks), {}
-            for s in out.scheduled:
-                if not s.samples:
-                    continue
-                assert (s.seq.seq_id in masks) == (s.seq.constraint is not None)
-                if s.seq.constraint is None:
-                    sampled[s.seq.seq_id] = FREE_TOKEN
-                    continue
-                if lltokenizer is not None:
-                    assert np.array_equal(masks[s.seq.seq_id], reference_mask(lltokenizer, s.seq))
-                sampled[s.seq.seq_id] = int(rng.choice(allowed_tokens(masks[s.seq.seq_id])))
-            in_flight.append((out, sampled))
-            continue
-        if in_flight:
-            sched.postprocess(*in_flight.popleft())
-            check_block_references(sched)
-        elif not sched.has_unfinished():
-            return plans
-        else:
-            time.sleep(0.002)  # a grammar is compiling
-    raise AssertionError("the requests never finished")
-
-
 def text_of(tokenizer, seq: Sequence) -> str:
     return tokenizer.decode_str([t for t in seq.output_token_ids if t != EOS])
 
 
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
 @pytest.mark.parametrize("num_host_blocks", [0, 64], ids=["recompute", "swap"])
 def test_every_mask_is_the_grammars_after_exactly_the_output_tokens_through_preemption(
-        embedded_model, lltokenizer, num_host_blocks):
+        embedded_model, lltokenizer, num_host_blocks, depth):
     # 5 sequences of 8 to 14 prompt tokens and about 25 outputs on 24 blocks of 4: they preempt one another
     sched = make_scheduler(embedded_model, num_blocks=24, num_host_blocks=num_host_blocks, budget=16)
     seqs = [new_seq(sched, prompt_len=8 + 2 * i, constraint=json_constraint(PERSON), first_token=100 + 50 * i)
             for i in range(4)]
     seqs.append(new_seq(sched, prompt_len=10, max_tokens=30, first_token=400))  # a free one among them
-    serve(sched, seqs, lltokenizer, seed=1)
+    serve(sched, seqs, lltokenizer, depth=depth, seed=1)
     assert sched.counters.num_preemptions > 0
     assert (sched.counters.num_swap_outs > 0) == (num_host_blocks > 0)
     for seq in seqs[:4]:
@@ -154,16 +86,63 @@ def test_every_mask_is_the_grammars_after_exactly_the_output_tokens_through_pree
     assert seqs[4].output_token_ids == [FREE_TOKEN] * 30
 
 
-def test_with_async_scheduling_a_constrained_sequence_is_never_planned_on_a_placeholder(
-        embedded_model, lltokenizer):
+def runs_of(plans: list, seq: Sequence) -> list[int]:
+    """The plans (0-based) that run the sequence."""
+    return [i for i, p in enumerate(plans) if seq.seq_id in set(p.cached.seq_ids) | {n.seq_id for n in p.new_seqs}]
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_with_async_scheduling_a_constrained_sequence_decodes_in_every_step_with_late_masks(
+        embedded_model, lltokenizer, depth):
     sched = make_scheduler(embedded_model)
     constrained, free = new_seq(sched, constraint=json_constraint(PERSON)), new_seq(sched, max_tokens=12)
-    plans = serve(sched, [constrained, free], lltokenizer, depth=2, seed=2)  # serve checks the rule itself
-    ran = [[s in set(p.cached.seq_ids) | {n.seq_id for n in p.new_seqs} for p in plans]
-           for s in (constrained.seq_id, free.seq_id)]
-    assert all(ran[1][:12]), "the free sequence ran in every step, 12 in a row"
-    assert not all(ran[0][:12]), "the constrained one waited for its tokens meanwhile"
+    lates = []
+    plans = serve(sched, [constrained, free], lltokenizer, depth=depth, seed=2, lates=lates)
+    runs = runs_of(plans, constrained)
+    assert runs == list(range(runs[0], runs[0] + len(runs))), "no step without it from its first to its last"
+    assert len(runs) >= constrained.num_output_tokens  # (plus a sample discarded after it ended, if planned)
+    # its first sample's mask rides in the plan; each later one comes late, once the token before it is known
+    assert [p for p in plans if p.HasField("token_bitmasks")] == [plans[runs[0]]]
+    assert sum(constrained.seq_id in m.masks.seq_ids for m in lates) == constrained.num_output_tokens - 1
     jsonschema.validate(json.loads(text_of(lltokenizer, constrained)), PERSON)
+
+
+def test_with_async_scheduling_a_half_constrained_batch_takes_as_many_steps_as_an_all_free_one(embedded_model):
+    letters = engine_pb2.Constraint(regex="[a-z]{400}")  # 24 tokens of letters can never complete it
+
+    def steps(constrain_half: bool) -> int:
+        sched = make_scheduler(embedded_model)
+        seqs = [new_seq(sched, max_tokens=24, constraint=letters if constrain_half and i % 2 else None,
+                        first_token=100 + 10 * i) for i in range(8)]
+        for seq in seqs:
+            sched.add(seq)
+        wait_compiled(sched)  # all start together
+        plans = serve(sched, [], depth=2, seed=4)
+        assert all(seq.num_output_tokens == 24 for seq in seqs)
+        return len(plans)
+
+    free, half = steps(False), steps(True)
+    assert half <= free + 1  # not the 2x of planning a constrained sequence every other step
+
+
+def test_a_late_mask_of_a_sequence_aborted_in_flight_is_dropped_and_the_others_carry_on(
+        embedded_model, lltokenizer):
+    sched = make_scheduler(embedded_model)
+    victim, other = (new_seq(sched, constraint=json_constraint(PERSON), first_token=t) for t in (100, 200))
+    free = new_seq(sched, max_tokens=20, first_token=300)
+    for seq in (victim, other, free):
+        sched.add(seq)
+    wait_compiled(sched)  # all run from the first plan: the victim's rows from the second on are late
+    lates = []
+    plans = serve(sched, [], lltokenizer, depth=2, seed=5, aborts={4: victim}, lates=lates)
+    assert victim.seq_id in plans[3].late_mask_seq_ids  # aborted while plan 4 and its late row are in flight
+    dropped = [m for m in lates if victim.seq_id in m.dropped_seq_ids]
+    assert len(dropped) == 1 and victim.seq_id not in dropped[0].masks.seq_ids  # never masked, never waited on
+    assert victim.finish_reason == engine_pb2.FINISH_REASON_ABORT
+    assert not any(victim.seq_id in m.masks.seq_ids or victim.seq_id in m.dropped_seq_ids
+                   for m in lates[lates.index(dropped[0]) + 1:])
+    jsonschema.validate(json.loads(text_of(lltokenizer, other)), PERSON)
+    assert free.output_token_ids == [FREE_TOKEN] * 20
 
 
 def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embedded_model):
@@ -181,10 +160,36 @@ def test_masks_ride_in_the_plan_only_for_constrained_sequences_that_sample(embed
     assert first_sample >= 2 and not plans[0].HasField("token_bitmasks")
 
 
-def test_parallel_samples_each_follow_their_own_matcher(embedded_model, lltokenizer):
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(1, 3), budget=st.sampled_from([5, 9, 64]), num_blocks=st.sampled_from([22, 256]),
+       num_host_blocks=st.sampled_from([0, 32]), n=st.integers(1, 3), seed=st.integers(0, 2**16),
+       aborts=st.dictionaries(st.integers(1, 40), st.integers(0, 4), max_size=2))
+def test_every_mask_sent_in_a_plan_or_late_is_the_grammars_after_exactly_the_output_tokens(
+        embedded_model, lltokenizer, depth, budget, num_blocks, num_host_blocks, n, seed, aborts):
+    """Chunked prefill (budgets of 5 and 9), preemption by recompute and swap (22 blocks of 4), n samples,
+    aborts while steps are in flight, up to 3 plans in flight: serve checks each mask against the grammar."""
+    sched = make_scheduler(embedded_model, num_blocks=num_blocks, num_host_blocks=num_host_blocks, budget=budget)
+    seqs = [new_seq(sched, prompt_len=12, constraint=json_constraint(PERSON), first_token=100, group_id="g")
+            for _ in range(n)]
+    seqs += [new_seq(sched, prompt_len=8 + i, constraint=json_constraint(PERSON), first_token=200 + 40 * i)
+             for i in range(2)]
+    seqs.append(new_seq(sched, prompt_len=10, max_tokens=30, first_token=400))
+    serve(sched, seqs, lltokenizer, depth=depth, seed=seed,
+          aborts={step: seqs[i % len(seqs)] for step, i in aborts.items()})
+    check_block_references(sched)
+    assert sched.block_manager.num_free_blocks == num_blocks and not sched.structured.matchers
+    for seq in seqs:
+        if seq.finish_reason == engine_pb2.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(text_of(lltokenizer, seq)), PERSON)
+        else:
+            assert seq.finish_reason in (engine_pb2.FINISH_REASON_ABORT, engine_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_parallel_samples_each_follow_their_own_matcher(embedded_model, lltokenizer, depth):
     sched = make_scheduler(embedded_model)
     samples = [new_seq(sched, constraint=json_constraint(PERSON), group_id="g") for _ in range(3)]  # one prompt
-    serve(sched, samples, lltokenizer, seed=3)
+    serve(sched, samples, lltokenizer, depth=depth, seed=3)
     texts = [text_of(lltokenizer, s) for s in samples]
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
@@ -277,10 +282,6 @@ def test_a_completed_grammar_stops_the_sequence_and_eos_is_allowed_only_where_it
     masks = [m[optional_tail.seq_id] for m in map(masks_of_plan, plans) if optional_tail.seq_id in m]
     eos_allowed = [EOS in allowed_tokens(m) for m in masks]
     assert eos_allowed == [text == "ab" for text in prefixes(lltokenizer, optional_tail)]
-
-
-def masks_of_plan(plan: engine_pb2.StepPlan) -> dict[int, np.ndarray]:
-    return masks_of(plan.token_bitmasks if plan.HasField("token_bitmasks") else None)
 
 
 def prefixes(lltokenizer, seq: Sequence) -> list[str]:

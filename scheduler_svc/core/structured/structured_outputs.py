@@ -3,12 +3,14 @@ and the matcher following every sampled token.
 
 The scheduler calls it through a few hooks: add() when a request arrives (its grammar compiles in the
 background), is_ready() before admitting it (it waits, without blocking others, until its grammar is
-compiled), fill_masks() for the step's constrained samples, accept() with each token sampled, release()
-when it ends. A matcher lives as long as its sequence: preemption by recompute or swap keeps it as it is
-(the tokens it consumed are still the sequence's), and it advances only in accept(), once per sampled
-token, so recomputing a sequence never replays its tokens into it. Unconstrained sequences never reach
-this file. With async scheduling a constrained sequence is not planned while a sample of its is in
-flight: its next mask depends on that token (scheduler.py, DESIGN.md "Structured output").
+compiled), plan_masks() for the step's constrained samples, late_masks() for those planned on a token
+still in flight once it is known, accept() with each token sampled, release() when it ends. A matcher
+lives as long as its sequence: preemption by recompute or swap keeps it as it is (the tokens it consumed
+are still the sequence's), and it advances only in accept(), once per sampled token, so recomputing a
+sequence never replays its tokens into it. Unconstrained sequences never reach this file. With async
+scheduling a constrained sequence is planned on its placeholder like a free one, and its mask, which
+depends on the token in flight, follows the plan once that token is applied (a late mask: DESIGN.md
+"Structured output").
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class StructuredCounters:
     num_masked_steps: int = 0
     num_token_masks: int = 0
     token_mask_seconds: float = 0.0
+    num_late_token_masks: int = 0  # of num_token_masks, those sent after their plan
 
 
 @dataclass
@@ -125,11 +128,33 @@ class StructuredOutputs:
 
     # ------------------------------------------------------------------ each step
 
-    def fill_masks(self, scheduled: list[ScheduledSeq]) -> engine_pb2.TokenBitmasks | None:
-        """The allowed tokens of each constrained sequence that samples in this step; None when there is none."""
-        seqs = [s.seq for s in scheduled if s.samples and s.seq.constraint is not None]
-        if not seqs:
-            return None
+    def plan_masks(self, scheduled: list[ScheduledSeq]) -> tuple[engine_pb2.TokenBitmasks | None, list[Sequence]]:
+        """The masks of this step's constrained samples: (those filled now, for the plan; the sequences planned
+        while a sample of theirs is still in flight, whose masks late_masks() fills once it is applied)."""
+        now, late = [], []
+        for s in scheduled:
+            if s.samples and s.seq.constraint is not None:
+                # num_placeholders counts this step's sample too: more means an earlier one is in flight
+                (late if s.seq.num_placeholders > 1 else now).append(s.seq)
+        if not now and not late:
+            return None, late
+        self.counters.num_masked_steps += 1
+        return (self._fill(now) if now else None), late
+
+    def late_masks(self, step_id: int, seqs: list[Sequence]) -> engine_pb2.LateTokenMasks:
+        """The masks of a step's late rows, once the step before it is applied: every earlier sample of these
+        sequences is known now (results are applied in order). A sequence that ended meanwhile (stop, length,
+        abort, a failed step) is listed as dropped: the executor samples it free and its token is discarded."""
+        live = [seq for seq in seqs if not seq.is_finished and seq.seq_id in self.matchers]
+        dropped = [seq.seq_id for seq in seqs if seq.is_finished or seq.seq_id not in self.matchers]
+        msg = engine_pb2.LateTokenMasks(step_id=step_id, dropped_seq_ids=dropped)
+        if live:
+            msg.masks.CopyFrom(self._fill(live))
+            self.counters.num_late_token_masks += len(live)
+        return msg
+
+    def _fill(self, seqs: list[Sequence]) -> engine_pb2.TokenBitmasks:
+        """Each sequence's allowed tokens after its output so far (llguidance fills the rows in parallel)."""
         t0 = time.perf_counter()
         if len(seqs) > len(self._bitmask):
             self._bitmask = np.zeros((max(len(seqs), 2 * len(self._bitmask)), self.num_words), dtype=np.int32)
@@ -141,7 +166,6 @@ class StructuredOutputs:
         masks = engine_pb2.TokenBitmasks(seq_ids=[seq.seq_id for seq in seqs], num_words=self.num_words,
                                          words=bitmask.astype("<i4", copy=False).tobytes())
         c = self.counters
-        c.num_masked_steps += 1
         c.num_token_masks += len(seqs)
         c.token_mask_seconds += time.perf_counter() - t0
         return masks

@@ -133,6 +133,8 @@ def test_every_output_of_fourteen_json_schemas_parses_and_validates(mixed_batch)
     assert sum(kind == "json" for (kind, _), _ in outputs) == 3 * len(SCHEMAS) >= 36
     assert stats.num_constrained_requests == sum(kind != "free" for (kind, _), _ in outputs)
     assert stats.num_grammar_compile_errors == 0 and stats.num_token_masks > 0
+    # async scheduling (the default): constrained rows run in every step, most masks sent after their plan
+    assert stats.num_late_token_masks > stats.num_token_masks / 2
 
 
 def test_regex_and_choice_outputs_match_in_full(mixed_batch):
@@ -181,5 +183,5 @@ def test_constrained_requests_stay_valid_under_preemption_chunked_prefill_and_n_
     for name, result in zip(PRESSED, results):
         assert len(result.outputs) == 3
         assert_valid_json(result.outputs, SCHEMAS[name][0], name)
-    assert stats.num_preemptions > 0 and stats.num_partial_prefill_chunks > 0
+    assert stats.num_preemptions > 0 and stats.num_partial_prefill_chunks > 0 and stats.num_late_token_masks > 0
     assert stats.free_kv_blocks == stats.total_kv_blocks
