@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call on the GPU machine: install the carried wheels (.whl, made by
-# `../shared/gpu/wheels.sh llguidance`: the scheduler needs llguidance), build the stubs, then run the steps
-# named as arguments:
+# `../shared/gpu/wheels.sh llguidance`: the scheduler needs llguidance >= 1.9, whose wheels are
+# manylinux_2_31, a tag wheels.sh does not ask for: `pip download --no-deps llguidance==1.9.1 -d .whl`),
+# build the stubs, then run the steps named as arguments:
 #   tests        pytest -m gpu (TESTS names files)
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
@@ -32,6 +33,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto || exit 1
+python3 -c "import llguidance, importlib.metadata as m; v = m.version('llguidance'); \
+assert tuple(map(int, v.split('.')[:2])) >= (1, 9), v" || { echo "carry llguidance >= 1.9 in .whl (see above)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 summary=()
 for step in "$@"; do
