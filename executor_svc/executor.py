@@ -94,7 +94,10 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
         vocab_size=f.vocab_size, max_position_embeddings=f.max_position_embeddings,
         eos_token_ids=f.eos_token_ids, dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device), attention_backend=runner.backend.name, pid=os.getpid(),
-        num_host_blocks=runner.kv_pool.num_host_blocks,
+        num_host_blocks=runner.kv_pool.num_host_blocks, kv_block_bytes=runner.calibration.kv_block_bytes,
+        host_link_bytes_per_s=runner.calibration.host_link_bytes_per_s,
+        copy_fixed_seconds=runner.calibration.copy_fixed_seconds,
+        prefill_tokens_per_s=runner.calibration.prefill_tokens_per_s,
     )
 
 
@@ -107,7 +110,7 @@ class StepLoop:
                  epoch: SchedulerEpoch | None = None) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
-        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds)
+        self.pending = None  # (step_id, PendingStep, execute_seconds, idle_seconds, CopyTimer of its swaps)
         self.last_reply: float | None = None
         self.profiler = StepProfiler.from_env(runner.device)
         self.py_profile = PythonProfileWindow.from_env(f"executor{rank}")
@@ -130,11 +133,12 @@ class StepLoop:
     def reply_pending(self) -> None:
         if self.pending is None:
             return
-        step_id, pending, execute_seconds, idle_seconds = self.pending
+        step_id, pending, execute_seconds, idle_seconds, swaps = self.pending
         self.pending = None
         result = engine_pb2.StepResult(step_id=step_id, execute_seconds=execute_seconds, idle_seconds=idle_seconds)
         try:
             sampled = self.runner.finalize(pending)
+            result.swap_seconds = swaps.seconds() if swaps is not None else 0.0
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id)
@@ -161,8 +165,8 @@ class StepLoop:
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
         try:
             chunks = self.mirrors.apply(plan)
-            self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
-                                            block_pairs(plan.block_copies))
+            swaps = self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
+                                                    block_pairs(plan.block_copies))
             inputs = self.runner.launch(chunks)
             self.mirrors.commit(chunks)
         except Exception as exc:  # the scheduler fails this step's requests; we keep serving
@@ -174,7 +178,7 @@ class StepLoop:
             return
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
         pending = self.runner.sample(inputs)
-        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle)
+        self.pending = (plan.step_id, pending, time.perf_counter() - t0, idle, swaps)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:

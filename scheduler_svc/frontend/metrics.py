@@ -39,7 +39,31 @@ class Metrics:
         self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
         self.preemptions = Counter("nanoserve_preemptions", "Sequences preempted", registry=r)
-        self._preemptions_seen = 0
+        decisions = Counter("nanoserve_preemption_decisions", "Preemptions by how the victim kept its work", ["kind"],
+                            registry=r)
+        cost = Counter("nanoserve_preemption_cost_seconds", "Cost of the preemptions chosen, as the cost model "
+                       "estimated it and as measured (swap copies; recomputed tokens at the measured prefill rate)",
+                       ["kind", "source"], registry=r)
+        self.prefill_rate = Gauge("nanoserve_prefill_tokens_per_second", "The preemption cost model's prefill rate",
+                                  registry=r)
+        # cumulative scheduler counters (SchedulerStats field) followed by a Prometheus counter
+        self._followed = {
+            "num_preemptions": self.preemptions,
+            "num_swap_outs": decisions.labels("swap"),
+            "num_recompute_preemptions": decisions.labels("recompute"),
+            "num_priority_preemptions": Counter("nanoserve_priority_preemptions",
+                                                "Preemptions that let a waiting request of higher priority in",
+                                                registry=r),
+            "num_recomputed_tokens": Counter("nanoserve_recomputed_tokens",
+                                             "Tokens computed again after preemptions by recompute", registry=r),
+            "num_swapped_bytes": Counter("nanoserve_swapped_bytes", "KV bytes swapped to the host pool and back",
+                                         registry=r),
+            "estimated_swap_seconds": cost.labels("swap", "estimated"),
+            "measured_swap_seconds": cost.labels("swap", "measured"),
+            "estimated_recompute_seconds": cost.labels("recompute", "estimated"),
+            "measured_recompute_seconds": cost.labels("recompute", "measured"),
+        }
+        self._seen = dict.fromkeys(self._followed, 0)
 
     def serve(self, host: str, port: int):
         """Serve /metrics over HTTP; returns the server (call .shutdown() to stop it)."""
@@ -54,10 +78,13 @@ class Metrics:
             self.kv_usage.set(1.0 - s.free_kv_blocks / s.total_kv_blocks)
         if s.prefix_cache_query_tokens:
             self.prefix_hit_rate.set(s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens)
-        if s.num_preemptions < self._preemptions_seen:  # the scheduler restarted
-            self._preemptions_seen = 0
-        self.preemptions.inc(s.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = s.num_preemptions
+        self.prefill_rate.set(s.prefill_tokens_per_s)
+        for name, counter in self._followed.items():
+            value = getattr(s, name)
+            if value < self._seen[name]:  # the scheduler restarted
+                self._seen[name] = 0
+            counter.inc(value - self._seen[name])
+            self._seen[name] = value
 
     def start_request(self) -> "RequestTimer":
         return RequestTimer(self)
