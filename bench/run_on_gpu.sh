@@ -9,6 +9,8 @@
 #                then 5 waves on one launched server from 2 client processes, and the ratios
 #                (SERVING_ARGS adds flags, e.g. --scale-check for a wave at 4 client processes)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
+#   preemption   bench/preemption.py (every preemption mode x policy; PREEMPTION_ARGS adds flags, e.g.
+#                --workloads c-nanovllm: all three take longer than one call)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
@@ -45,6 +47,9 @@ for step in "$@"; do
         --server-log "$OUT/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
       grep -v " INFO " "$OUT/serving.log" | tail -n 16
       summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
+    preemption)
+      python3 bench/preemption.py --out "$OUT/preemption.json" ${PREEMPTION_ARGS:-} > "$OUT/preemption.log" 2>&1
+      grep -v -E " (INFO|WARNING) " "$OUT/preemption.log" | tail -n 14 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

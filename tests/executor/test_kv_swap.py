@@ -169,8 +169,9 @@ def test_each_result_reports_how_long_its_plans_swaps_took(runner):
     assert results[0].swap_seconds > 0 and results[1].swap_seconds > 0 and results[2].swap_seconds == 0
 
 
-def test_the_handshake_reports_the_measured_copy_costs_and_in_auto_mode_the_prefill_rate(tiny_llama):
-    r = make_runner(tiny_llama, preemption_mode="auto")
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_handshake_reports_the_measured_copy_costs_and_in_auto_mode_the_prefill_rate(tiny_llama, device):
+    r = make_runner(tiny_llama, device, preemption_mode="auto")
     hs = handshake(r)
     assert hs.kv_block_bytes == block_bytes(r)
     assert hs.host_link_bytes_per_s > 0 and hs.copy_fixed_seconds >= 0 and hs.prefill_tokens_per_s > 0
