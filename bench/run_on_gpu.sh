@@ -21,6 +21,8 @@
 #   structured   bench/structured.py: token-mask fill times, then throughput with half the requests
 #                JSON-schema-constrained against all free (STRUCTURED_ARGS adds flags to the latter)
 #   accuracy     bench/kv_fp8_accuracy.py (fp8 KV cache against bf16; ACCURACY_ARGS adds flags, e.g. --model DIR)
+#   preemption   bench/preemption.py (every preemption mode x policy; PREEMPTION_ARGS adds flags, e.g.
+#                --workloads c-nanovllm: all three take longer than one call)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
 # Logs go to $OUT; the tables are printed last.
@@ -101,6 +103,9 @@ PY
         python3 bench/throughput.py --no-progress --out "$OUT/throughput_tp.json" $args > "$OUT/tp.log" 2>&1
         summary+=("throughput $args: $(grep -E '^ +nanoserve ' "$OUT/tp.log" | tail -n 1)")
       done ;;
+    preemption)
+      python3 bench/preemption.py --out "$OUT/preemption.json" ${PREEMPTION_ARGS:-} > "$OUT/preemption.log" 2>&1
+      grep -v -E " (INFO|WARNING) " "$OUT/preemption.log" | tail -n 14 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
     profile)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 from google.protobuf.message import DecodeError
 
+from executor_svc.copy_costs import CopyTimer
 from executor_svc.late_masks import LateMaskError, wait_late_masks
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
@@ -99,6 +100,10 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
         device=str(runner.device), attention_backend=runner.backend.name, pid=os.getpid(),
         num_host_blocks=runner.kv_pool.num_host_blocks,
         kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+        kv_block_bytes=runner.calibration.kv_block_bytes,
+        host_link_bytes_per_s=runner.calibration.host_link_bytes_per_s,
+        copy_fixed_seconds=runner.calibration.copy_fixed_seconds,
+        prefill_tokens_per_s=runner.calibration.prefill_tokens_per_s,
     )
 
 
@@ -109,6 +114,7 @@ class SampledStep:
     step: PendingStep
     result: engine_pb2.StepResult  # its id and timings; the tokens are added when it is answered
     error: Exception | None = None  # it failed after sampling (its late token masks never came)
+    swaps: CopyTimer | None = None  # its swap copies' timer
 
 
 class StepLoop:
@@ -153,6 +159,7 @@ class StepLoop:
             if sampled_step.error is not None:  # sampled all the same (the other ranks take its tokens)
                 raise sampled_step.error
             sampled = self.runner.finalize(sampled_step.step)
+            result.swap_seconds = sampled_step.swaps.seconds() if sampled_step.swaps is not None else 0.0
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id)
@@ -179,8 +186,8 @@ class StepLoop:
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
         try:
             chunks = self.mirrors.apply(plan)
-            self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
-                                            block_pairs(plan.block_copies))
+            swaps = self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
+                                                    block_pairs(plan.block_copies))
             inputs = self.runner.launch(chunks)
             self.mirrors.commit(chunks)
         except Exception as exc:  # the scheduler fails this step's requests; we keep serving

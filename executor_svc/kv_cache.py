@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from executor_svc.copy_costs import CopyTimer
 from executor_svc.layers.attention import Attention
 from executor_svc.pinned_staging import PinnedStaging
 from kernels.kv_quant import KVScales, as_bytes
@@ -156,12 +157,16 @@ class KVPool:
     def _pinned(self) -> bool:
         return self.layout.device.type == "cuda"
 
-    def move_blocks(self, swap_out: BlockPairs, swap_in: BlockPairs, copies: BlockPairs) -> None:
+    def move_blocks(self, swap_out: BlockPairs, swap_in: BlockPairs, copies: BlockPairs) -> CopyTimer | None:
         """A plan's block moves, before its forward, in this order exactly: a block swapped out may be
-        the destination of a swap-in or a copy of the same plan."""
+        the destination of a swap-in or a copy of the same plan. Returns the timer of its swaps, if any."""
+        timer = CopyTimer(self.layout.device) if swap_out or swap_in else None
         self.swap_out(swap_out)
         self.swap_in(swap_in)
+        if timer is not None:
+            timer.stop()
         self.copy_blocks(copies)
+        return timer
 
     def copy_blocks(self, copies: BlockPairs) -> None:
         """Copy-on-write: duplicate whole blocks, in every layer."""

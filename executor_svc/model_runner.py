@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from executor_svc.copy_costs import calibrate
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
                                       one_token_chunks_first, profiling_chunks)
@@ -29,6 +30,7 @@ from scheduler_svc.common.config import EngineConfig
 log = logging.getLogger("nanoserve.executor")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CALIBRATION_PREFILL_TOKENS = {"cuda": 2048, "cpu": 64}  # the timed forward of the preemption cost model
 
 
 def resolve_device(name: str, rank: int) -> torch.device:
@@ -116,9 +118,16 @@ class ModelRunner:
             amax = None if method == "static" else self.calibration_amax()
             self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
         self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward))
-        host_blocks = num_host_blocks(config.num_host_blocks, config.swap_space_gb, layout.bytes_per_block)
+        host_blocks = num_host_blocks(config.num_host_blocks, config.host_pool_gb(self.device.type),
+                                      layout.bytes_per_block)
         if host_blocks:
             self.kv_pool.allocate_host(host_blocks)
+        # every rank runs the timed forward, or none does (tensor-parallel layers talk to each other)
+        timed = self.device.type == "cuda" or config.resolved_preemption_mode(self.device.type) == "auto"
+        num_tokens = min(CALIBRATION_PREFILL_TOKENS[self.device.type], config.max_num_batched_tokens,
+                         self.max_model_len, self.kv_pool.num_blocks // 2 * self.block_size)
+        self.calibration = calibrate(self.kv_pool, self._prefill_on_free_blocks if timed and num_tokens > 0 else None,
+                                     num_tokens, rank)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.capabilities.cuda_graph_safe:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
@@ -166,6 +175,16 @@ class ModelRunner:
         log.info("KV cache scales calibrated on %d tokens of %d sequences (%s)", sum(c.end for c in chunks),
                  len(chunks), calibration_source(cfg.model))
         return amax
+
+    @torch.inference_mode()
+    def _prefill_on_free_blocks(self, num_tokens: int) -> None:
+        """A prefill of one sequence of num_tokens random tokens on the pool's first blocks (all free at
+        start-up), zeroed again after, as the pool starts."""
+        chunks, num_blocks = profiling_chunks(num_tokens, 1, self.block_size, self.facts.vocab_size)
+        inputs = self.prepare_inputs(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.model.compute_logits(hidden[inputs.logits_indices])
+        self.kv_pool.cache[:, :, :num_blocks].zero_()
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
         """The step's inputs on the device, in one copy."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
@@ -18,6 +19,9 @@ KV_CACHE_SCALES = ("calibrated", "calibrated-per-head", "static")
 # how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
 # of K and q over head_dim, which attention does not see, or none
 KV_CACHE_ROTATIONS = ("hadamard", "none")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler_svc/core/preemption_cost.py
+PREEMPTION_POLICIES = ("newest", "least-progress", "priority")  # scheduler_svc/core/preemption_policy.py
+DEFAULT_SWAP_SPACE_GB = 4.0  # host pool per executor where the preemption mode can swap and no size is given
 
 
 @dataclass
@@ -36,8 +40,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0  # KV pool budget on the CPU
-    swap_space_gb: float = 0.0  # host pool per executor for preemption by swap; 0: preempt by recompute only
+    swap_space_gb: float | None = None  # host pool per executor for preemption by swap; None: host_pool_gb()
     num_host_blocks: int | None = None  # host pool size in blocks; overrides swap_space_gb (tests)
+    preemption_mode: str | None = None  # None: resolved_preemption_mode()
+    preemption_policy: str = "newest"  # which running sequence gives way
     enforce_eager: bool = False
     executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
     frontend_timeout_s: float = 10.0  # a front end silent this long is gone: its requests are aborted
@@ -89,9 +95,35 @@ class EngineConfig:
              "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
         need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
-        need(self.swap_space_gb >= 0, f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
+        need(self.swap_space_gb is None or self.swap_space_gb >= 0,
+             f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
+        need(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES,
+             f"--preemption-mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(self.preemption_policy in PREEMPTION_POLICIES,
+             f"--preemption-policy must be one of {PREEMPTION_POLICIES}, got {self.preemption_policy!r}")
         need(self.num_host_blocks is None or self.num_host_blocks >= 0,
              f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
+
+    def resolved_preemption_mode(self, device_type: str) -> str:
+        """--preemption-mode, else auto on CUDA, and on the CPU recompute unless a host pool is asked for."""
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        if device_type == "cuda":
+            return "auto"
+        return "swap" if (self.swap_space_gb or 0) > 0 or (self.num_host_blocks or 0) > 0 else "recompute"
+
+    def host_pool_gb(self, device_type: str) -> float:
+        """--swap-space-gb, else DEFAULT_SWAP_SPACE_GB (at most a quarter of the machine's memory per rank)
+        where the mode can swap, and none in recompute mode."""
+        if self.swap_space_gb is not None:
+            return self.swap_space_gb
+        if self.resolved_preemption_mode(device_type) == "recompute":
+            return 0.0
+        try:
+            machine_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        except (ValueError, OSError):
+            machine_gb = 4 * DEFAULT_SWAP_SPACE_GB
+        return min(DEFAULT_SWAP_SPACE_GB, machine_gb / 4 / self.tensor_parallel_size)
 
     def to_argv(self) -> list[str]:
         """The same config as command-line flags, to start another process role."""
@@ -127,9 +159,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=ATTENTION_BACKEND_CHOICES, default=d["attention_backend"].default)
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default)
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"].default)
-    g.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"].default,
-                   help="host memory per executor for swapping preempted sequences out; 0: recompute them")
+    g.add_argument("--swap-space-gb", type=float, default=None,
+                   help=f"host memory per executor for swapping preempted sequences out (default: "
+                        f"{DEFAULT_SWAP_SPACE_GB:g}, at most a quarter of RAM per rank, where the mode can swap)")
     g.add_argument("--num-host-blocks", type=int, default=None, help="host swap pool in blocks (overrides)")
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=None,
+                   help="how a preempted sequence keeps its work: recompute it later, swap its KV to the host "
+                        "pool, or auto: the cheaper by the measured costs (default: auto on CUDA, recompute on "
+                        "the CPU unless a host pool is given)")
+    g.add_argument("--preemption-policy", choices=PREEMPTION_POLICIES, default=d["preemption_policy"].default,
+                   help="who gives way: the newest admitted, the least computed, or the lowest priority (which "
+                        "also lets a waiting request of higher priority preempt)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)

@@ -28,7 +28,7 @@ from scheduler_svc.core.message_checks import (BadMessage, check_add_request, ch
                                                check_step_result)
 from scheduler_svc.core import request_outputs
 from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.scheduler_config import SchedulerConfig
+from scheduler_svc.core.scheduler_config import scheduler_config
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.step_plan import build_step_plan
@@ -71,6 +71,7 @@ class StepTimings:
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0
     late_mask_wait_seconds: float = 0.0
+    measured_swap_seconds: float = 0.0  # rank 0's swap copies, as its results report them
 
 
 class EngineCore:
@@ -257,21 +258,15 @@ class EngineCore:
 
     def _start_serving(self) -> None:
         self.ready = self.executors.engine_facts(self.config.max_model_len)
-        facts = self.ready.model
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.ready.max_model_len,
-            block_size=self.config.block_size,
-            num_blocks=facts.num_blocks,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            eos_token_ids=tuple(facts.eos_token_ids),
-            num_host_blocks=facts.num_host_blocks,
-            vocab_size=facts.vocab_size,
-            tokenizer_dir=self.config.model,
-        ))
-        log.info("serving %s: %d KV blocks, max_model_len %d", facts.model_name, facts.num_blocks,
-                 self.ready.max_model_len)
+        config = scheduler_config(self.config, self.ready)
+        self.scheduler = Scheduler(config)
+        facts, costs = self.ready.model, config.preemption_costs
+        log.info("serving %s: %d KV blocks, %d host blocks, max_model_len %d; preemption %s, %s", facts.model_name,
+                 facts.num_blocks, facts.num_host_blocks, self.ready.max_model_len, config.preemption_mode,
+                 config.preemption_policy)
+        log.info("preemption costs: KV block %.0f KiB, host link %.2f GB/s + %.1f us per copy, prefill %.0f tok/s "
+                 "(0: not measured)", costs.block_bytes / 1024, costs.host_link_bytes_per_s / 1e9,
+                 costs.copy_fixed_s * 1e6, costs.prefill_tokens_per_s)
         for identity in self.frontends:
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(ready=self.ready))
 
@@ -402,6 +397,8 @@ class EngineCore:
         t.executor_busy_seconds += result.execute_seconds
         t.executor_idle_seconds += result.idle_seconds
         t.late_mask_wait_seconds += result.late_mask_wait_seconds
+        t.measured_swap_seconds += result.swap_seconds
+        self.scheduler.preemption.costs.observe_step(step.out.num_batched_tokens, step.out.num_prefill_tokens, elapsed)
         if not result.error:
             sampled = {s.seq_id: s for s in result.sampled}
             candidates = None

@@ -60,6 +60,11 @@ class ExecutorRegistry:
         facts.CopyFrom(rank0)
         facts.num_blocks = min(h.num_blocks for h in self.handshakes.values())
         facts.num_host_blocks = min(h.num_host_blocks for h in self.handshakes.values())
+        # the preemption cost model's constants: the slowest rank's (ranks swap and compute together)
+        facts.kv_block_bytes = max(h.kv_block_bytes for h in self.handshakes.values())
+        facts.host_link_bytes_per_s = min(h.host_link_bytes_per_s for h in self.handshakes.values())
+        facts.copy_fixed_seconds = max(h.copy_fixed_seconds for h in self.handshakes.values())
+        facts.prefill_tokens_per_s = min(h.prefill_tokens_per_s for h in self.handshakes.values())
         limit = rank0.max_position_embeddings
         return engine_pb2.EngineReady(model=facts, max_model_len=min(max_model_len or limit, limit))
 

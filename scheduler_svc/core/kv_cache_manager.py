@@ -88,13 +88,9 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.host_block_table.clear()
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        """Whether the host pool can hold the blocks of seq's computed tokens."""
-        n = cdiv(seq.num_computed_tokens, self.block_size)
-        return self.host_pool is not None and 0 < n <= self.host_pool.num_free_blocks
-
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move the blocks of seq's computed tokens to host blocks; returns (KV block, host block) copies.
+        """Move the blocks of seq's computed tokens to host blocks (preemption_cost.decide checked the room);
+        returns (KV block, host block) copies.
 
         The KV blocks go back to the pool at once (their hashed contents stay findable): the copies run
         before anything else in the next plan, so a block reused in that plan is read first.

@@ -78,6 +78,10 @@ def check_handshake(hs: engine_pb2.ExecutorHandshake, identity: bytes, world_siz
     _require(hs.vocab_size > 0, f"vocab_size = {hs.vocab_size} must be positive")
     _require(hs.max_position_embeddings > 1, f"max_position_embeddings = {hs.max_position_embeddings} is too small")
     _require(all(0 <= t < hs.vocab_size for t in hs.eos_token_ids), "eos_token_ids outside the vocabulary")
+    _require(hs.kv_block_bytes >= 0, f"kv_block_bytes = {hs.kv_block_bytes} is negative")
+    _finite("host_link_bytes_per_s", hs.host_link_bytes_per_s, 0.0, 1e15)  # 0: not measured
+    _finite("copy_fixed_seconds", hs.copy_fixed_seconds, 0.0, 1.0)
+    _finite("prefill_tokens_per_s", hs.prefill_tokens_per_s, 0.0, 1e12)
 
 
 def check_heartbeat(hb: engine_pb2.Heartbeat, identity: bytes, world_size: int) -> None:
@@ -89,3 +93,4 @@ def check_step_result(result: engine_pb2.StepResult, identity: bytes, in_flight_
     """Only rank 0 replies, and only to a step this scheduler has in flight."""
     _require(identity == b"rank0", f"a step result came from socket {identity!r}, not rank 0's")
     _require(result.step_id in in_flight_step_ids, f"step {result.step_id} is not in flight")
+    _finite("swap_seconds", result.swap_seconds, 0.0, 1e6)

@@ -1,10 +1,11 @@
 """Iteration-level continuous batching: schedule() picks this step's work, postprocess() applies its result.
 
 Running sequences go first (decodes, unfinished prefill chunks), then waiting ones are admitted with chunked
-prefill. When blocks run out the newest running sequence is preempted: swapped to the host pool when it has
-room (resumed before waiting ones are admitted), else by recompute. Request groups (parallel samples, beam
-search) act through GroupHost (groups/group_host.py). With async scheduling, schedule() runs before the last
-step's result is back: a sample in flight counts as a placeholder token until postprocess() fills it in.
+prefill. When blocks run out a running sequence is preempted (whom: preemption_policy.py), swapped to the host
+pool or recomputed later (preemption_cost.py); swapped ones resume before waiting ones are admitted. Request
+groups (parallel samples, beam search) act through GroupHost (groups/group_host.py). With async scheduling,
+schedule() runs before the last step's result is back: a sample in flight is a placeholder token until
+postprocess() fills it in.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from protos import engine_pb2
 from scheduler_svc.core.groups.beam_scheduler import BeamScheduler
 from scheduler_svc.core.groups.parallel_samples import ParallelSamples
 from scheduler_svc.core.kv_cache_manager import BlockManager
+from scheduler_svc.core.preemption_policy import Preemption
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
-from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step
+from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step, stats_of
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_rule_for
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
@@ -53,6 +55,8 @@ class Scheduler:
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer_loader(
             config.tokenizer_dir, config.vocab_size, config.eos_token_ids)), config.vocab_size)
         self.counters = SchedulerCounters()
+        self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
+                                     config.world_size)
         self._next_arrival = 0
         self._next_seq_id = 1
 
@@ -140,8 +144,10 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[int] = []
         block_copies: list[tuple[int, int]] = []
+        budget = self.config.max_num_batched_tokens
+        self.preemption.before_step(budget, preempted)  # priority preemption lets its request in, so it comes first
         num_preemptions = self.counters.num_preemptions
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted, block_copies)
+        budget = self._schedule_running(budget, scheduled, preempted, block_copies)
         num_running = len(scheduled)
         swap_in: list[tuple[int, int]] = []
         # Admit only while memory is not short (nothing was preempted this step).
@@ -149,7 +155,7 @@ class Scheduler:
             budget = self._schedule_waiting(budget, scheduled, swap_in)
             # Beams that have reported hold their blocks until their round: when they are all that holds the
             # pool, one gives way (it recomputes later), or searches could wait on each other's blocks forever.
-            if not scheduled and (self.waiting or self.swapped) and self._preempt_idle_beams(preempted):
+            if not scheduled and (self.waiting or self.swapped) and self.preemption.idle_beams_give_way(preempted):
                 budget = self._schedule_waiting(budget, scheduled, swap_in)
         for s in scheduled[num_running:]:  # running ones are mirrored already; admitted ones are sent in full now
             s.seq.in_executor = True
@@ -165,7 +171,7 @@ class Scheduler:
         num_batched = self.config.max_num_batched_tokens - budget
         masks, late = self.structured.plan_masks(scheduled) if self.structured.matchers else (None, [])
         return SchedulerOutput(scheduled, preempted, finished, num_batched, block_copies, swap_out, swap_in,
-                               has_prefill=count_step(self.counters, scheduled) if scheduled else False,
+                               num_prefill_tokens=count_step(self.counters, scheduled) if scheduled else 0,
                                token_bitmasks=masks, late_masked=late)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSeq], preempted: list[int],
@@ -189,13 +195,13 @@ class Scheduler:
             end = start + num_new
             is_new = not seq.in_executor
             if is_new:  # forked since the last step: it may write a shared block
-                if not self._make_room(seq, lambda: bm.can_append(seq, end), preempted):
+                if not self.preemption.make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
                 block_copies += bm.copy_on_write(seq)
                 bm.allocate(seq, end)
                 seq.in_executor = True
             elif end > len(seq.block_table) * bs:  # most decodes fit in the table they have
-                if not self._make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
+                if not self.preemption.make_room(seq, lambda: bm.can_allocate(seq, end), preempted):
                     break
                 bm.allocate(seq, end)
             if i >= len(running) or running[i] is not seq:  # idle beams ahead of it gave way
@@ -212,15 +218,14 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> int:
         """Resume swapped sequences, then admit waiting ones in order while they fit. Stopping at the first
         that does not fit keeps it from starving. Returns the token budget left."""
-        # started beam searches hold room for all their beams, so forking never passes max_num_seqs
-        reserved = self.beams.slots_reserved() if self.beams.searches else 0
+        reserved = self.slots_reserved()
         if self.swapped:
             budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
         bm = self.block_manager
         index = 0
         while index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
-            if not self._has_room(seq, reserved):
+            if not self.has_room(seq, reserved):
                 break
             if seq.leader is not None or (seq.constraint is not None and not self.structured.is_ready(seq)):
                 index += 1  # a parallel sample waits for its first sibling's prompt; a constrained one for its grammar
@@ -236,6 +241,8 @@ class Scheduler:
             seq.num_computed_tokens = num_hit
             if not seq.admitted_once:
                 seq.admitted_once, seq.num_cached_tokens = True, num_hit
+            if seq.num_preempted_tokens:
+                self.preemption.on_admitted(seq, num_hit)
             self._run_new(seq, num_new, scheduled)
             reserved = self._reserved_after_admitting(seq, reserved)
             budget -= num_new
@@ -246,23 +253,29 @@ class Scheduler:
         """Swap sequences back in, in order, while they fit; each computes its next chunk in this step."""
         bm = self.block_manager
         for seq in list(self.swapped):
-            if budget <= 0 or seq.num_placeholders:
-                break  # a sample in flight must arrive before the sequence is resent
-            if not self._has_room(seq, reserved):
+            if budget <= 0 or seq.num_placeholders or not self.preemption.resumes_first(seq):
+                break  # a sample in flight must arrive before it is resent; a waiting one may go first
+            if not self.has_room(seq, reserved):
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new <= 0:
                 continue  # a beam that has reported: its search's round decides what comes of it
             if not bm.can_swap_in(seq, seq.num_computed_tokens + num_new):
                 break
-            swap_in += bm.swap_in(seq, seq.num_computed_tokens + num_new)
+            copies = bm.swap_in(seq, seq.num_computed_tokens + num_new)
+            self.preemption.on_swap_in(copies)
+            swap_in += copies
             self.swapped.remove(seq)
             self._run_new(seq, num_new, scheduled)
             reserved = self._reserved_after_admitting(seq, reserved)
             budget -= num_new
         return budget, reserved
 
-    def _has_room(self, seq: Sequence, reserved: int) -> bool:
+    def slots_reserved(self) -> int:
+        """Started beam searches hold room for all their beams, so forking never passes max_num_seqs."""
+        return self.beams.slots_reserved() if self.beams.searches else 0
+
+    def has_room(self, seq: Sequence, reserved: int) -> bool:
         """Whether seq may join the running queue: a beam of a running search has its slot reserved already;
         the first beam of a search to run needs room for the whole width."""
         need = 1 if seq.beam is None else self.beams.room_needed(seq)
@@ -270,17 +283,6 @@ class Scheduler:
 
     def _reserved_after_admitting(self, seq: Sequence, reserved: int) -> int:
         return reserved if seq.beam is None else self.beams.slots_reserved()
-
-    def _preempt_idle_beams(self, preempted: list[int]) -> bool:
-        """When nothing can run and nothing is in flight, every running sequence is a beam that has reported
-        and waits for its round: preempt them all, so no search holds slots or blocks another one needs (each
-        fits the engine alone, as add() checked). False when that is not the case."""
-        if not self.running or any(s.num_placeholders or s.beam is None or s.num_uncomputed_tokens > 0
-                                   for s in self.running):
-            return False
-        for seq in reversed(list(self.running)):
-            self._preempt(seq, preempted)
-        return True
 
     def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
         """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
@@ -291,18 +293,6 @@ class Scheduler:
         seq.num_computed_tokens = start + num_new
         seq.num_placeholders += samples
         scheduled.append(ScheduledSeq(seq, num_new, True, start, samples, seq.epoch))
-
-    def _make_room(self, seq: Sequence, fits, preempted: list[int]) -> bool:
-        """Preempt until fits(): beams idle in their round first (they compute nothing until it comes, and it
-        may wait for siblings that need the very blocks they hold), then the most recently admitted
-        sequences. False if seq itself had to go."""
-        while not fits():
-            victim = next((s for s in reversed(self.running) if s is not seq and s.beam is not None
-                           and not s.num_placeholders and s.num_uncomputed_tokens <= 0), self.running[-1])
-            self._preempt(victim, preempted)
-            if victim is seq:
-                return False
-        return True
 
     # ------------------------------------------------------------------ postprocess
 
@@ -371,18 +361,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Queue sizes, KV blocks and counters, named as the fields of engine_pb2.SchedulerStats."""
-        bm = self.block_manager
-        return dict(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_swapped=len(self.swapped),
-            total_kv_blocks=bm.num_blocks,
-            free_kv_blocks=bm.num_free_blocks,
-            prefix_cache_query_tokens=bm.prefix_query_tokens,
-            prefix_cache_hit_tokens=bm.prefix_hit_tokens,
-            **vars(self.counters),
-            **self.structured.stats(),
-        )
+        return stats_of(self)
 
     # ------------------------------------------------------------------ queues (the GroupHost interface)
 
@@ -399,8 +378,7 @@ class Scheduler:
         self.running.append(seq)  # sent in full with its first step (in_executor is False)
 
     def running_has_room(self) -> bool:
-        reserved = self.beams.slots_reserved() if self.beams.searches else 0
-        return len(self.running) + reserved < self.config.max_num_seqs
+        return len(self.running) + self.slots_reserved() < self.config.max_num_seqs
 
     def retire(self, seq: Sequence, reason: int) -> None:
         """The one way a sequence ends (finished, aborted, or a beam no longer needed): out of its queue, its
@@ -427,21 +405,24 @@ class Scheduler:
             self.finished_to_drop.append(seq.seq_id)
         self._drop_mirror(seq)
 
-    def _preempt(self, seq: Sequence, preempted: list[int]) -> None:
-        """Swap it out when the host pool has room, else preempt by recompute: drop its KV and send it back
-        to waiting."""
+    def preempt(self, seq: Sequence, preempted: list[int]) -> None:
+        """Swap it out to the host pool, or preempt by recompute: drop its KV and send it back to waiting (as
+        preemption_cost.decide says)."""
         self.running.remove(seq)
         if seq.in_executor:
             preempted.append(seq.seq_id)  # resent in full when it runs again, with its new block table
         self._drop_mirror(seq)
         seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
         self.counters.num_preemptions += 1
-        if self.block_manager.can_swap_out(seq):
-            self.pending_swap_outs += self.block_manager.swap_out(seq)
+        decision = self.preemption.decide(seq)
+        if decision.swap:
+            copies = self.block_manager.swap_out(seq)
+            self.pending_swap_outs += copies
+            self.preemption.on_swap_out(decision, copies)
             seq.status = SWAPPED
             bisect.insort(self.swapped, seq, key=_queue_order)
-            self.counters.num_swap_outs += 1
             return
+        self.preemption.on_recompute(seq, decision)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.prompt_computed = False

@@ -29,10 +29,14 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV block, host block), run first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, KV block), run second
-    has_prefill: bool = False  # some chunk is not a decode (prompt tokens, or several new tokens)
+    num_prefill_tokens: int = 0  # tokens of chunks that are not decodes (prompt tokens, or several new tokens)
     token_bitmasks: engine_pb2.TokenBitmasks | None = None  # structured output: masks of constrained samples
     # constrained samples planned while an earlier sample of theirs is in flight: masks sent late (LateTokenMasks)
     late_masked: list[Sequence] = field(default_factory=list)
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.num_prefill_tokens > 0
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ class Sequence:
     epoch: int = 0  # counts preemptions: a step planned in an earlier epoch wrote blocks it no longer has
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (or a fork) at first admission
     prompt_computed: bool = False  # a step that computed the whole prompt succeeded, in this epoch
+    num_preempted_tokens: int = 0  # computed tokens a preemption by recompute dropped, until it is admitted again
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block
     host_block_table: list[int] = field(default_factory=list)  # while swapped: host blocks of its computed tokens

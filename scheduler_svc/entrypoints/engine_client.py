@@ -70,10 +70,15 @@ class EngineClient:
             self.recv(200)
         return self.ready
 
-    def stats(self, timeout_s: float = 10.0) -> engine_pb2.SchedulerStats:
-        """Ask for counters; outputs that arrive meanwhile are returned to nobody, so use when idle."""
+    def ask_stats(self) -> int:
+        """Ask for counters without waiting: the SchedulerStats with the returned query_id arrives through recv()."""
         query_id = next(self._query_ids)
         self._send(engine_pb2.FrontendToScheduler(stats=engine_pb2.StatsQuery(query_id=query_id)))
+        return query_id
+
+    def stats(self, timeout_s: float = 10.0) -> engine_pb2.SchedulerStats:
+        """Ask for counters; outputs that arrive meanwhile are returned to nobody, so use when idle."""
+        query_id = self.ask_stats()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self.recv(100)

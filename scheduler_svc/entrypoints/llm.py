@@ -46,6 +46,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    finished_at: float = 0.0  # time.perf_counter() when its last completion ended (its end-to-end latency's end)
 
 
 class _Tracker:
@@ -120,8 +121,9 @@ class LLM:
         return validate_request(ids, params, self.ready, self.limits)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
-        """Generate for a prompt or a list of prompts (text or token ids); results in input order."""
+                 use_tqdm: bool = True, priority: int | list[int] = 0) -> list[GenerationResult]:
+        """Generate for a prompt or a list of prompts (text or token ids); results in input order. priority:
+        lower is served first (one for all, or one per prompt)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -129,6 +131,9 @@ class LLM:
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         results, trackers, requests = [], {}, []
         batch_id = uuid.uuid4().hex[:12]
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -139,7 +144,8 @@ class LLM:
             rids = [result.request_id] if params.n == 1 else [f"{result.request_id}#{j}" for j in range(params.n)]
             for rid, out in zip(rids, result.outputs):
                 trackers[rid] = (_Tracker(self.tokenizer, ids, params, out), result)
-            requests += params.add_requests(rids, ids)  # beam search: outputs[j] is the j-th best
+            # beam search: outputs[j] is the j-th best
+            requests += params.add_requests(rids, ids, priority=priorities[i])
         for request in requests:
             self.client.add(request)
         try:
@@ -172,11 +178,12 @@ class LLM:
                     entry = trackers.get(ro.request_id)
                     if entry is None or entry[0].done:
                         continue
-                    tracker = entry[0]
+                    tracker, result = entry
                     generated += len(ro.new_token_ids)
                     if tracker.apply(ro):
                         self.client.abort([ro.request_id])
                     if tracker.done:
+                        result.finished_at = time.perf_counter()
                         pending.discard(ro.request_id)
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")

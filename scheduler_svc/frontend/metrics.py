@@ -39,6 +39,13 @@ class Metrics:
         self.prefix_hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache / looked up, since start", registry=r)
         self.preemptions = Counter("nanoserve_preemptions", "Sequences preempted", registry=r)
+        decisions = Counter("nanoserve_preemption_decisions", "Preemptions by how the victim kept its work", ["kind"],
+                            registry=r)
+        cost = Counter("nanoserve_preemption_cost_seconds", "Cost of the preemptions chosen, as the cost model "
+                       "estimated it and as measured (swap copies; recomputed tokens at the measured prefill rate)",
+                       ["kind", "source"], registry=r)
+        self.prefill_rate = Gauge("nanoserve_prefill_tokens_per_second", "The preemption cost model's prefill rate",
+                                  registry=r)
         self.constrained_requests = Counter("nanoserve_structured_output_requests",
                                             "Requests with a structured-output constraint", registry=r)
         self.grammar_compile_errors = Counter("nanoserve_grammar_compile_errors",
@@ -57,6 +64,21 @@ class Metrics:
             ("num_preemptions", self.preemptions), ("num_constrained_requests", self.constrained_requests),
             ("num_grammar_compile_errors", self.grammar_compile_errors), ("num_masked_steps", self.masked_steps),
             ("token_mask_seconds", self.token_mask_seconds), ("late_mask_wait_seconds", self.late_mask_wait_seconds))}
+        self._cumulative.update({name: _FromCumulative(counter) for name, counter in {
+            "num_swap_outs": decisions.labels("swap"),
+            "num_recompute_preemptions": decisions.labels("recompute"),
+            "num_priority_preemptions": Counter("nanoserve_priority_preemptions",
+                                                "Preemptions that let a waiting request of higher priority in",
+                                                registry=r),
+            "num_recomputed_tokens": Counter("nanoserve_recomputed_tokens",
+                                             "Tokens computed again after preemptions by recompute", registry=r),
+            "num_swapped_bytes": Counter("nanoserve_swapped_bytes", "KV bytes swapped to the host pool and back",
+                                         registry=r),
+            "estimated_swap_seconds": cost.labels("swap", "estimated"),
+            "measured_swap_seconds": cost.labels("swap", "measured"),
+            "estimated_recompute_seconds": cost.labels("recompute", "estimated"),
+            "measured_recompute_seconds": cost.labels("recompute", "measured"),
+        }.items()})
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
                                           "Front-end time turning engine outputs into text deltas "
                                           "(incremental detokenizer and stop strings)", registry=r)
@@ -74,6 +96,7 @@ class Metrics:
             self.kv_usage.set(1.0 - s.free_kv_blocks / s.total_kv_blocks)
         if s.prefix_cache_query_tokens:
             self.prefix_hit_rate.set(s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens)
+        self.prefill_rate.set(s.prefill_tokens_per_s)
         for name, cumulative in self._cumulative.items():
             cumulative.update(getattr(s, name))
 

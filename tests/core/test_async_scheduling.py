@@ -27,16 +27,17 @@ def token_at(seq: Sequence, pos: int) -> int:
     return seq.token_ids[pos] if pos < seq.num_prompt_tokens else fake_model(seq.seq_id, pos)
 
 
-def run(requests, depth: int, num_blocks: int, budget: int, num_host_blocks: int = 0):
-    """Serve the requests with `depth` planned steps in flight; the outputs by request id, and the scheduler."""
+def run(requests, depth: int, num_blocks: int, budget: int, num_host_blocks: int = 0, **config):
+    """Serve the requests ((prompt, max_tokens) or (prompt, max_tokens, priority)) with `depth` planned steps in
+    flight; the outputs by request id, and the scheduler. config: more SchedulerConfig fields."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=96,
                                       block_size=4, num_blocks=num_blocks, eos_token_ids=(EOS,),
-                                      num_host_blocks=num_host_blocks))
+                                      num_host_blocks=num_host_blocks, **config))
     executor = FakeExecutor(num_blocks, 4, num_host_blocks, token_at)
     seqs = []
-    for i, (prompt, max_tokens) in enumerate(requests):
+    for i, (prompt, max_tokens, *priority) in enumerate(requests):
         seq = Sequence(seq_id=i + 1, request_id=f"r{i}", token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                       sampling=engine_pb2.SamplingOptions(),
+                       sampling=engine_pb2.SamplingOptions(), priority=priority[0] if priority else 0,
                        stopping=engine_pb2.StoppingOptions(max_tokens=max_tokens))
         sched.add(seq)
         seqs.append(seq)

@@ -86,7 +86,7 @@ def test_samples_wait_for_a_preempted_first_sibling_to_compute_the_prompt_again(
     sched.add(a)
     run_step(sched)  # a computes its prompt, then is preempted while its first decode is in flight
     out = sched.schedule()
-    sched._preempt(a, [])
+    sched.preempt(a, [])
     sched.postprocess(out, {s.seq.seq_id: 5 for s in out.scheduled if s.samples})
     sched.add(b)
     sched.add(big)

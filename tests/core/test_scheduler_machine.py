@@ -17,9 +17,11 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from protos import engine_pb2
+from scheduler_svc.common.config import PREEMPTION_MODES, PREEMPTION_POLICIES
+from scheduler_svc.core.preemption_cost import PreemptionCosts
 from scheduler_svc.core.prefix_cache import hash_block
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
@@ -123,8 +125,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.config = replace(CONFIG, num_host_blocks=self.num_host_blocks,
-                              enable_prefix_caching=self.enable_prefix_caching)
+        self.start(replace(CONFIG, num_host_blocks=self.num_host_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching))
+
+    def start(self, config: SchedulerConfig) -> None:
+        self.config = config
         self.sched = Scheduler(self.config)
         self.executor = MirroringExecutor(self.config.num_blocks, BLOCK, self.num_host_blocks, token_at=self.kv_at)
         self.in_flight: deque[tuple[SchedulerOutput, dict, dict]] = deque()  # (step, sampled, candidates)
@@ -220,8 +225,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         samples_waiting = {s for s in sched.waiting if s.leader is not None}
         running_before = {s.seq_id: s for s in sched.running}
         idle_beams = {s for s in sched.running if s.beam is not None and s.num_uncomputed_tokens <= 0}
-        preemptions, swap_outs = sched.counters.num_preemptions, sched.counters.num_swap_outs
+        c = sched.counters
+        preemptions, swap_outs, for_priority = c.num_preemptions, c.num_swap_outs, c.num_priority_preemptions
         out = sched.schedule()
+        for_priority = c.num_priority_preemptions - for_priority
 
         assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled) <= cfg.max_num_batched_tokens
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
@@ -229,9 +236,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         sent_in_full = {s.seq for s in out.scheduled if s.is_new}
         admitted, swapped_in = sent_in_full & waiting_before - forked, sent_in_full & swapped_before
         victims = {s for s in running_before.values() if s.status is not RUNNING and not s.is_finished}
-        # admission waits while memory is short, except that an empty step may preempt beams idle in their round
-        assert not (victims - idle_beams and (admitted or swapped_in)), "admitted while preempting"
+        # admission waits while memory is short, except that an empty step may preempt beams idle in their round,
+        # and that under the priority policy a waiting request takes the room of running ones of lower priority
+        gave_way, joined = victims - idle_beams, admitted | swapped_in
+        assert not (gave_way and joined) or (len(gave_way) == for_priority and all(
+            v.priority > min(j.priority for j in joined) for v in gave_way)), "admitted while preempting"
         event_if(victims and victims <= idle_beams, "an idle beam gave way")
+        event_if(for_priority, "preempted for a waiting request of higher priority")
         assert bool(swapped_in) == bool(out.swap_in)
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
@@ -416,9 +427,23 @@ def event_if(condition, name: str) -> None:
         event(name)
 
 
-def machine_test(name: str, **attrs):
+class EveryPreemptionMachine(SchedulerMachine):
+    """The machine under a preemption mode and policy drawn for each run, with cost-model constants that make
+    auto go either way: swapping a block out and in costs 3 s (two copies of its 1 byte at 1 byte/s, 0.5 s
+    fixed each) and recomputing its 2 tokens 2 / rate, so auto swaps full blocks below a rate of 2/3 unless the
+    prefix cache would give enough back (a rate of 0 is unknown: auto then swaps)."""
+
+    @initialize(mode=st.sampled_from(PREEMPTION_MODES), policy=st.sampled_from(PREEMPTION_POLICIES),
+                rate=st.sampled_from([0.0, 0.4, 0.6, 0.8, 2.0]))
+    def choose_preemption(self, mode, policy, rate):
+        costs = PreemptionCosts(block_bytes=1, host_link_bytes_per_s=1.0, copy_fixed_s=0.5, prefill_tokens_per_s=rate)
+        self.start(replace(self.config, preemption_mode=mode, preemption_policy=policy, preemption_costs=costs))
+        event(f"preemption {mode}, {policy}")
+
+
+def machine_test(name: str, base: type = SchedulerMachine, **attrs):
     """A TestCase of the machine with these class attributes."""
-    cls = type(name, (SchedulerMachine,), attrs)
+    cls = type(name, (base,), attrs)
     case = cls.TestCase
     case.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -432,3 +457,8 @@ TestTwoStepsInFlightWithSwap = machine_test("TwoStepsInFlightWithSwap", depth=2,
 TestThreeStepsInFlightByRecompute = machine_test("ThreeStepsInFlightByRecompute", depth=3)
 TestThreeStepsInFlightWithSwapWithoutPrefixCaching = machine_test(
     "ThreeStepsInFlightWithSwapWithoutPrefixCaching", depth=3, num_host_blocks=6, enable_prefix_caching=False)
+TestEveryPreemptionModeAndPolicyTwoStepsInFlight = machine_test(
+    "EveryPreemptionModeAndPolicyTwoStepsInFlight", EveryPreemptionMachine, depth=2, num_host_blocks=8)
+TestEveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching = machine_test(
+    "EveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching", EveryPreemptionMachine, depth=3,
+    num_host_blocks=6, enable_prefix_caching=False)

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protos import engine_pb2
+from scheduler_svc.common.config import PREEMPTION_MODES, PREEMPTION_POLICIES
+from scheduler_svc.core.preemption_cost import PreemptionCosts
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
@@ -23,8 +25,8 @@ def make_scheduler(num_blocks: int, num_host_blocks: int) -> Scheduler:
                                      num_host_blocks=num_host_blocks))
 
 
-def run(requests, num_blocks: int, num_host_blocks: int, depth: int = 1, budget: int = 64):
-    return serve(requests, depth, num_blocks, budget, num_host_blocks)
+def run(requests, num_blocks: int, num_host_blocks: int, depth: int = 1, budget: int = 64, **config):
+    return serve(requests, depth, num_blocks, budget, num_host_blocks, **config)
 
 
 prompt_st = st.lists(st.integers(1, 60), min_size=1, max_size=30)
@@ -43,6 +45,22 @@ def test_swapping_preempted_sequences_gives_the_tokens_of_an_unpressured_run(req
     assert pressed == relaxed
 
 
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(prompt_st, st.integers(1, 30), st.integers(0, 2)), min_size=1, max_size=6),
+       spare=st.integers(0, 10), num_host_blocks=st.integers(0, 40), depth=st.sampled_from([1, 2, 3]),
+       budget=st.sampled_from([5, 16, 64]), mode=st.sampled_from(PREEMPTION_MODES),
+       policy=st.sampled_from(PREEMPTION_POLICIES), rate=st.sampled_from([0.0, 0.5, 2.0]))
+def test_every_preemption_mode_and_policy_gives_the_tokens_of_an_unpressured_run(requests, spare, num_host_blocks,
+                                                                                depth, budget, mode, policy, rate):
+    longest = max(-(-(len(p) + m) // BLOCK) for p, m, _ in requests)
+    relaxed, _ = run(requests, num_blocks=400, num_host_blocks=0)
+    # swapping a block out and in costs 3 s; recomputing its 4 tokens 4 / rate: auto goes either way
+    costs = PreemptionCosts(block_bytes=1, host_link_bytes_per_s=1.0, copy_fixed_s=0.5, prefill_tokens_per_s=rate)
+    pressed, _ = run(requests, num_blocks=longest + spare, num_host_blocks=num_host_blocks, depth=depth,
+                     budget=budget, preemption_mode=mode, preemption_policy=policy, preemption_costs=costs)
+    assert pressed == relaxed
+
+
 def test_a_swapped_sequence_resumes_where_it_stopped_with_its_kv_copied_back():
     requests = [(list(range(1, 13)), 20), (list(range(20, 32)), 20)]
     outs, sched = run(requests, num_blocks=9, num_host_blocks=16)
@@ -58,7 +76,7 @@ def test_the_first_resumed_step_computes_only_what_was_not_computed_before_the_s
     sched.add(a)
     out = sched.schedule()
     sched.postprocess(out, {1: 7})
-    sched._preempt(a, [])
+    sched.preempt(a, [])
     assert a.status is SequenceStatus.SWAPPED and not a.block_table and len(a.host_block_table) == 3
     assert sched.block_manager.num_free_blocks == 8
     out = sched.schedule()  # the swap-out rides on this plan, before the swap-in that undoes it

@@ -112,3 +112,20 @@ def test_tiny_random_checkpoint_greedy_equals_transformers(kind, tmp_path_factor
     outs, stats = run_engine(path, prompts, num_gpu_blocks=12, max_num_batched_tokens=32)
     assert stats.num_preemptions > 0 and stats.num_partial_prefill_chunks > 0
     assert_greedy_matches(outs, ref)
+
+
+@pytest.mark.parametrize("mode, policy", [("auto", "least-progress"), ("recompute", "priority")])
+def test_smollm2_equals_transformers_under_a_preemption_mode_and_policy(embedded_model, smol_case, mode, policy):
+    prompts, ref = smol_case[0][:8], smol_case[1][:8]
+    longest_blocks = -(-max(len(p) + NEW_TOKENS for p in prompts) // 16)
+    priorities = [i % 2 for i in range(len(prompts))]  # the priority policy then has lower ones to preempt
+    with LLM(embedded_model, num_gpu_blocks=longest_blocks + 4, num_host_blocks=64, preemption_mode=mode,
+             preemption_policy=policy) as llm:
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priorities)
+        stats = llm.stats()
+    assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    assert stats.num_swap_outs + stats.num_recompute_preemptions == stats.num_preemptions
+    assert mode != "recompute" or stats.num_recomputed_tokens > 0 and stats.num_swap_outs == 0
+    assert stats.prefill_tokens_per_s > 0  # calibrated at start-up (auto), or measured from the steps run
+    assert_greedy_matches([r.outputs[0] for r in results], ref)
+    assert stats.free_kv_blocks == stats.total_kv_blocks and stats.num_swapped == 0

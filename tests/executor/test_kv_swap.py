@@ -155,3 +155,31 @@ def test_a_cuda_swap_out_sees_writes_still_queued_on_the_stream(tiny_llama, devi
     pool.swap_out([(4, 2)])
     torch.cuda.synchronize()  # the copy is queued, not waited for: only later copies read the host block
     assert torch.equal(pool.host_cache[2], expected.cpu())
+
+
+def test_each_result_reports_how_long_its_plans_swaps_took(runner):
+    sent = []
+    loop = StepLoop(runner, SequenceMirrors(), type("Sock", (), {"send": lambda self, m: sent.append(m)})(), rank=0)
+    loop.run_plan(engine_pb2.StepPlan(step_id=0, swap_out=copies((1, 0), (2, 1))))
+    loop.run_plan(engine_pb2.StepPlan(step_id=1, swap_in=copies((0, 3))))
+    loop.run_plan(engine_pb2.StepPlan(step_id=2, block_copies=copies((3, 4))))  # a copy is no swap
+    loop.reply_pending()
+    results = [engine_pb2.ExecutorToScheduler.FromString(m).result for m in sent]
+    assert [r.step_id for r in results] == [0, 1, 2]
+    assert results[0].swap_seconds > 0 and results[1].swap_seconds > 0 and results[2].swap_seconds == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_handshake_reports_the_measured_copy_costs_and_in_auto_mode_the_prefill_rate(tiny_llama, device):
+    r = make_runner(tiny_llama, device, preemption_mode="auto")
+    hs = handshake(r)
+    assert hs.kv_block_bytes == block_bytes(r)
+    assert hs.host_link_bytes_per_s > 0 and hs.copy_fixed_seconds >= 0 and hs.prefill_tokens_per_s > 0
+    assert not r.kv_pool.cache.any(), "the timed swaps and forward leave the pool as it starts: zeros"
+
+
+def test_on_the_cpu_without_a_host_pool_or_auto_mode_nothing_is_timed(tiny_llama):
+    r = make_runner(tiny_llama, num_host_blocks=None)  # the CPU's default mode: recompute, no host pool
+    hs = handshake(r)
+    assert hs.kv_block_bytes == block_bytes(r) and hs.num_host_blocks == 0
+    assert hs.host_link_bytes_per_s == hs.copy_fixed_seconds == hs.prefill_tokens_per_s == 0

@@ -1,6 +1,7 @@
-"""Prometheus counters follow the scheduler's cumulative ones: preemptions and structured output (constrained
-requests, compile errors, masked steps, mask time and rank 0's wait for late masks), counted again from 0
-when the scheduler restarts."""
+"""Prometheus counters follow the scheduler's cumulative ones: preemption decisions, recomputed tokens,
+swapped bytes and each kind's estimated and measured cost; structured output (constrained requests,
+compile errors, masked steps, mask time and rank 0's wait for late masks); counted again from 0 when
+the scheduler restarts."""
 from __future__ import annotations
 
 from prometheus_client import generate_latest
@@ -9,8 +10,39 @@ from protos import engine_pb2
 from scheduler_svc.frontend.metrics import Metrics
 
 
-def sample(metrics: Metrics, name: str) -> float:
-    return metrics.registry.get_sample_value(name)
+def value(metrics: Metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels or None)
+
+
+def test_preemption_decisions_tokens_bytes_and_costs_follow_the_scheduler_counters():
+    m = Metrics()
+    m.update_from_stats(engine_pb2.SchedulerStats(
+        num_preemptions=5, num_swap_outs=3, num_recompute_preemptions=2, num_priority_preemptions=1,
+        num_recomputed_tokens=40, num_swapped_bytes=6000, estimated_swap_seconds=0.5, measured_swap_seconds=0.25,
+        estimated_recompute_seconds=0.125, measured_recompute_seconds=0.0625, prefill_tokens_per_s=900.0))
+    m.update_from_stats(engine_pb2.SchedulerStats(
+        num_preemptions=7, num_swap_outs=4, num_recompute_preemptions=3, num_priority_preemptions=1,
+        num_recomputed_tokens=50, num_swapped_bytes=8000, estimated_swap_seconds=1.0, measured_swap_seconds=0.5,
+        estimated_recompute_seconds=0.25, measured_recompute_seconds=0.125, prefill_tokens_per_s=1000.0))
+    assert value(m, "nanoserve_preemptions_total") == 7
+    assert value(m, "nanoserve_preemption_decisions_total", kind="swap") == 4
+    assert value(m, "nanoserve_preemption_decisions_total", kind="recompute") == 3
+    assert value(m, "nanoserve_priority_preemptions_total") == 1
+    assert value(m, "nanoserve_recomputed_tokens_total") == 50
+    assert value(m, "nanoserve_swapped_bytes_total") == 8000
+    assert value(m, "nanoserve_preemption_cost_seconds_total", kind="swap", source="estimated") == 1.0
+    assert value(m, "nanoserve_preemption_cost_seconds_total", kind="swap", source="measured") == 0.5
+    assert value(m, "nanoserve_preemption_cost_seconds_total", kind="recompute", source="estimated") == 0.25
+    assert value(m, "nanoserve_preemption_cost_seconds_total", kind="recompute", source="measured") == 0.125
+    assert value(m, "nanoserve_prefill_tokens_per_second") == 1000.0
+
+
+def test_a_restarted_scheduler_counting_from_zero_again_adds_to_the_counters():
+    m = Metrics()
+    m.update_from_stats(engine_pb2.SchedulerStats(num_preemptions=5, num_recomputed_tokens=100))
+    m.update_from_stats(engine_pb2.SchedulerStats(num_preemptions=2, num_recomputed_tokens=30))  # a new scheduler
+    assert value(m, "nanoserve_preemptions_total") == 7
+    assert value(m, "nanoserve_recomputed_tokens_total") == 130
 
 
 def stats(**counters) -> engine_pb2.SchedulerStats:
@@ -25,10 +57,10 @@ def test_structured_output_counters_follow_the_schedulers_and_survive_its_restar
                                     token_mask_seconds=0.05, num_preemptions=2, late_mask_wait_seconds=0.75))
     metrics.update_from_stats(stats(num_constrained_requests=1, num_masked_steps=4, token_mask_seconds=0.01,
                                     late_mask_wait_seconds=0.25))  # restart
-    assert sample(metrics, "nanoserve_structured_output_requests_total") == 6
-    assert sample(metrics, "nanoserve_grammar_compile_errors_total") == 1
-    assert sample(metrics, "nanoserve_token_masked_steps_total") == 34
-    assert abs(sample(metrics, "nanoserve_token_mask_seconds_total") - 0.06) < 1e-9
-    assert sample(metrics, "nanoserve_preemptions_total") == 2
-    assert sample(metrics, "nanoserve_late_mask_wait_seconds_total") == 1.0
+    assert value(metrics, "nanoserve_structured_output_requests_total") == 6
+    assert value(metrics, "nanoserve_grammar_compile_errors_total") == 1
+    assert value(metrics, "nanoserve_token_masked_steps_total") == 34
+    assert abs(value(metrics, "nanoserve_token_mask_seconds_total") - 0.06) < 1e-9
+    assert value(metrics, "nanoserve_preemptions_total") == 2
+    assert value(metrics, "nanoserve_late_mask_wait_seconds_total") == 1.0
     assert b"nanoserve_token_mask_seconds_total" in generate_latest(metrics.registry)

@@ -151,7 +151,7 @@ class BeamScheduler:
             sampling=engine_pb2.SamplingOptions(temperature=0.0, logprobs=search.num_candidates),
             stopping=like.stopping, priority=like.priority, arrival_order=like.arrival_order,
             beam=search, cum_logprob=cum_logprob, num_cached_tokens=like.num_cached_tokens,
-            admitted_once=like.admitted_once)
+            admitted_once=like.admitted_once, num_preempted_tokens=like.num_preempted_tokens)
         self._next_seq_id += 1
         return beam
 
