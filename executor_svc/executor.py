@@ -210,7 +210,7 @@ class StepLoop:
         step = self.runner.sample(inputs)
         self.pending = SampledStep(step, engine_pb2.StepResult(
             step_id=plan.step_id, execute_seconds=time.perf_counter() - t0, idle_seconds=idle,
-            late_mask_wait_seconds=wait), error)
+            late_mask_wait_seconds=wait), error, swaps)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:
