@@ -54,11 +54,14 @@ def _role(pid: int) -> str:
         argv = f.read().split(b"\0")
     if b"executor_svc" in argv:  # launcher.launch_engine's command lines
         return f"executor{argv[argv.index(b'--rank') + 1].decode()}"
-    return "scheduler" if b"scheduler_svc.core.scheduler_process" in argv else f"child{pid}"
+    if b"scheduler_svc.core.scheduler_process" in argv:
+        return "scheduler"
+    return "frontend" if b"frontend" in argv else f"child{pid}"  # serve --frontend-procs' extra front ends
 
 
 def role_cpu_s(server_pid: int) -> dict[str, float]:
-    """CPU seconds of the front end (the serve process itself) and of each of its child roles."""
+    """CPU seconds of the front end (the serve process itself, and its extra front ends summed) and of each
+    of its child roles."""
     out = {"frontend": _proc_cpu_s(server_pid)}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         pid = int(stat.split("/")[2])
@@ -66,7 +69,8 @@ def role_cpu_s(server_pid: int) -> dict[str, float]:
             with open(stat) as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             if ppid == server_pid:
-                out[_role(pid)] = _proc_cpu_s(pid)
+                role = _role(pid)
+                out[role] = out.get(role, 0.0) + _proc_cpu_s(pid)
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return out
