@@ -94,6 +94,19 @@ def report(what: str, unavailable_s: float, serving_s: float | None) -> None:
     print(f"\n[{what}] UNAVAILABLE {unavailable_s:.2f}s after the kill; SERVING again {serving}")
 
 
+def kill_under_streams(channel: grpc.Channel, kill, what: str) -> tuple[float, float]:
+    """Open NUM_STREAMS long streams, call kill() once all of them stream, and return (when it was killed,
+    seconds from then to the last stream's UNAVAILABLE)."""
+    streams = ConcurrentStreams(channel, NUM_STREAMS, PROMPT, max_tokens=CONTEXT - len(PROMPT))
+    try:
+        streams.wait_all_streaming(min_tokens=5, timeout=60)
+        kill()
+        killed_at = time.monotonic()
+        return killed_at, time_to_unavailable(streams, killed_at, what)
+    finally:
+        streams.cancel()
+
+
 def check_unavailable_in_time(what: str, unavailable_s: float) -> None:
     if unavailable_s > UNAVAILABLE_WITHIN_S + CI_NOISE_S:
         raise TooSlowToFail(f"{what}: the streams got UNAVAILABLE {unavailable_s:.2f}s after the kill, "
@@ -188,14 +201,7 @@ def test_a_killed_role_fails_its_streams_fast_and_the_system_serves_again_once_i
     channel = roles.channel("frontend")
     before = greedy(channel)
     others = {name: roles.roles[name].proc.pid for name in roles.roles if name != role}
-    streams = ConcurrentStreams(channel, NUM_STREAMS, PROMPT, max_tokens=CONTEXT - len(PROMPT))
-    try:
-        streams.wait_all_streaming(min_tokens=5, timeout=60)
-        roles.kill(role)
-        killed_at = time.monotonic()
-        unavailable_s = time_to_unavailable(streams, killed_at, f"{role} killed")
-    finally:
-        streams.cancel()
+    _, unavailable_s = kill_under_streams(channel, lambda: roles.kill(role), f"{role} killed")
 
     roles.start(role)
     serving_s = roles.wait_serving("frontend", SERVING_WITHIN_S)
@@ -259,14 +265,8 @@ def test_serve_restarts_a_killed_executor_and_its_streams_fail_fast(tmp_path, mo
     try:
         before = greedy(server.channel)
         executor = serve_child(server, "executor_svc")
-        streams = ConcurrentStreams(server.channel, NUM_STREAMS, PROMPT, max_tokens=CONTEXT - len(PROMPT))
-        try:
-            streams.wait_all_streaming(min_tokens=5, timeout=60)
-            os.kill(executor, signal.SIGKILL)
-            killed_at = time.monotonic()
-            unavailable_s = time_to_unavailable(streams, killed_at, "serve's executor killed")
-        finally:
-            streams.cancel()
+        killed_at, unavailable_s = kill_under_streams(
+            server.channel, lambda: os.kill(executor, signal.SIGKILL), "serve's executor killed")
         deadline = killed_at + STARTUP_TIMEOUT_S
         while serve_child_or_none(server, "executor_svc") in (None, executor) and time.monotonic() < deadline:
             assert server.proc.poll() is None, server.log()[-3000:]
@@ -287,14 +287,8 @@ def test_serve_restarts_a_killed_scheduler_and_its_streams_fail_fast(tmp_path, m
     server = start_serving(tmp_path, model, serve_tmpdir)
     try:
         scheduler = serve_child(server, "scheduler_svc.core.scheduler_process")
-        streams = ConcurrentStreams(server.channel, NUM_STREAMS, PROMPT, max_tokens=CONTEXT - len(PROMPT))
-        try:
-            streams.wait_all_streaming(min_tokens=5, timeout=60)
-            os.kill(scheduler, signal.SIGKILL)
-            killed_at = time.monotonic()
-            unavailable_s = time_to_unavailable(streams, killed_at, "serve's scheduler killed")
-        finally:
-            streams.cancel()
+        killed_at, unavailable_s = kill_under_streams(
+            server.channel, lambda: os.kill(scheduler, signal.SIGKILL), "serve's scheduler killed")
         deadline = killed_at + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline and server.proc.poll() is None and health_status(server.channel) != SERVING:
             time.sleep(0.1)
