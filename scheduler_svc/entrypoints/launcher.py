@@ -88,6 +88,7 @@ class EngineProcesses:
     log_path: str | None = None
     frontends: list[subprocess.Popen] = field(default_factory=list)  # serve's front ends beyond its own
     frontend_argvs: list[list[str]] = field(default_factory=list)
+    frontend_env: dict | None = None
     _closed: bool = field(default=False, repr=False)
 
     def all(self) -> list[subprocess.Popen]:
@@ -118,11 +119,8 @@ class EngineProcesses:
             dist_addr = f"127.0.0.1:{_free_port()}"
             for argv in self.executor_argvs:
                 argv[argv.index("--dist-init-addr") + 1] = dist_addr
-        stdout = open(self.log_path, "ab") if self.log_path else None
         for rank in ranks:
-            self.executors[rank] = _spawn(self.executor_argvs[rank], stdout, self.env or dict(os.environ))
-        if stdout:
-            stdout.close()
+            self.executors[rank] = self._spawn_logged(self.executor_argvs[rank], self.env or dict(os.environ))
         return ranks
 
     def start_frontends(self, argvs: list[list[str]], env: dict) -> None:
@@ -140,6 +138,7 @@ class EngineProcesses:
         return [i + 1 for i in dead]
 
     def _spawn_logged(self, argv: list[str], env: dict) -> subprocess.Popen:
+        """One role started, its output appended to the engine's log (when it has one)."""
         stdout = open(self.log_path, "ab") if self.log_path else None
         try:
             return _spawn(argv, stdout, env)
@@ -152,10 +151,7 @@ class EngineProcesses:
         asks (their heartbeats reach a scheduler that does not know them)."""
         if self._closed or self.scheduler.poll() is None:
             return False
-        stdout = open(self.log_path, "ab") if self.log_path else None
-        self.scheduler = _spawn(self.scheduler_argv, stdout, self.env or dict(os.environ))
-        if stdout:
-            stdout.close()
+        self.scheduler = self._spawn_logged(self.scheduler_argv, self.env or dict(os.environ))
         return True
 
     def shutdown(self, timeout: float = 10.0) -> None:
