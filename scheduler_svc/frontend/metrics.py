@@ -81,7 +81,8 @@ class Metrics:
         }.items()})
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
                                           "Front-end time turning engine outputs into text deltas "
-                                          "(incremental detokenizer and stop strings)", registry=r)
+                                          "(incremental detokenizer and stop strings), added as each request ends",
+                                          registry=r)
 
     def serve(self, host: str, port: int):
         """Serve /metrics over HTTP; returns the server (call .shutdown() to stop it)."""
