@@ -77,8 +77,8 @@ def test_serve_spreads_connections_over_its_front_ends_and_outlives_the_loss_of_
         expected = generate(server.channel)
         channels = [own_connection(server.addr) for _ in range(CONNECTIONS)]
         try:
-            for ch in channels:
-                assert health_status(ch) == SERVING
+            for ch in channels:  # a front end just started says SERVING once the scheduler has answered it
+                wait_for(lambda: health_status(ch) == SERVING, 30, "SERVING on every connection")
                 assert generate(ch) == expected
         finally:
             for ch in channels:
@@ -88,12 +88,22 @@ def test_serve_spreads_connections_over_its_front_ends_and_outlives_the_loss_of_
 
         os.kill(extra, signal.SIGKILL)
         wait_for(lambda: extra not in extra_frontends(server.proc.pid), 10, "the killed front end to go")
-        channels = [own_connection(server.addr) for _ in range(CONNECTIONS)]
-        try:  # new connections reach the live front end alone: every one serves
-            assert [generate(ch) for ch in channels] == [expected] * CONNECTIONS
-        finally:
-            for ch in channels:
-                ch.close()
+        # new connections are served by the live front end; serve restarts the killed one about a second
+        # later, and a connection the kernel hands to it while it starts can be reset: that one is retried
+        # on a new connection (counted and printed), its request never lost
+        served_after, resets = [], 0
+        for _ in range(CONNECTIONS):
+            for attempt in range(3):
+                with own_connection(server.addr) as ch:
+                    try:
+                        served_after.append(generate(ch))
+                        break
+                    except grpc.RpcError as exc:
+                        if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or ""):
+                            raise
+                        resets += 1
+        print(f"\n[front end killed] {resets} connection(s) reset while serve restarted it")
+        assert served_after == [expected] * CONNECTIONS
         (restarted,) = wait_for(lambda: extra_frontends(server.proc.pid), 30, "serve to restart the front end")
         assert restarted != extra
         wait_for(lambda: _serving_metrics(metrics_port + 1), STARTUP_TIMEOUT_S, "the restarted front end")
