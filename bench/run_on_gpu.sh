@@ -3,7 +3,7 @@
 # `../shared/gpu/wheels.sh llguidance`: the scheduler needs llguidance >= 1.9, whose wheels are
 # manylinux_2_31, a tag wheels.sh does not ask for: `pip download --no-deps llguidance==1.9.1 -d .whl`),
 # build the stubs, then run the steps named as arguments:
-#   tests        pytest -m gpu (TESTS names files)
+#   tests        pytest -m gpu (TESTS names files; PYTEST_FLAGS replaces the default -x)
 #   kernels      bench/kernels.py
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
@@ -42,7 +42,7 @@ summary=()
 for step in "$@"; do
   case "$step" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+      python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
       summary+=("tests: $(tail -n 1 "$OUT/gpu_tests.log")") ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
