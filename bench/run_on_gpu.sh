@@ -4,7 +4,10 @@
 # manylinux_2_31, a tag wheels.sh does not ask for: `pip download --no-deps llguidance==1.9.1 -d .whl`),
 # build the stubs, then run the steps named as arguments:
 #   tests        pytest -m gpu (TESTS names files; PYTEST_FLAGS replaces the default -x)
+#   tests-par    the same, one pytest per test file, all at once (Triton compiles on many cores), each within 230 s; a test
+#                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
+#   variants     bench/fp8_decode_variants.py (decode kernel shapes over an fp8 pool)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
 #   serving      bench/serving.py on throughput's workload and engine flags over gRPC: the offline figure,
@@ -44,6 +47,22 @@ for step in "$@"; do
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
       summary+=("tests: $(tail -n 1 "$OUT/gpu_tests.log")") ;;
+    tests-par)
+      files=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${TESTS:-} 2>/dev/null \
+        | grep '::' | cut -d: -f1 | sort -u)
+      mkdir -p "$LOGS/tests"
+      for f in $files; do
+        timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=150 --durations=5 "$f" \
+          > "$LOGS/tests/$(basename "$f" .py).log" 2>&1 &
+      done
+      wait
+      for f in "$LOGS"/tests/*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
+      grep -h -E "^(FAILED|ERROR)|Timeout" "$LOGS"/tests/*.log | head -n 40
+      tar czf "$OUT/gpu_tests.tgz" -C "$LOGS" tests
+      summary+=("tests-par: $(cat "$LOGS"/tests/*.log | grep -c -E '^(FAILED|ERROR)') failed or errored") ;;
+    variants)
+      python3 bench/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" 2>&1 \
+        | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
     throughput)

@@ -1,0 +1,252 @@
+"""Which decode-attention kernel shape reads an fp8 KV pool fastest; a benchmark, not a test.
+
+  python bench/fp8_decode_variants.py              # H200: every variant x tile config, graph-replayed
+  python bench/fp8_decode_variants.py --device cpu --tiny   # interpreter check of every variant
+
+The engine's decode kernel (kernels/attention/triton_backend.py) reads bf16 at 4.3 TB/s but an fp8
+pool at only 1.5-1.75 TB/s (0.8x bf16's time per token, session 7), so the fp8 bytes it saves are lost
+somewhere between the load and the dots. The variants, each one program per (sequence, KV head):
+  qk     the engine's layout: q [G padded to 16, D] x K^T; K and V converted to DT for the dots
+  swap   K [N, D] x q^T [D, G]: K is the dot's first operand, which a Hopper MMA takes from
+         registers, so the converted K never goes back through shared memory; V^T [D, N] x p^T likewise
+  fma    no tensor cores: q [G, D] times K on CUDA cores, broadcast and summed (G = 2 for Qwen3-0.6B)
+DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says
+microseconds per call, TB/s over the pool's own bytes and the error against a float64 reference that
+dequantizes the same bytes. The table ends with the best config of each variant at every shape.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
+VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32")]
+CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
+    p.add_argument("--out", default=str(HERE / "results" / "fp8_decode_variants.json"))
+    return p.parse_args()
+
+
+def load_bench_kernels():
+    """bench/kernels.py's Bench (its inputs and timers), loaded by path: its name shadows the package."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", HERE / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The interpreter must be chosen before the kernels below are decorated.
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt, offs_d,
+         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MODE: tl.constexpr,
+         DT: tl.constexpr):
+    pos = start + tl.arange(0, BLOCK_N)
+    in_ctx = pos < seqlen
+    if MASK:
+        block = tl.load(bt + pos // BLOCK_SIZE, mask=in_ctx, other=0)
+    else:
+        block = tl.load(bt + pos // BLOCK_SIZE)
+    row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+    if MODE == 1:  # swap: s [N, G] = K q^T, acc^T [D, G] += V^T p^T
+        if MASK:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+            vt = tl.load(v_base + row[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :])
+            vt = tl.load(v_base + row[None, :] + offs_d[:, None])
+        s = tl.dot(k.to(DT), q) * qk_scale
+        if MASK:
+            s = tl.where(in_ctx[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(vt.to(DT), p.to(DT))
+    else:
+        if MASK:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :])
+            v = tl.load(v_base + row[:, None] + offs_d[None, :])
+        if MODE == 0:  # qk: s [G, N] = q K^T, acc [G, D] += p V
+            s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
+        else:  # fma
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
+        if MASK:
+            s = tl.where(in_ctx[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MODE == 0:
+            acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    return acc, m_new, l_i
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
+           stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+           BLOCK_N: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr):
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seqlen = tl.load(seqlens_ptr + seq)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q_base = q_ptr + seq.to(tl.int64) * stride_qt
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_kh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    if MODE == 1:
+        q = tl.load(q_base + heads[None, :] * stride_qh + offs_d[:, None], mask=g_mask[None, :], other=0.0)
+        q = q.to(DT)
+        acc = tl.zeros([D, BLOCK_G], tl.float32)
+    else:
+        q = tl.load(q_base + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        q = q.to(DT)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+    full_hi = seqlen // BLOCK_N * BLOCK_N
+    for start in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
+                             stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, False, MODE, DT)
+    for start in range(full_hi, seqlen, BLOCK_N):
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
+                             stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, True, MODE, DT)
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    o_base = o_ptr + seq.to(tl.int64) * stride_ot
+    if MODE == 1:
+        out = acc / l_i[None, :]
+        tl.store(o_base + heads[None, :] * stride_oh + offs_d[:, None], out.to(o_ptr.dtype.element_ty),
+                 mask=g_mask[None, :])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_base + heads[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=g_mask[:, None])
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    bk = load_bench_kernels()
+    bench = bk.Bench(torch.device(args.device), tiny=args.tiny)
+    kernel = _decode_kernel
+    hq, hkv, d = bench.heads
+    group = hq // hkv
+    dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+    shapes = [(2, 40)] if args.tiny else SHAPES
+    configs = [(16, 4, 1)] if args.tiny else CONFIGS
+    rows = []
+    print(f"device: {bench.device_name}; heads {hq}/{hkv}, D {d}, block {bk.BLOCK_SIZE}")
+    print(f"{'B':>5} {'C':>6} {'variant':>10} {'N':>4} {'w':>2} {'s':>2} {'us':>8} {'TB/s':>6} {'err':>8}")
+    for num_seqs, context in shapes:
+        q, k_cache, v_cache, meta = bench.paged_batch([1] * num_seqs, [context] * num_seqs)
+        k8, v8, scales = bench.fp8_pool(k_cache, v_cache)
+        ref = reference(torch, q, k8, v8, scales, meta, d ** -0.5)
+        pools = {"bf16 pool": (k_cache, v_cache, False), "fp8": (k8, v8, True)}
+        for (mode, dt, pool_name), (block_n, warps, stages) in itertools.product(
+                [("qk", "bf16", "bf16 pool")] + [(m, t, "fp8") for m, t in VARIANTS], configs):
+            kc, vc, fp8 = pools[pool_name]
+            out = torch.empty_like(q)
+            block_g = group if mode == "fma" else max(16, group)
+            grid = (hkv, num_seqs)
+
+            def run():
+                kernel[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
+                             scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
+                             GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
+                             MODE={"qk": 0, "swap": 1, "fma": 2}[mode], DT=dtypes[dt], FP8=fp8,
+                             num_warps=warps, num_stages=stages)
+            try:
+                run()
+            except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
+                print(f"{num_seqs:>5} {context:>6} {mode + '/' + dt:>10} {block_n:>4} {warps:>2} {stages:>2} "
+                      f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            expect = ref if fp8 else reference(torch, q, kc, vc, None, meta, d ** -0.5)
+            err = ((out.double() - expect).norm() / expect.norm()).item()
+            us = bench.time_us(run, graph=args.device == "cuda")
+            nbytes = 2 * num_seqs * context * hkv * d * kc.element_size()
+            name = ("bf16 " if not fp8 else "") + mode + "/" + dt
+            row = {"num_seqs": num_seqs, "context": context, "variant": name, "block_n": block_n, "warps": warps,
+                   "stages": stages, "us": us, "tb_per_s": nbytes / us / 1e6, "rel_err": err}
+            rows.append(row)
+            print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2} {us:>8.1f} "
+                  f"{row['tb_per_s']:>6.2f} {err:>8.1e}")
+        del q, k_cache, v_cache, k8, v8
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print("\nbest config of each variant (us; speedup over the bf16 pool's best)")
+    for num_seqs, context in shapes:
+        mine = [r for r in rows if (r["num_seqs"], r["context"]) == (num_seqs, context)]
+        best = {}
+        for r in mine:
+            if r["variant"] not in best or r["us"] < best[r["variant"]]["us"]:
+                best[r["variant"]] = r
+        base = best.get("bf16 qk/bf16")
+        for name, r in sorted(best.items(), key=lambda kv: kv[1]["us"]):
+            speedup = base["us"] / r["us"] if base else float("nan")
+            print(f"{num_seqs:>5} {context:>6} {name:>14} N={r['block_n']} w={r['warps']} s={r['stages']}: "
+                  f"{r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s {speedup:5.2f}x err {r['rel_err']:.1e}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": bench.device_name, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+def bk_log2e() -> float:
+    return 1.4426950408889634  # the kernels' softmax runs in base 2
+
+
+def reference(torch, q, k_cache, v_cache, scales, meta, scale):
+    """float64 attention of each query over its paged context, the pool dequantized when scales are given."""
+    blocks = meta.block_tables.long()
+    num_seqs, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    outs = []
+    for i in range(num_seqs):
+        n = int(meta.seqlens_k[i])
+        k = k_cache[blocks[i]].flatten(0, 1)[:n].double()
+        v = v_cache[blocks[i]].flatten(0, 1)[:n].double()
+        if scales is not None:
+            k, v = k * scales.k.double()[:, None], v * scales.v.double()[:, None]
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
+    return torch.stack(outs)
+
+
+if __name__ == "__main__":
+    main()
