@@ -50,6 +50,16 @@ def _load_rows(ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
 
 
 @triton.jit
+def _fp16_for_fp8_dots(q, FP16_DOTS: tl.constexpr):
+    """Over an fp8 pool the dots run in fp16: e4m3 converts to fp16 in one instruction on sm_89+ but
+    to bf16 through more, which left the bf16 decode 0.8x slower than a bf16 pool's (1.3x faster in
+    fp16: bench/fp8_decode_variants.py). q, bf16 or fp16, is clamped into fp16's range once."""
+    if FP16_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, end, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
@@ -74,7 +84,7 @@ def _attend_tile(
     v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :]
     k = _load_rows(k_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
     v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
-    if KV_FP8:  # exact: every e4m3 value is a bf16, fp16 and fp32 value; the scales come outside the dots
+    if KV_FP8:  # exact: every e4m3 value is a bf16, fp16 and fp32 value (q's dtype here: fp16 or fp32); the scales come outside the dots
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 
@@ -111,7 +121,7 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     # The last query tiles see the most keys; launching them first shortens the grid's tail.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -134,6 +144,7 @@ def _prefill_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = _load_rows(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                    m_mask, offs_d, D, BLOCK_D, True, UPCAST)
+    q = _fp16_for_fp8_dots(q, FP16_DOTS)
     q_pos = ctx_off + offs_m
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -178,7 +189,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0)
@@ -204,6 +215,7 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     q = _load_rows(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                    g_mask, offs_d, D, BLOCK_D, True, UPCAST)
+    q = _fp16_for_fp8_dots(q, FP16_DOTS)
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
@@ -276,6 +288,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _fp16_dots(kv_fp8: bool, dtype: torch.dtype) -> bool:
+    # fp32 activations keep fp32 dots; so does the interpreter, which upcasts every load
+    return kv_fp8 and dtype != torch.float32 and not INTERPRET
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                             config: PrefillConfig | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
@@ -298,7 +315,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=kv_fp8, FP16_DOTS=_fp16_dots(kv_fp8, q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -321,7 +338,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
-    cfg = config or decode_config(block_d, q.dtype)
+    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
+    cfg = config or decode_config(block_d, q.dtype, kv_fp8)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if num_splits > 1:
@@ -331,7 +349,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
     else:
         part_acc = part_m = part_l = out  # not touched when SPLIT is False
-    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
         meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E, k_scale, v_scale,
@@ -341,7 +358,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
-        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_fp8, FP16_DOTS=_fp16_dots(kv_fp8, q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, num_seqs)](

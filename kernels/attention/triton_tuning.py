@@ -41,11 +41,15 @@ def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> Prefill
     return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
 
 
-def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
+def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16, kv_fp8: bool = False) -> DecodeConfig:
     if INTERPRET:
         return DecodeConfig(16, 4, 1)
     if dtype == torch.float32:
         return DecodeConfig(32, 8, 3)
+    if kv_fp8 and block_d <= 128:
+        # bench/fp8_decode_variants.py (H200, D=128, fp16 dots): 128 fp8 tokens (the bytes of 64 bf16
+        # ones) per step, 2 stages: 199 us at B=256, C=1024 against 253 for (64, 4, 2), 1.23-1.32x bf16's best
+        return DecodeConfig(128, 4, 2)
     if block_d <= 128:
         # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
         # shared). 3 stages let the pipeliner fetch the next step's block ids ahead of its K/V.
