@@ -7,14 +7,19 @@ own, so nothing a peer sends can crash the scheduler or reach the executors out 
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from protos import engine_pb2
+
+log = logging.getLogger("nanoserve.scheduler")
 
 MAX_ID_LENGTH = 512  # request and group ids
 MAX_LOGPROBS = 1024
 MAX_BEAM_WIDTH = 1024
 INT32_MAX = 2**31 - 1
+MAX_STEP_SECONDS = 1e6  # a step's timings beyond this (or negative, or not finite) are no times at all
+STEP_TIMING_FIELDS = ("execute_seconds", "idle_seconds", "late_mask_wait_seconds", "swap_seconds")
 
 
 class BadMessage(ValueError):
@@ -90,7 +95,13 @@ def check_heartbeat(hb: engine_pb2.Heartbeat, identity: bytes, world_size: int) 
 
 
 def check_step_result(result: engine_pb2.StepResult, identity: bytes, in_flight_step_ids: set[int]) -> None:
-    """Only rank 0 replies, and only to a step this scheduler has in flight."""
+    """Only rank 0 replies, and only to a step this scheduler has in flight; its timings are made times."""
     _require(identity == b"rank0", f"a step result came from socket {identity!r}, not rank 0's")
     _require(result.step_id in in_flight_step_ids, f"step {result.step_id} is not in flight")
-    _finite("swap_seconds", result.swap_seconds, 0.0, 1e6)
+    # Timings only feed stats and the preemption cost model, while the tokens are what clients wait for:
+    # a bad time is zeroed, not the result dropped (which would leave the step in flight until the timeout).
+    for name in STEP_TIMING_FIELDS:
+        value = getattr(result, name)
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_STEP_SECONDS):
+            log.warning("step %d: rank 0 reported %s = %r, not a time: counted as 0", result.step_id, name, value)
+            setattr(result, name, 0.0)

@@ -106,6 +106,25 @@ def test_a_result_of_an_earlier_scheduler_epoch_is_never_applied():
     assert served(transport, FRONT, "a")[0] == expected_tokens([1, 2, 3], 2)  # the right result, not token 9
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e300])
+def test_a_result_with_timings_that_are_no_times_is_applied_with_them_zeroed(bad):
+    core, transport, _ = engine()
+    transport.from_frontend(FRONT, add_request("a", [1, 2, 3], max_tokens=2))
+    transport.poll(0, core)
+    core._advance()  # step 1 is in flight; the fake executor's result waits in the inbox: corrupt its times
+    (i, (_, _, raw)), = [(i, m) for i, m in enumerate(transport.inbox) if m[:2] == ("executor", b"rank0")]
+    msg = engine_pb2.ExecutorToScheduler.FromString(raw)
+    for name in ("execute_seconds", "idle_seconds", "late_mask_wait_seconds", "swap_seconds"):
+        setattr(msg.result, name, bad)
+    transport.inbox[i] = ("executor", b"rank0", msg.SerializeToString())
+    pump(core)
+    assert served(transport, FRONT, "a")[0] == expected_tokens([1, 2, 3], 2)  # applied, not dropped
+    t = core.timings
+    times = (t.executor_busy_seconds, t.executor_idle_seconds, t.late_mask_wait_seconds, t.measured_swap_seconds)
+    assert all(math.isfinite(x) and 0.0 <= x < 1e6 for x in times), times
+    assert core.num_rejected_messages == 0
+
+
 @pytest.mark.parametrize("sampling, stopping, why", [
     ({"temperature": math.nan}, {}, "temperature"),
     ({"temperature": math.inf}, {}, "temperature"),
