@@ -11,6 +11,7 @@ import logging
 import math
 
 from protos import engine_pb2
+from scheduler_svc.core.structured.grammars import MAX_CONSTRAINT_BYTES
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -63,6 +64,8 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
              f"stopping.stop_token_ids outside the vocabulary [0, {vocab_size})")
     if add.HasField("constraint"):
         _require(add.constraint.WhichOneof("kind") is not None, "constraint is set but empty")
+        _require(add.constraint.ByteSize() <= MAX_CONSTRAINT_BYTES,
+                 f"constraint is {add.constraint.ByteSize()} bytes; the limit is {MAX_CONSTRAINT_BYTES}")
         _require(not add.beam_search.beam_width, "constraint: structured output does not apply to beam search")
     beam = add.beam_search
     if beam.beam_width:

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from protos import engine_pb2, generation_pb2
-from scheduler_svc.core.structured.grammars import grammar_error
+from scheduler_svc.core.structured.grammars import MAX_CONSTRAINT_BYTES, grammar_error
 from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -142,6 +142,8 @@ def _check_constraint(p: SamplingParams) -> None:
         constraint = p.constraint()
     except (TypeError, ValueError) as exc:  # a dict schema that is not JSON-serializable
         raise InvalidArgument(f"sampling.{kind}: {exc}") from exc
+    size = constraint.ByteSize()
+    check(size <= MAX_CONSTRAINT_BYTES, f"sampling.{kind} is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}")
     error = grammar_error(constraint)
     check(not error, f"sampling.{kind}: {error}")
 

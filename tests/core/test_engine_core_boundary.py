@@ -159,6 +159,7 @@ def test_a_prompt_token_outside_the_vocabulary_is_rejected():
 @pytest.mark.parametrize("constraint, beam_width, why", [
     (engine_pb2.Constraint(), 0, "constraint is set but empty"),
     (engine_pb2.Constraint(regex="a+"), 2, "does not apply to beam search"),
+    (engine_pb2.Constraint(regex="a" * 2**18), 0, "bytes; the limit is 262144"),
 ])
 def test_a_malformed_constraint_is_rejected(constraint, beam_width, why):
     core, transport, _ = engine()

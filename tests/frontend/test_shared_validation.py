@@ -213,6 +213,7 @@ BAD_CONSTRAINTS = [  # (name, the API's fields, the offline SamplingParams' fiel
     ("empty choice", dict(choice=pb.Choices()), dict(choice=[]), "sampling.choice needs at least one string"),
     ("choice with an empty string", dict(choice=pb.Choices(choices=["yes", ""])), dict(choice=["yes", ""]),
      "and no empty one"),
+    ("regex beyond the size limit", dict(regex="a" * 2**18), None, "bytes; the limit is 262144"),
     ("constraint with beam search", dict(beam_width=2, regex="a+"), None,
      "sampling.regex (structured output) does not apply to beam search"),
 ]

@@ -15,6 +15,10 @@ from protos import engine_pb2
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 ANY_JSON_OBJECT = '{"type": "object"}'
 
+# A constraint's wire size at most: compiling is the costly part of a request (the front end validates it
+# on its event loop, the scheduler compiles it again), and real schemas are a few KiB.
+MAX_CONSTRAINT_BYTES = 2**18
+
 INVALID = "invalid constraint: "  # how an error the request caused begins: the front end answers INVALID_ARGUMENT
 
 
