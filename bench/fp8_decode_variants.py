@@ -37,6 +37,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
+    p.add_argument("--variants", nargs="+", default=[f"{m}/{t}" for m, t in VARIANTS],
+                   help="MODE/DT pairs to run over the fp8 pool (the bf16 pool's qk/bf16 always runs)")
+    p.add_argument("--block-n", type=int, nargs="+", default=sorted({c[0] for c in CONFIGS}))
+    p.add_argument("--warps", type=int, nargs="+", default=sorted({c[1] for c in CONFIGS}))
+    p.add_argument("--stages", type=int, nargs="+", default=sorted({c[2] for c in CONFIGS}))
     p.add_argument("--out", default=str(HERE / "results" / "fp8_decode_variants.json"))
     return p.parse_args()
 
@@ -165,7 +170,8 @@ def main() -> None:
     group = hq // hkv
     dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     shapes = [(2, 40)] if args.tiny else SHAPES
-    configs = [(16, 4, 1)] if args.tiny else CONFIGS
+    configs = [(16, 4, 1)] if args.tiny else list(itertools.product(args.block_n, args.warps, args.stages))
+    variants = [tuple(v.split("/")) for v in args.variants]
     rows = []
     print(f"device: {bench.device_name}; heads {hq}/{hkv}, D {d}, block {bk.BLOCK_SIZE}")
     print(f"{'B':>5} {'C':>6} {'variant':>10} {'N':>4} {'w':>2} {'s':>2} {'us':>8} {'TB/s':>6} {'err':>8}")
@@ -175,7 +181,7 @@ def main() -> None:
         ref = reference(torch, q, k8, v8, scales, meta, d ** -0.5)
         pools = {"bf16 pool": (k_cache, v_cache, False), "fp8": (k8, v8, True)}
         for (mode, dt, pool_name), (block_n, warps, stages) in itertools.product(
-                [("qk", "bf16", "bf16 pool")] + [(m, t, "fp8") for m, t in VARIANTS], configs):
+                [("qk", "bf16", "bf16 pool")] + [(m, t, "fp8") for m, t in variants], configs):
             kc, vc, fp8 = pools[pool_name]
             out = torch.empty_like(q)
             block_g = group if mode == "fma" else max(16, group)
