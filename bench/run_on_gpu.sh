@@ -8,7 +8,8 @@
 #                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
 #   variants     bench/fp8_decode_variants.py (decode kernel shapes over an fp8 pool)
-#   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs)
+#   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
+#                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
 #   serving      bench/serving.py on throughput's workload and engine flags over gRPC: the offline figure,
 #                then 5 waves on one launched server from 2 client processes, and the ratios
@@ -43,6 +44,9 @@ assert tuple(map(int, v.split('.')[:2])) >= (1, 9), v" || { echo "carry llguidan
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 summary=()
 for step in "$@"; do
+  # throughput@--flag=value@... adds its own flags to THROUGHPUT_ARGS, so one call runs several variants
+  step_args=""
+  [[ "$step" == *@* ]] && { step_args="${step#*@}"; step_args="${step_args//@/ }"; step="${step%%@*}"; }
   case "$step" in
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
@@ -66,11 +70,11 @@ for step in "$@"; do
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
     throughput)
-      python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} \
+      python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} $step_args \
         > "$OUT/throughput.log" 2>&1
       grep -v " INFO " "$OUT/throughput.log" | tail -n 25
       # a repeated step overwrites the files: the summary keeps every run's row
-      summary+=("throughput ${THROUGHPUT_ARGS:-}: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
+      summary+=("throughput ${THROUGHPUT_ARGS:-} $step_args: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
     timeline)
       NANOSERVE_PROFILE_DIR="$OUT/prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
         python3 bench/throughput.py --no-progress --out "$OUT/throughput_profiled.json" ${THROUGHPUT_ARGS:-} \
