@@ -22,8 +22,9 @@
 #   tp           bench/throughput.py at -tp 1 and -tp 2 on the Qwen3-8B shape, then -tp 2 on the 0.6B shape
 #                (a machine of 2+ GPUs; the all-reduce share comes from a `timeline` run with THROUGHPUT_ARGS=-tp 2)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
-#   structured   bench/structured.py: token-mask fill times, then throughput with half the requests
-#                JSON-schema-constrained against all free (STRUCTURED_ARGS adds flags to the latter)
+#   structured   bench/structured.py: token-mask fill times, the scheduler's late-mask path on this host's
+#                CPU (bench/structured_loop.py), then throughput with half the requests JSON-schema-constrained
+#                against all free (STRUCTURED_ARGS adds flags to the latter)
 #   accuracy     bench/kv_fp8_accuracy.py (fp8 KV cache against bf16; ACCURACY_ARGS adds flags, e.g. --model DIR)
 #   preemption   bench/preemption.py (every preemption mode x policy; PREEMPTION_ARGS adds flags, e.g.
 #                --workloads c-nanovllm: all three take longer than one call)
@@ -114,6 +115,7 @@ PY
       summary+=("text ${TEXT_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/text.log" | tail -n 1)") ;;
     structured)
       python3 bench/structured.py --out "$OUT/structured_mask.json" 2>&1 | tee "$OUT/structured_mask.log" | tail -n 16
+      python3 bench/structured_loop.py --out "$OUT/structured_loop.json" 2>&1 | tee "$OUT/structured_loop.log" | tail -n 3
       python3 bench/structured.py --mode throughput --no-progress --out "$OUT/structured_throughput.json" \
         ${STRUCTURED_ARGS:-} > "$OUT/structured_throughput.log" 2>&1
       grep -v " INFO " "$OUT/structured_throughput.log" | tail -n 6

@@ -52,6 +52,7 @@ class EngineConfig:
     async_scheduling: bool = True  # plan step N+1 while step N runs
     max_steps_in_flight: int = 2  # with async scheduling: planned steps not yet answered
     cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
+    mask_fill_threads: int = 0  # the scheduler's threads filling structured-output masks; 0: cores - 1, at most 8
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     kv_cache_scales: str = "calibrated-per-head"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8
     kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8
@@ -94,6 +95,7 @@ class EngineConfig:
         need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
              "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
         need(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
+        need(self.mask_fill_threads >= 0, f"--mask-fill-threads must be >= 0, got {self.mask_fill_threads}")
         need(self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be positive, got {self.cpu_kv_cache_gb}")
         need(self.swap_space_gb is None or self.swap_space_gb >= 0,
              f"--swap-space-gb must be >= 0, got {self.swap_space_gb}")
@@ -183,6 +185,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="with async scheduling, how many planned steps may be unanswered")
     g.add_argument("--cpu-threads", type=int, default=d["cpu_threads"].default,
                    help="torch threads of a CPU executor (0: cores - 1, at least 1)")
+    g.add_argument("--mask-fill-threads", type=int, default=d["mask_fill_threads"].default,
+                   help="scheduler threads filling structured-output token masks (0: cores - 1, 1 to 8; "
+                        "1 fills them in the step loop's own thread)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"].default,
                    help="fp8: K and V as float8_e4m3fn with float32 scales, about twice the blocks per byte")
     g.add_argument("--kv-cache-scales", choices=KV_CACHE_SCALES, default=d["kv_cache_scales"].default,

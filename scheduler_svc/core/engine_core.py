@@ -351,8 +351,8 @@ class EngineCore:
             if self._launch_step():
                 return
         if self.in_flight:
-            updates, sampled = self._finish_step(self.in_flight[0])  # still in flight until its result is in
-            self._send_late_masks()  # rank 0 may be waiting for them to sample the next step
+            # still in flight until its result is in; the next step's late masks go out on the way
+            updates, sampled = self._finish_step(self.in_flight[0])
             # the executor may be waiting for a plan: send the next one before telling the front ends
             if self.scheduler.has_unfinished() and len(self.in_flight) < self.pipeline_depth:
                 self._launch_step()
@@ -373,16 +373,23 @@ class EngineCore:
         self.in_flight.append(InFlightStep(self.step_id, out, time.perf_counter()))
         return True
 
-    def _send_late_masks(self) -> None:
-        """The oldest step in flight may hold constrained samples planned on tokens of the step just applied:
-        their masks go to rank 0 (the only one that samples), which waits for them before sampling it."""
-        if self.in_flight and self.in_flight[0].out.late_masked:
-            step = self.in_flight[0]
-            masks = self.scheduler.structured.late_masks(step.step_id, step.out.late_masked)
-            self.to_executor(0, engine_pb2.SchedulerToExecutor(late_masks=masks))
+    def _send_late_masks(self, answered: SchedulerOutput | None = None, tokens: dict[int, int] | None = None) -> None:
+        """The oldest step in flight may hold constrained samples planned on tokens of the step just answered:
+        their masks go to rank 0 (the only one that samples), which waits for them before sampling it. With
+        the answered step's tokens (checked, not applied yet), exactly those rows' matchers take theirs first;
+        postprocess applies the rest after the masks are sent."""
+        if not (self.in_flight and self.in_flight[0].out.late_masked):
+            return
+        step = self.in_flight[0]
+        if answered is not None:
+            self.scheduler.accept_ahead(answered, tokens, step.out.late_masked)
+        msg = engine_pb2.SchedulerToExecutor()  # filled in place: a constructor would copy the masks whole
+        self.scheduler.structured.late_masks(msg.late_masks, step.step_id, step.out.late_masked)
+        self.to_executor(0, msg)
 
     def _finish_step(self, step: InFlightStep) -> tuple[list[StepUpdate], dict[int, engine_pb2.SampledToken]]:
-        """Apply a step's result to the scheduler; returns what _emit tells the front ends."""
+        """Apply a step's result to the scheduler and send the next step's late masks (as soon as they can be
+        filled: rank 0 waits on them); returns what _emit tells the front ends."""
         result = self._wait_result(step.step_id)
         self.in_flight.popleft()
         now = time.perf_counter()
@@ -408,13 +415,17 @@ class EngineCore:
             tokens = {k: v.token_id for k, v in sampled.items()}
             if not tokens or (min(tokens.values()) >= 0 and max(tokens.values()) < self.ready.model.vocab_size):
                 try:
-                    return self.scheduler.postprocess(step.out, tokens, candidates), sampled
+                    self.scheduler.check_result(step.out, tokens, candidates)
                 except ValueError as exc:  # refused before anything changed
                     result.error = f"an inconsistent reply: {exc}"
+                else:
+                    self._send_late_masks(step.out, tokens)
+                    return self.scheduler.postprocess(step.out, tokens, candidates), sampled
             else:
                 result.error = "an inconsistent reply: a sampled token outside the vocabulary"
             self.reject_message(b"rank0", f"step {step.step_id}: {result.error}")
         self._fail_step(step, result.error)
+        self._send_late_masks()  # the failed step's sequences have ended: their late rows are dropped
         return [], {}
 
     def _fail_step(self, step: InFlightStep, error: str) -> None:

@@ -20,7 +20,7 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
 from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step, stats_of
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
-from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_rule_for
+from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_reason, stop_rule_for
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 
@@ -53,7 +53,8 @@ class Scheduler:
         self.samples = ParallelSamples(self)
         self.beams = BeamScheduler(self)
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer_loader(
-            config.tokenizer_dir, config.vocab_size, config.eos_token_ids)), config.vocab_size)
+            config.tokenizer_dir, config.vocab_size, config.eos_token_ids)), config.vocab_size,
+            config.mask_fill_threads)
         self.counters = SchedulerCounters()
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)
@@ -304,12 +305,8 @@ class Scheduler:
         candidates: each sampled sequence's top continuations (token ids, logprobs; best first), which beams
         choose among; plain sequences ignore them.
         """
+        self.check_result(out, sampled, candidates)
         live = [s for s in out.scheduled if s.seq.status is not FINISHED]  # skip ones aborted while in flight
-        for s in live:  # checked before anything changes: a reply that breaks these is refused whole
-            if s.samples and s.seq.seq_id not in sampled:
-                raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
-            if s.samples and s.seq.beam is not None and (candidates is None or s.seq.seq_id not in candidates):
-                raise ValueError(f"beam {s.seq.seq_id} reached its end but no candidates came back for it")
         updates: list[StepUpdate] = []
         c = self.counters
         any_finished = False
@@ -350,6 +347,30 @@ class Scheduler:
         if any_finished:
             self.running = [seq for seq in self.running if seq.status is not FINISHED]
         return updates
+
+    @staticmethod
+    def check_result(out: SchedulerOutput, sampled: dict[int, int],
+                     candidates: dict[int, tuple[list[int], list[float]]] | None = None) -> None:
+        """Raises ValueError for a reply that postprocess() refuses whole, before anything changes."""
+        for s in out.scheduled:
+            if s.seq.status is FINISHED or not s.samples:  # aborted while in flight, or no sample
+                continue
+            if s.seq.seq_id not in sampled:
+                raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
+            if s.seq.beam is not None and (candidates is None or s.seq.seq_id not in candidates):
+                raise ValueError(f"beam {s.seq.seq_id} reached its end but no candidates came back for it")
+
+    def accept_ahead(self, out: SchedulerOutput, sampled: dict[int, int], seqs: list[Sequence]) -> None:
+        """Advance the matchers of seqs (the next step's late rows) by their tokens of this step, before
+        postprocess(out, sampled) applies it: rank 0 waits on their masks (DESIGN.md "Structured output"). Call
+        check_result() first. postprocess() then takes each verdict as it stands, advancing no matcher twice."""
+        wanted = {seq.seq_id for seq in seqs}
+        for s in out.scheduled:
+            seq = s.seq
+            if s.samples and seq.seq_id in wanted and seq.status is not FINISHED:
+                token = sampled[seq.seq_id]  # postprocess checks the stop rules on the token appended, as here
+                reason = stop_reason(seq, self.stop_rules[seq.seq_id], token, len(seq.token_ids) + 1)
+                self.structured.accept_ahead(seq, token, reason)
 
     def hash_computed(self, s: ScheduledSeq) -> None:
         """Blocks this step filled, with every token known, are now safe to share (invariant 6)."""

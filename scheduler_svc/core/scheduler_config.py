@@ -24,6 +24,7 @@ class SchedulerConfig:
     preemption_policy: str = "newest"  # who is preempted (preemption_policy.py)
     preemption_costs: PreemptionCosts = field(default_factory=PreemptionCosts)  # the executors' calibration
     world_size: int = 1  # tensor-parallel ranks, each holding a shard of every block
+    mask_fill_threads: int = 0  # threads filling structured-output masks; 0: mask_fill.default_fill_threads()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -54,4 +55,5 @@ def scheduler_config(config: EngineConfig, ready: engine_pb2.EngineReady) -> Sch
         world_size=facts.world_size,
         vocab_size=facts.vocab_size,
         tokenizer_dir=config.model,
+        mask_fill_threads=config.mask_fill_threads,
     )

@@ -31,11 +31,18 @@ def stop_rule_for(seq: Sequence, eos_token_ids: frozenset[int], max_seq_len: int
     return StopRule(frozenset(token_ids), stopping.min_tokens, max_num_tokens)
 
 
-def check_stop(seq: Sequence, rule: StopRule, token: int) -> int:
-    """The finish reason after token was appended to seq, or UNFINISHED."""
-    if token in rule.token_ids and len(seq.token_ids) - seq.num_prompt_tokens >= rule.min_tokens:
-        seq.stop_token_id = token
+def stop_reason(seq: Sequence, rule: StopRule, token: int, num_tokens: int) -> int:
+    """The finish reason once token is seq's num_tokens-th token (prompt included), or UNFINISHED."""
+    if token in rule.token_ids and num_tokens - seq.num_prompt_tokens >= rule.min_tokens:
         return STOP
-    if len(seq.token_ids) >= rule.max_num_tokens:
+    if num_tokens >= rule.max_num_tokens:
         return LENGTH
     return UNFINISHED
+
+
+def check_stop(seq: Sequence, rule: StopRule, token: int) -> int:
+    """The finish reason after token was appended to seq, or UNFINISHED."""
+    reason = stop_reason(seq, rule, token, len(seq.token_ids))
+    if reason == STOP:
+        seq.stop_token_id = token
+    return reason

@@ -4,13 +4,18 @@ applied, and a failed step's sequences are dropped from the next step's late mas
 for, while the engine keeps serving."""
 from __future__ import annotations
 
+import llguidance
 import numpy as np
+import pytest
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.core.engine_core import EngineCore
+from scheduler_svc.core.structured.compiler import tokenizer_loader
+from scheduler_svc.core.structured.grammars import grammar_of
 from support.loopback_engine import FakeExecutor, LoopbackTransport, pump
-from support.structured_serving import VOCAB, allowed_tokens, masks_of
+from support.structured_serving import EOS, VOCAB, allowed_tokens, masks_of
 
 FRONT = b"frontend-a"
 LETTERS = engine_pb2.Constraint(regex="[a-z]{400}")  # never complete within max_tokens
@@ -118,3 +123,83 @@ def test_a_failed_steps_sequences_are_dropped_from_the_next_late_masks_and_the_e
     pump(core, 20000)
     tokens, reason, _ = outputs(transport, "next")
     assert reason == engine_pb2.FINISH_REASON_LENGTH and len(tokens) == 5 and not executor.held
+
+
+class OrderWatchingExecutor(MaskingExecutor):
+    """Notes, as each LateTokenMasks comes after a step that sampled a free sequence, how many of its tokens
+    rank 0 has sent and how many the scheduler has applied."""
+
+    def __init__(self, transport: LoopbackTransport, core: EngineCore, request_id: str) -> None:
+        super().__init__(transport)
+        self.core, self.request_id = core, request_id
+        self.free_sent, self.answered_free, self.seen = 0, False, []
+
+    def free(self):
+        return self.core.scheduler.requests.get((FRONT, self.request_id))
+
+    def receive(self, msg: engine_pb2.SchedulerToExecutor) -> None:
+        if msg.WhichOneof("kind") == "late_masks" and self.answered_free and self.free() is not None:
+            self.seen.append((self.free_sent, self.free().num_output_tokens))
+        super().receive(msg)
+
+    def answer(self, step_id: int, sampling, masks: dict[int, np.ndarray]) -> None:
+        free = self.free()
+        self.answered_free = free is not None and any(c.seq.seq_id == free.seq_id for c in sampling)
+        self.free_sent += self.answered_free
+        super().answer(step_id, sampling, masks)
+
+
+def test_the_late_masks_go_to_rank_0_before_the_rest_of_the_step_is_applied(embedded_model):
+    core, transport, _ = masking_engine(embedded_model)
+    watcher = OrderWatchingExecutor(transport, core, "f")
+    watcher.epoch = transport.executors[0].epoch
+    transport.executors[0] = watcher
+    transport.from_frontend(FRONT, add("c", [100, 101, 102], 12, LETTERS))
+    while not core.scheduler.running:  # its grammar compiles first: the free one starts beside it, not before
+        core.run_once(idle_poll_ms=1)
+    transport.from_frontend(FRONT, add("f", [200, 201], 8))
+    pump(core, 20000)
+    assert outputs(transport, "f")[0] == [7] * 8 and len(outputs(transport, "c")[0]) == 12
+    assert len(watcher.seen) >= 6
+    # each time, the step rank 0 just answered has not touched the free sequence yet: only the late rows' matchers
+    assert all(applied == sent - 1 for sent, applied in watcher.seen)
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(embedded_model):
+    return tokenizer_loader(embedded_model, VOCAB, (EOS,))()
+
+
+def first_allowed(lltokenizer, constraint: engine_pb2.Constraint) -> int:
+    """The token MaskingExecutor samples first under the constraint: the smallest its mask allows."""
+    matcher = llguidance.LLMatcher(lltokenizer, grammar_of(constraint))
+    mask = allocate_token_bitmask(1, VOCAB)
+    fill_next_token_bitmask(matcher, mask)
+    return int(allowed_tokens(mask[0])[0])
+
+
+@pytest.mark.parametrize("ending", ["grammar", "stop token"])
+def test_a_late_row_whose_sequence_the_answered_token_ends_is_dropped_not_masked(embedded_model, lltokenizer,
+                                                                                 ending):
+    core, transport, executor = masking_engine(embedded_model)
+    if ending == "grammar":  # the matcher stops on the token that completes the text
+        request = add("c", [100, 101, 102], 20, engine_pb2.Constraint(regex="[a-z]{5}"))
+    else:  # the stop rules end it before the grammar sees the token
+        request = add("c", [100, 101, 102], 20, LETTERS)
+        request.add.stopping.stop_token_ids.append(first_allowed(lltokenizer, LETTERS))
+        request.add.stopping.min_tokens = 3
+    transport.from_frontend(FRONT, request)
+    while not core.scheduler.running:  # its grammar compiles first
+        core.run_once(idle_poll_ms=1)
+    transport.from_frontend(FRONT, add("f", [200, 201], 20))  # keeps the steps coming
+    pump(core, 20000)
+    tokens, reason, _ = outputs(transport, "c")
+    assert reason == engine_pb2.FINISH_REASON_STOP
+    if ending == "grammar":
+        assert len(lltokenizer.decode_str(tokens)) == 5 and len(tokens) > 1
+    else:
+        assert len(tokens) == 3
+    masked = [m.step_id for m in executor.late_received if m.masks.seq_ids]
+    dropped = [m.step_id for m in executor.late_received if m.dropped_seq_ids]
+    assert len(masked) == len(tokens) - 1 and masked == list(range(masked[0], masked[0] + len(masked)))
+    assert dropped == [masked[-1] + 1]  # the row planned on its last token is never masked

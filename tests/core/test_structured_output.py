@@ -18,6 +18,7 @@ from protos import engine_pb2
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.structured import mask_fill
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 from support.fake_executor import check_block_references
@@ -40,10 +41,11 @@ def lltokenizer(embedded_model):
 
 
 def make_scheduler(model_dir: str, num_blocks: int = 256, num_host_blocks: int = 0, budget: int = 256,
-                   max_num_seqs: int = 8) -> Scheduler:
+                   max_num_seqs: int = 8, mask_fill_threads: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512,
                                      block_size=4, num_blocks=num_blocks, eos_token_ids=(EOS,),
-                                     num_host_blocks=num_host_blocks, vocab_size=VOCAB, tokenizer_dir=model_dir))
+                                     num_host_blocks=num_host_blocks, vocab_size=VOCAB, tokenizer_dir=model_dir,
+                                     mask_fill_threads=mask_fill_threads))
 
 
 def new_seq(sched: Scheduler, prompt_len: int = 6, constraint=None, max_tokens: int = 48, first_token: int = 100,
@@ -183,6 +185,29 @@ def test_every_mask_sent_in_a_plan_or_late_is_the_grammars_after_exactly_the_out
             jsonschema.validate(json.loads(text_of(lltokenizer, seq)), PERSON)
         else:
             assert seq.finish_reason in (engine_pb2.FINISH_REASON_ABORT, engine_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_the_mask_fill_pool_changes_no_mask_and_no_output(embedded_model, lltokenizer, depth):
+    num = mask_fill.PARALLEL_FROM_ROWS + 1
+
+    def run(threads: int) -> tuple[list, list[list[int]]]:
+        sched = make_scheduler(embedded_model, max_num_seqs=16, mask_fill_threads=threads)
+        seqs = [new_seq(sched, constraint=json_constraint(PERSON), first_token=100 + 20 * i) for i in range(num)]
+        seqs.append(new_seq(sched, max_tokens=20, first_token=400))
+        for seq in seqs:
+            sched.add(seq)
+        wait_compiled(sched)  # all start together: their masks are filled together, enough rows for the pool
+        lates: list = []
+        plans = serve(sched, [], lltokenizer, depth=depth, seed=6, lates=lates)
+        rows = [len(p.token_bitmasks.seq_ids) for p in plans] + [len(m.masks.seq_ids) for m in lates]
+        assert max(rows) >= mask_fill.PARALLEL_FROM_ROWS and sched.structured.filler.num_threads == threads
+        return plans + lates, [seq.output_token_ids for seq in seqs]
+
+    (serial_msgs, serial_outputs), (pooled_msgs, pooled_outputs) = run(1), run(4)
+    assert pooled_msgs == serial_msgs and pooled_outputs == serial_outputs
+    for tokens in serial_outputs[:num]:
+        jsonschema.validate(json.loads(lltokenizer.decode_str([t for t in tokens if t != EOS])), PERSON)
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])

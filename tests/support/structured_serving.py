@@ -54,10 +54,12 @@ def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int =
           max_steps: int = 2000, aborts: dict[int, Sequence] | None = None, lates: list | None = None) -> list:
     """Run to the end with `depth` plans in flight, in the engine's order: when a step's result is applied, the
     late masks of the next step in flight are filled (the engine sends them to rank 0) and its late rows are
-    drawn; a step's forward runs once every sample of the step before it is drawn. Every constrained sample is
-    drawn among the tokens its mask allows (checked against the grammar after exactly the output tokens when
-    lltokenizer is given); a late row whose sequence ended is dropped, never masked. aborts: plan number ->
-    sequence aborted right after that plan is sent. lates: collects the LateTokenMasks. The plans, in order."""
+    drawn; a step's forward runs once every sample of the step before it is drawn. As in EngineCore, the late
+    rows' matchers take the step's tokens and their masks are filled before the rest of the result is applied.
+    Every constrained sample is drawn among the tokens its mask allows (checked against the grammar after
+    exactly the output tokens when lltokenizer is given); a late row whose sequence ended is dropped, never
+    masked. aborts: plan number -> sequence aborted right after that plan is sent. lates: collects the
+    LateTokenMasks. The plans, in order."""
     rng = np.random.default_rng(seed)
     for seq in seqs:
         sched.add(seq)
@@ -117,12 +119,17 @@ def serve(sched: Scheduler, seqs: list[Sequence], lltokenizer=None, depth: int =
             assert not late, "a step is applied only after its late masks came"
             for seq_id in sampled:
                 drawn[seq_id].pop(0)
+            msg = None
+            if in_flight and in_flight[0][1].late_masked:  # the late rows' matchers first, then the rest
+                sched.check_result(out, sampled)
+                sched.accept_ahead(out, sampled, in_flight[0][1].late_masked)
+                msg = engine_pb2.LateTokenMasks()
+                sched.structured.late_masks(msg, in_flight[0][0], in_flight[0][1].late_masked)
+                msg = engine_pb2.LateTokenMasks.FromString(msg.SerializeToString())
             sched.postprocess(out, sampled)
             check_block_references(sched)
-            if in_flight and in_flight[0][1].late_masked:
+            if msg is not None:  # drawn against the sequences as postprocess left them
                 next_id, next_out, next_sampled, next_late = in_flight[0]
-                msg = sched.structured.late_masks(next_id, next_out.late_masked)
-                msg = engine_pb2.LateTokenMasks.FromString(msg.SerializeToString())
                 if lates is not None:
                     lates.append(msg)
                 by_id = {seq.seq_id: seq for seq in next_out.late_masked}

@@ -6,11 +6,12 @@ background), is_ready() before admitting it (it waits, without blocking others, 
 compiled), plan_masks() for the step's constrained samples, late_masks() for those planned on a token
 still in flight once it is known, accept() with each token sampled, release() when it ends. A matcher
 lives as long as its sequence: preemption by recompute or swap keeps it as it is (the tokens it consumed
-are still the sequence's), and it advances only in accept(), once per sampled token, so recomputing a
-sequence never replays its tokens into it. Unconstrained sequences never reach this file. With async
-scheduling a constrained sequence is planned on its placeholder like a free one, and its mask, which
-depends on the token in flight, follows the plan once that token is applied (a late mask: DESIGN.md
-"Structured output").
+are still the sequence's), and it advances only once per sampled token, so recomputing a sequence never
+replays its tokens into it. Unconstrained sequences never reach this file. With async scheduling a
+constrained sequence is planned on its placeholder like a free one, and its mask, which depends on the
+token in flight, follows the plan once that token is known (a late mask: DESIGN.md "Structured output").
+Rank 0 waits on those masks, so the scheduler advances their matchers first (accept_ahead(), before the
+rest of the result is applied); accept() then takes the verdict reached then and advances nothing again.
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import time
 from dataclasses import dataclass
 
 import llguidance
-import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from protos import engine_pb2
 from scheduler_svc.core.scheduler_output import ScheduledSeq
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.structured.compiler import GrammarCompiler
 from scheduler_svc.core.structured.grammars import INVALID, grammar_of
+from scheduler_svc.core.structured.mask_fill import MaskFiller
 
 STOP = engine_pb2.FINISH_REASON_STOP
 ERROR = engine_pb2.FINISH_REASON_ERROR
@@ -54,15 +54,15 @@ class _InUse:
 
 
 class StructuredOutputs:
-    def __init__(self, compiler: GrammarCompiler, vocab_size: int) -> None:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, num_fill_threads: int = 0) -> None:
         self.compiler = compiler
-        self.num_words = (vocab_size + 31) // 32  # a mask covers every logit
+        self.filler = MaskFiller(vocab_size, num_fill_threads)  # num_fill_threads 0: default_fill_threads()
         self.matchers: dict[int, llguidance.LLMatcher] = {}  # seq_id -> its matcher, once its grammar compiled
         self.compiling: dict[int, tuple[Sequence, str]] = {}  # seq_id -> (seq, grammar) waiting for the compiler
         self._grammar_of: dict[int, str] = {}  # seq_id -> its grammar text, for every live constrained sequence
         self._in_use: dict[str, _InUse] = {}
-        self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)  # grown to the most rows a step masked
-        self._executor: llguidance.LLExecutor | None = None  # fills masks in parallel; made on first use
+        # seq_id -> (token, finish reason, error): its matcher has taken a token that postprocess has not applied yet
+        self._ahead: dict[int, tuple[int, int, str]] = {}
         self.counters = StructuredCounters()
 
     # ------------------------------------------------------------------ lifecycle of a constrained sequence
@@ -119,6 +119,7 @@ class StructuredOutputs:
     def release(self, seq: Sequence) -> None:
         """The sequence ended: its matcher goes, and its grammar's hold once no live sequence uses it."""
         self.compiling.pop(seq.seq_id, None)
+        self._ahead.pop(seq.seq_id, None)
         grammar = self._grammar_of.pop(seq.seq_id, None)
         if self.matchers.pop(seq.seq_id, None) is not None:
             entry = self._in_use[grammar]
@@ -130,7 +131,7 @@ class StructuredOutputs:
 
     def plan_masks(self, scheduled: list[ScheduledSeq]) -> tuple[engine_pb2.TokenBitmasks | None, list[Sequence]]:
         """The masks of this step's constrained samples: (those filled now, for the plan; the sequences planned
-        while a sample of theirs is still in flight, whose masks late_masks() fills once it is applied)."""
+        while a sample of theirs is still in flight, whose masks late_masks() fills once it is known)."""
         now, late = [], []
         for s in scheduled:
             if s.samples and s.seq.constraint is not None:
@@ -139,40 +140,55 @@ class StructuredOutputs:
         if not now and not late:
             return None, late
         self.counters.num_masked_steps += 1
-        return (self._fill(now) if now else None), late
+        masks = None
+        if now:
+            masks = engine_pb2.TokenBitmasks()
+            self._fill(now, masks)
+        return masks, late
 
-    def late_masks(self, step_id: int, seqs: list[Sequence]) -> engine_pb2.LateTokenMasks:
-        """The masks of a step's late rows, once the step before it is applied: every earlier sample of these
-        sequences is known now (results are applied in order). A sequence that ended meanwhile (stop, length,
-        abort, a failed step) is listed as dropped: the executor samples it free and its token is discarded."""
-        live = [seq for seq in seqs if not seq.is_finished and seq.seq_id in self.matchers]
-        dropped = [seq.seq_id for seq in seqs if seq.is_finished or seq.seq_id not in self.matchers]
-        msg = engine_pb2.LateTokenMasks(step_id=step_id, dropped_seq_ids=dropped)
+    def late_masks(self, into: engine_pb2.LateTokenMasks, step_id: int, seqs: list[Sequence]) -> None:
+        """Fill `into` (a fresh message, in the envelope that carries it) with the masks of a step's late rows,
+        once every earlier sample of theirs is known: the steps before are applied (results come in order),
+        and the one just answered has gone through accept_ahead(). A sequence that ended meanwhile (stop,
+        length, grammar end, abort, a failed step), or ends by the token it just took, is listed as dropped:
+        the executor samples it free and its token is discarded."""
+        live, dropped = [], []
+        for seq in seqs:
+            ahead = self._ahead.get(seq.seq_id)
+            ended = seq.is_finished or seq.seq_id not in self.matchers or (ahead is not None and ahead[1] != UNFINISHED)
+            (dropped if ended else live).append(seq)
+        into.step_id = step_id
+        into.dropped_seq_ids.extend(seq.seq_id for seq in dropped)
         if live:
-            msg.masks.CopyFrom(self._fill(live))
+            self._fill(live, into.masks)
             self.counters.num_late_token_masks += len(live)
-        return msg
 
-    def _fill(self, seqs: list[Sequence]) -> engine_pb2.TokenBitmasks:
-        """Each sequence's allowed tokens after its output so far (llguidance fills the rows in parallel)."""
+    def _fill(self, seqs: list[Sequence], into: engine_pb2.TokenBitmasks) -> None:
+        """Each sequence's allowed tokens after its output so far, and any token accept_ahead() gave it."""
         t0 = time.perf_counter()
-        if len(seqs) > len(self._bitmask):
-            self._bitmask = np.zeros((max(len(seqs), 2 * len(self._bitmask)), self.num_words), dtype=np.int32)
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        bitmask = self._bitmask[: len(seqs)]
-        fill_next_token_bitmask_par(self._executor, [(self.matchers[seq.seq_id], i) for i, seq in enumerate(seqs)],
-                                    bitmask)
-        masks = engine_pb2.TokenBitmasks(seq_ids=[seq.seq_id for seq in seqs], num_words=self.num_words,
-                                         words=bitmask.astype("<i4", copy=False).tobytes())
+        self.filler.fill([self.matchers[seq.seq_id] for seq in seqs], [seq.seq_id for seq in seqs], into)
         c = self.counters
         c.num_token_masks += len(seqs)
         c.token_mask_seconds += time.perf_counter() - t0
-        return masks
+
+    def accept_ahead(self, seq: Sequence, token: int, stop_reason: int) -> None:
+        """Advance the matcher by a sampled token before postprocess applies it, so the next mask can be filled
+        first. stop_reason: what the stop rules say of the token (UNFINISHED, or the reason it ends the
+        sequence: then the grammar never sees it, as in postprocess)."""
+        reason, error = (stop_reason, "") if stop_reason != UNFINISHED else self._consume(seq, token)
+        self._ahead[seq.seq_id] = (token, reason, error)
 
     def accept(self, seq: Sequence, token: int) -> tuple[int, str]:
         """Advance the sequence's matcher by the token it sampled: (finish reason, error). STOP once the
-        grammar is complete and admits nothing more (EOS consumed, or the text can only end)."""
+        grammar is complete and admits nothing more (EOS consumed, or the text can only end). A token that
+        accept_ahead() took already is not consumed again: its verdict stands."""
+        ahead = self._ahead.pop(seq.seq_id, None)
+        if ahead is None:
+            return self._consume(seq, token)
+        assert ahead[0] == token, "accept_ahead() and postprocess() apply the same result"
+        return ahead[1], ahead[2]
+
+    def _consume(self, seq: Sequence, token: int) -> tuple[int, str]:
         matcher = self.matchers[seq.seq_id]
         if not matcher.consume_token(token):
             return ERROR, f"structured output: token {token} does not fit the grammar: {matcher.get_error()}"

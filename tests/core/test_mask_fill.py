@@ -1,0 +1,120 @@
+"""Filling a step's token masks (scheduler_svc/core/structured/mask_fill.py): llguidance's thread pool gives
+exactly the masks that one thread does, on fresh grammars whose lexer states are built while the rows are
+filled; a few rows are filled serially; the rows land in the message in the order of their sequences."""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from protos import engine_pb2
+from scheduler_svc.core.structured import mask_fill
+from scheduler_svc.core.structured.compiler import tokenizer_loader
+from scheduler_svc.core.structured.grammars import grammar_of
+from scheduler_svc.core.structured.mask_fill import PARALLEL_FROM_ROWS, MaskFiller
+from support.structured_serving import EOS, VOCAB, allowed_tokens, masks_of
+
+WORDS = st.text(alphabet="abcxyz019 ", min_size=1, max_size=6)
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(embedded_model):
+    return tokenizer_loader(embedded_model, VOCAB, (EOS,))()
+
+
+def constraints() -> st.SearchStrategy[engine_pb2.Constraint]:
+    """Small grammars of every kind, different each time: a fresh grammar builds its lexer states lazily."""
+    schema = st.builds(lambda names, max_len, lo: {
+        "type": "object", "additionalProperties": False, "required": names[:1],
+        "properties": {name: {"type": "string", "maxLength": max_len} if i % 2 else
+                       {"type": "integer", "minimum": lo} for i, name in enumerate(names)}},
+        st.lists(st.text(alphabet="abcdef", min_size=1, max_size=5), min_size=1, max_size=3, unique=True),
+        st.integers(1, 30), st.integers(-5, 5))
+    return st.one_of(
+        schema.map(lambda s: engine_pb2.Constraint(json_schema=json.dumps(s))),
+        st.builds(lambda a, n: engine_pb2.Constraint(regex=f"[{a}]{{1,{n}}}( [0-9]+)?"),
+                  st.sampled_from(["a-z", "a-f0-9", "xyz"]), st.integers(2, 40)),
+        st.lists(WORDS, min_size=1, max_size=4, unique=True).map(
+            lambda words: engine_pb2.Constraint(choice=engine_pb2.ChoiceList(choices=words))))
+
+
+def walked_matchers(lltokenizer, constraint: engine_pb2.Constraint, num_rows: int, rng: np.random.Generator
+                    ) -> list[llguidance.LLMatcher]:
+    """num_rows copies of a freshly compiled grammar, each walked some random allowed tokens in."""
+    template = llguidance.LLMatcher(lltokenizer, grammar_of(constraint), log_level=0)
+    mask = allocate_token_bitmask(1, VOCAB)
+    matchers = []
+    for _ in range(num_rows):
+        matcher = template.deep_copy()
+        for _ in range(int(rng.integers(0, 12))):
+            fill_next_token_bitmask(matcher, mask)
+            if matcher.is_stopped():
+                break
+            assert matcher.consume_token(int(rng.choice(allowed_tokens(mask[0]))))
+        matchers.append(matcher)
+    return matchers
+
+
+def filled(filler: MaskFiller, matchers: list[llguidance.LLMatcher]) -> engine_pb2.TokenBitmasks:
+    masks = engine_pb2.TokenBitmasks()
+    filler.fill(matchers, [100 + i for i in range(len(matchers))], masks)
+    return masks
+
+
+def reference_words(matchers: list[llguidance.LLMatcher]) -> bytes:
+    """The rows as llguidance.numpy's own one-row fill writes them."""
+    mask = allocate_token_bitmask(len(matchers), VOCAB)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, mask, i)
+    return mask.tobytes()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(constraint=constraints(), num_rows=st.integers(1, 2 * PARALLEL_FROM_ROWS), seed=st.integers(0, 2**16))
+def test_the_pool_and_the_loops_own_thread_fill_bit_for_bit_llguidances_masks(lltokenizer, constraint, num_rows,
+                                                                               seed):
+    # the same walk on fresh compiles: each fill meets lexer states its grammar has not built yet
+    def walk() -> list[llguidance.LLMatcher]:
+        return walked_matchers(lltokenizer, constraint, num_rows, np.random.default_rng(seed))
+
+    expected = reference_words(walk())
+    for threads in (1, 4):  # with 4, the rows go to the pool from PARALLEL_FROM_ROWS on
+        masks = filled(MaskFiller(VOCAB, num_threads=threads), walk())
+        assert masks.words == expected
+        assert list(masks.seq_ids) == [100 + i for i in range(num_rows)] and masks.num_words == VOCAB // 32
+    assert all(len(allowed_tokens(row)) for row in masks_of(masks).values())  # every row allows something
+
+
+def test_a_filler_reused_for_fewer_rows_sends_only_those_rows(lltokenizer):
+    rng = np.random.default_rng(0)
+    matchers = walked_matchers(lltokenizer, engine_pb2.Constraint(regex="[a-z]{1,20}"), 8, rng)
+    filler = MaskFiller(VOCAB, num_threads=4)
+    filled(filler, matchers)
+    two = filled(filler, matchers[:2])  # the filler's rows 2..7 still hold the first fill
+    assert list(two.seq_ids) == [100, 101] and len(two.words) == 2 * (VOCAB // 32) * 4
+    assert two == filled(MaskFiller(VOCAB, num_threads=1), matchers[:2])
+
+
+def test_few_rows_are_filled_without_the_pool_and_one_thread_never_makes_one(lltokenizer, monkeypatch):
+    made, make = [], llguidance.LLExecutor
+    monkeypatch.setattr(mask_fill.llguidance, "LLExecutor", lambda n: made.append(n) or make(n))
+    matchers = walked_matchers(lltokenizer, engine_pb2.Constraint(regex="[0-9]{1,9}"), PARALLEL_FROM_ROWS,
+                               np.random.default_rng(1))
+    pooled, serial = MaskFiller(VOCAB, num_threads=3), MaskFiller(VOCAB, num_threads=1)
+    filled(pooled, matchers[: PARALLEL_FROM_ROWS - 1])
+    filled(serial, matchers)
+    assert made == []
+    filled(pooled, matchers)
+    assert made == [3]
+
+
+def test_the_default_pool_leaves_a_core_to_the_step_loop_and_is_bounded(monkeypatch):
+    for cores, threads in ((1, 1), (2, 1), (4, 3), (16, mask_fill.MAX_DEFAULT_THREADS)):
+        monkeypatch.setattr(mask_fill.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert mask_fill.default_fill_threads() == threads
+        assert MaskFiller(VOCAB).num_threads == threads
