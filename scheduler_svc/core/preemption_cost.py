@@ -6,14 +6,21 @@ the host link. Recomputing throws its KV away and later runs its computed tokens
 less those the prefix cache will still hold. Both grow with the sequence's length, so under a linear model
 their ratio would be constant; the crossover comes from the fixed cost per copy, which does not shrink
 with the block. The executors measure the constants at start-up (executor_svc/copy_costs.py) and send
-them in their handshake; the prefill rate is then refined from the steps the scheduler sees run.
+them in their handshake; the prefill rate is then refined from the steps the scheduler sees run, and so is
+the premium a decode step pays for carrying prefill (on the H200 swap beat recompute by 1.10x on nano-vLLM's
+workload at a third of the blocks while the prefill rate alone made recompute 5x cheaper: bench/RESULTS.md).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-PREFILL_EWMA_WEIGHT = 0.2  # weight of each new prefill-step sample in the running estimate
+from dataclasses import dataclass, field
+
+PREFILL_EWMA_WEIGHT = 0.2  # weight of each new step sample in the running estimates
 MIN_PREFILL_SAMPLE_TOKENS = 32  # shorter prefill steps are dominated by fixed per-step costs
+
+
+def _ewma(old: float, sample: float, first: bool) -> float:
+    return sample if first else (1 - PREFILL_EWMA_WEIGHT) * old + PREFILL_EWMA_WEIGHT * sample
 
 
 @dataclass
@@ -24,14 +31,28 @@ class PreemptionCosts:
     host_link_bytes_per_s: float = 0.0  # block copies between the KV pool and the host pool; 0: not measured
     copy_fixed_s: float = 0.0  # fixed cost of one such copy
     prefill_tokens_per_s: float = 0.0  # calibrated at start-up, then refined from steps; 0: not known yet
+    # What a decode step costs more for carrying a little prefill, beyond those tokens at the prefill rate:
+    # on CUDA such a step runs eagerly instead of as a decode graph (BRIEF: ~6 ms of launches for 28 layers),
+    # which a recomputed victim's prefill pays once. Measured from steps: 0 until both kinds have run.
+    prefill_step_premium_s: float = 0.0
+    decode_step_s: float = 0.0  # running estimate of a decode-only step; 0: none seen yet
+    _premium_seen: bool = field(default=False, repr=False)
 
     def observe_step(self, num_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
-        """Refine the prefill rate from a step that ran: only steps that are mostly prefill say what it costs."""
-        if num_prefill_tokens < max(MIN_PREFILL_SAMPLE_TOKENS, num_tokens // 2) or seconds <= 0:
+        """Refine the estimates from a step that ran: decode-only steps give the decode step's time, steps that
+        are mostly prefill the prefill rate, decode steps carrying a little prefill the premium."""
+        if seconds <= 0:
             return
-        rate = num_tokens / seconds
-        old = self.prefill_tokens_per_s
-        self.prefill_tokens_per_s = rate if old <= 0 else (1 - PREFILL_EWMA_WEIGHT) * old + PREFILL_EWMA_WEIGHT * rate
+        if num_prefill_tokens == 0:
+            self.decode_step_s = _ewma(self.decode_step_s, seconds, self.decode_step_s <= 0)
+        elif num_prefill_tokens >= max(MIN_PREFILL_SAMPLE_TOKENS, num_tokens // 2):
+            rate = num_tokens / seconds
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, rate, self.prefill_tokens_per_s <= 0)
+        elif self.decode_step_s > 0 and self.prefill_tokens_per_s > 0:
+            # a raw sample (noise either side of 0 averages out; clamping each one would bias it up)
+            premium = seconds - self.decode_step_s - num_prefill_tokens / self.prefill_tokens_per_s
+            self.prefill_step_premium_s = _ewma(self.prefill_step_premium_s, premium, not self._premium_seen)
+            self._premium_seen = True
 
 
 @dataclass(frozen=True)
@@ -50,11 +71,14 @@ def swap_seconds(num_blocks: int, costs: PreemptionCosts) -> float:
 
 
 def recompute_seconds(num_computed_tokens: int, num_cached_tokens: int, costs: PreemptionCosts) -> float:
-    """The computed tokens the prefix cache will not give back, run through prefill again."""
+    """The computed tokens the prefix cache will not give back, run through prefill again, in a step that pays
+    the prefill-step premium once (several victims sharing that step makes this an overestimate)."""
     num_tokens = max(0, num_computed_tokens - num_cached_tokens)
     if num_tokens == 0:
         return 0.0
-    return num_tokens / costs.prefill_tokens_per_s if costs.prefill_tokens_per_s > 0 else math.inf
+    if costs.prefill_tokens_per_s <= 0:
+        return math.inf
+    return num_tokens / costs.prefill_tokens_per_s + max(0.0, costs.prefill_step_premium_s)
 
 
 def decide(mode: str, num_blocks: int, num_free_host_blocks: int, num_computed_tokens: int, num_cached_tokens: int,

@@ -56,6 +56,7 @@ def stats_of(sched) -> dict:
         prefix_cache_query_tokens=bm.prefix_query_tokens,
         prefix_cache_hit_tokens=bm.prefix_hit_tokens,
         prefill_tokens_per_s=sched.preemption.costs.prefill_tokens_per_s,
+        prefill_step_premium_seconds=sched.preemption.costs.prefill_step_premium_s,
         **vars(sched.counters),
         **sched.structured.stats(),
     )

@@ -46,6 +46,8 @@ class Metrics:
                        ["kind", "source"], registry=r)
         self.prefill_rate = Gauge("nanoserve_prefill_tokens_per_second", "The preemption cost model's prefill rate",
                                   registry=r)
+        self.prefill_premium = Gauge("nanoserve_prefill_step_premium_seconds", "What a decode step pays more for "
+                                     "carrying prefill, in the preemption cost model", registry=r)
         self.constrained_requests = Counter("nanoserve_structured_output_requests",
                                             "Requests with a structured-output constraint", registry=r)
         self.grammar_compile_errors = Counter("nanoserve_grammar_compile_errors",
@@ -98,6 +100,7 @@ class Metrics:
         if s.prefix_cache_query_tokens:
             self.prefix_hit_rate.set(s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens)
         self.prefill_rate.set(s.prefill_tokens_per_s)
+        self.prefill_premium.set(s.prefill_step_premium_seconds)
         for name, cumulative in self._cumulative.items():
             cumulative.update(getattr(s, name))
 

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from scheduler_svc.core.preemption_cost import PreemptionCosts, decide, recompute_seconds, swap_seconds
+from scheduler_svc.core.kv_cache_manager import cdiv
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 2 * 28 * BLOCK_TOKENS * 8 * 128 * 2  # Qwen3-0.6B's bf16 KV block
@@ -85,3 +86,26 @@ def test_the_prefill_rate_follows_prefill_steps_and_ignores_decode_steps():
     unknown = PreemptionCosts()
     unknown.observe_step(num_tokens=512, num_prefill_tokens=512, seconds=0.5)
     assert unknown.prefill_tokens_per_s == 1024  # the first sample is taken whole
+
+
+def test_the_premium_of_a_decode_step_carrying_prefill_is_learned_from_steps_and_charged_once_per_recompute():
+    costs = PreemptionCosts(**H200, prefill_tokens_per_s=900_000.0)  # the H200's calibrated rate (session 7)
+    for _ in range(40):  # a graph-replayed decode step of 5 ms, then one carrying 90 prefill tokens in 11.1 ms
+        costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.005)
+        costs.observe_step(num_tokens=346, num_prefill_tokens=90, seconds=0.0111)
+    assert costs.decode_step_s == pytest.approx(0.005)
+    assert costs.prefill_step_premium_s == pytest.approx(0.0111 - 0.005 - 90 / 900_000.0, rel=1e-3)
+    tokens = 700  # a victim that computed 700 tokens, 44 blocks: swapping them out and in is ~3 ms
+    assert recompute_seconds(tokens, 0, costs) == pytest.approx(tokens / 900_000.0 + costs.prefill_step_premium_s)
+    assert auto(cdiv(tokens, BLOCK_TOKENS), costs).swap  # with the premium, recompute is the dearer
+    assert not auto(cdiv(tokens, BLOCK_TOKENS), PreemptionCosts(**H200, prefill_tokens_per_s=900_000.0)).swap
+
+
+def test_a_premium_that_measures_below_zero_counts_as_none_and_noise_is_not_biased_up():
+    costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
+    for noise in [0.001, -0.001] * 50:  # a CPU: no graphs, a step carrying prefill costs just its tokens
+        costs.observe_step(num_tokens=10, num_prefill_tokens=0, seconds=0.1)
+        costs.observe_step(num_tokens=12, num_prefill_tokens=2, seconds=0.1 + 2 / 1000.0 + noise)
+    assert abs(costs.prefill_step_premium_s) < 0.001
+    below = PreemptionCosts(prefill_tokens_per_s=1000.0, prefill_step_premium_s=-0.5)
+    assert recompute_seconds(100, 0, below) == pytest.approx(0.1)
