@@ -6,7 +6,9 @@ answers each plan at once, and a plan with late rows once their LateTokenMasks c
 token at random inside its mask (a random-weight model is nearly as random) and 7 for a free one. Half of
 bench/structured.py's throughput workload is constrained by its nested schema, over the synthetic 151,936-token
 vocabulary. Reported: the critical path, from a result reaching the scheduler to the next step's late masks
-sent (serialized); the scheduler's own time per step, the fake rank 0's left out; the mask fill per step.
+sent (serialized), and to the next plan sent; a step's length if the forward took --gpu-step-ms and rank 0
+waited for both (max of the three); the scheduler's own time per step, the fake rank 0's left out; the mask
+fill per step.
 
     python bench/structured_loop.py [--num-seqs 256] [--max-output-len 1024] [--mask-fill-threads N]
 """
@@ -93,15 +95,20 @@ class TimedTransport:
         self.rank0_seconds = 0.0
         self.result_at = None
         self.critical_ms: list[float] = []
+        self.after_result: dict[str, float] = {}  # since the last result: ms until the late masks, the next plan
+        self.late_steps: list[dict[str, float]] = []  # those of each result that had late masks after it
 
     def send_frontend(self, identity: bytes, msg: engine_pb2.SchedulerToFrontend) -> None:
         msg.SerializeToString()
 
     def send_executor(self, rank: int, msg: engine_pb2.SchedulerToExecutor) -> None:
         self.to_rank0.append(msg.SerializeToString())
-        if msg.WhichOneof("kind") == "late_masks" and self.result_at is not None:
-            self.critical_ms.append((time.perf_counter() - self.result_at) * 1e3)
-            self.result_at = None
+        kind = msg.WhichOneof("kind")
+        if self.result_at is None or kind not in ("late_masks", "plan") or kind in self.after_result:
+            return
+        self.after_result[kind] = (time.perf_counter() - self.result_at) * 1e3
+        if kind == "late_masks":
+            self.critical_ms.append(self.after_result[kind])
 
     def poll(self, timeout_ms: int, core: EngineCore) -> None:
         t0 = time.perf_counter()
@@ -111,7 +118,9 @@ class TimedTransport:
         while self.inbox:
             from_executor, payload = self.inbox.pop(0)
             if from_executor:
-                self.result_at = time.perf_counter()
+                if "late_masks" in self.after_result:
+                    self.late_steps.append(self.after_result)
+                self.result_at, self.after_result = time.perf_counter(), {}
                 core.on_executor(b"rank0", payload)
             else:
                 core.on_frontend(b"bench", payload)
@@ -132,6 +141,8 @@ def main() -> None:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--mask-fill-threads", type=int, default=0, help="0: the engine's default (mask_fill.py)")
+    parser.add_argument("--gpu-step-ms", type=float, default=4.5,
+                        help="the forward a step's late masks and next plan must beat (H200: ~4.5 ms)")
     parser.add_argument("--out", default="bench/results/structured_loop.json")
     args = parser.parse_args()
     tokenizer_dir = tempfile.mkdtemp(prefix="structured-loop-")
@@ -155,6 +166,7 @@ def main() -> None:
 
     run(core, transport, [request(-1, list(range(1, 12)), 8, True)])  # loads the tokenizer, compiles the schema
     transport.critical_ms.clear()
+    transport.late_steps.clear()
     before = core.scheduler.stats()
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, 0, args.min_len,
                                    args.min_len)
@@ -172,11 +184,23 @@ def main() -> None:
                               "p99": percentile(crit, 0.99), "n": len(crit)},
               "mask_fill_ms_per_masked_step": 1e3 * (after["token_mask_seconds"] - before["token_mask_seconds"])
               / max(1, masked)}
+    # rank 0 samples once the forward and the masks are in, then starts the next forward once its plan is in
+    g = args.gpu_step_ms
+    modelled = [max(g, r["late_masks"], r.get("plan", 0.0)) for r in transport.late_steps]
+    plan_ms = [r["plan"] for r in transport.late_steps if "plan" in r]
+    result["next_plan_ms"] = {"median": statistics.median(plan_ms), "mean": statistics.mean(plan_ms),
+                              "p99": percentile(plan_ms, 0.99), "n": len(plan_ms)}
+    result["modelled_step_ms"] = {"gpu_step_ms": g, "mean": statistics.mean(modelled),
+                                  "ratio_to_gpu_step": g / statistics.mean(modelled)}
     c = result["critical_ms"]
     print(f"scheduler loop: {args.num_seqs} seqs, half constrained, vocabulary {QWEN3_VOCAB}, mask fill threads "
           f"{result['mask_fill_threads']}: {steps} steps")
     print(f"  result in -> late masks sent: median {c['median']:.2f} ms, mean {c['mean']:.2f}, p99 {c['p99']:.2f} "
           f"over {c['n']} steps")
+    p, m = result["next_plan_ms"], result["modelled_step_ms"]
+    print(f"  result in -> next plan sent: median {p['median']:.2f} ms, mean {p['mean']:.2f}, p99 {p['p99']:.2f}")
+    print(f"  a step, if the forward takes {g} ms and rank 0 waits for both: mean {m['mean']:.2f} ms "
+          f"({m['ratio_to_gpu_step']:.3f}x of the forward's pace)")
     print(f"  scheduler {result['scheduler_ms_per_step']:.2f} ms/step (fake rank 0 left out), of which mask fill "
           f"{result['mask_fill_ms_per_masked_step']:.2f} ms per masked step")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
