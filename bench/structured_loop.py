@@ -33,7 +33,7 @@ from executor_svc.seq_mirror import SequenceMirrors  # noqa: E402
 from protos import engine_pb2  # noqa: E402
 from scheduler_svc.common.config import EngineConfig  # noqa: E402
 from scheduler_svc.core.engine_core import EngineCore  # noqa: E402
-from scheduler_svc.core.scheduler_process import GIL_SWITCH_INTERVAL_S  # noqa: E402
+
 
 FREE_TOKEN = 7
 
@@ -146,7 +146,6 @@ def main() -> None:
                         help="the forward a step's late masks and next plan must beat (H200: ~4.5 ms)")
     parser.add_argument("--out", default="bench/results/structured_loop.json")
     args = parser.parse_args()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the scheduler process runs
     tokenizer_dir = tempfile.mkdtemp(prefix="structured-loop-")
     write_synthetic_tokenizer(tokenizer_dir, QWEN3_VOCAB, QWEN3_EOS)
     transport = TimedTransport()

@@ -32,7 +32,6 @@ from scheduler_svc.core.scheduler_config import scheduler_config
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.step_plan import build_step_plan
-from scheduler_svc.core.structured.structured_outputs import LateMaskFill
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -93,7 +92,6 @@ class EngineCore:
         self.pipeline_depth = config.max_steps_in_flight if config.async_scheduling else 1
         self.in_flight: deque[InFlightStep] = deque()
         self.results: dict[int, engine_pb2.StepResult] = {}
-        self.late_fill: LateMaskFill | None = None  # the oldest step's late masks, filling beside the loop
         self.last_result_at = 0.0
         self.next_housekeeping = 0.0
         self.probe_until = self.next_probe = 0.0
@@ -277,9 +275,6 @@ class EngineCore:
         Surviving ranks are told to exit (a tensor-parallel group restarts whole), except spare_rank,
         whose identity already belongs to a fresh process."""
         log.error("engine lost: %s", reason)
-        if self.late_fill is not None:  # abandoned mid-step: its worker finishes before the matchers go
-            self.late_fill.settle()
-            self.late_fill = None
         self.in_flight.clear()
         self.results.clear()
         if self.scheduler is not None:
@@ -356,16 +351,12 @@ class EngineCore:
             if self._launch_step():
                 return
         if self.in_flight:
-            # still in flight until its result is in; the next step's late masks go out on the way, as soon
-            # as they are filled (rank 0 waits on them, then on the next plan)
+            # still in flight until its result is in; the next step's late masks go out on the way
             updates, sampled = self._finish_step(self.in_flight[0])
-            self._flush_late_masks(wait=False)
             # the executor may be waiting for a plan: send the next one before telling the front ends
             if self.scheduler.has_unfinished() and len(self.in_flight) < self.pipeline_depth:
                 self._launch_step()
-            self._flush_late_masks(wait=False)
             self._emit(updates, sampled)
-            self._flush_late_masks(wait=True)  # before anything else reads the socket or touches a matcher
         elif self.scheduler.has_unfinished():
             time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
 
@@ -382,29 +373,18 @@ class EngineCore:
         self.in_flight.append(InFlightStep(self.step_id, out, time.perf_counter()))
         return True
 
-    def _start_late_masks(self, answered: SchedulerOutput | None = None, tokens: dict[int, int] | None = None) -> None:
+    def _send_late_masks(self, answered: SchedulerOutput | None = None, tokens: dict[int, int] | None = None) -> None:
         """The oldest step in flight may hold constrained samples planned on tokens of the step just answered:
         their masks go to rank 0 (the only one that samples), which waits for them before sampling it. With
-        the answered step's tokens (checked, not applied yet), exactly those rows' matchers take theirs first.
-        A fill done at once is sent at once; one on the filler's worker is sent by _flush_late_masks() as soon
-        as it is done, while postprocess, the next plan and the outputs proceed."""
+        the answered step's tokens (checked, not applied yet), exactly those rows' matchers take theirs first;
+        postprocess applies the rest after the masks are sent."""
         if not (self.in_flight and self.in_flight[0].out.late_masked):
             return
         step = self.in_flight[0]
         if answered is not None:
             self.scheduler.accept_ahead(answered, tokens, step.out.late_masked)
-        assert self.late_fill is None, "one step's late masks at a time"
-        self.late_fill = self.scheduler.structured.start_late_masks(step.step_id, step.out.late_masked)
-        self._flush_late_masks(wait=False)
-
-    def _flush_late_masks(self, wait: bool) -> None:
-        """Send the late masks being filled once they are done (or, with wait, when they are)."""
-        fill = self.late_fill
-        if fill is None or not (wait or fill.done()):
-            return
-        self.late_fill = None
         msg = engine_pb2.SchedulerToExecutor()  # filled in place: a constructor would copy the masks whole
-        self.scheduler.structured.finish_late_masks(fill, msg.late_masks)
+        self.scheduler.structured.late_masks(msg.late_masks, step.step_id, step.out.late_masked)
         self.to_executor(0, msg)
 
     def _finish_step(self, step: InFlightStep) -> tuple[list[StepUpdate], dict[int, engine_pb2.SampledToken]]:
@@ -439,14 +419,13 @@ class EngineCore:
                 except ValueError as exc:  # refused before anything changed
                     result.error = f"an inconsistent reply: {exc}"
                 else:
-                    self._start_late_masks(step.out, tokens)
+                    self._send_late_masks(step.out, tokens)
                     return self.scheduler.postprocess(step.out, tokens, candidates), sampled
             else:
                 result.error = "an inconsistent reply: a sampled token outside the vocabulary"
             self.reject_message(b"rank0", f"step {step.step_id}: {result.error}")
         self._fail_step(step, result.error)
-        self._start_late_masks()  # the failed step's sequences have ended: their late rows are dropped
-        self._flush_late_masks(wait=True)
+        self._send_late_masks()  # the failed step's sequences have ended: their late rows are dropped
         return [], {}
 
     def _fail_step(self, step: InFlightStep, error: str) -> None:

@@ -23,7 +23,6 @@ from scheduler_svc.core.executor_registry import EngineLostError
 log = logging.getLogger("nanoserve.scheduler")
 
 MAX_MESSAGE_BYTES = 64 << 20  # a peer that sends more is disconnected (no legitimate message comes near)
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class ZmqTransport:
@@ -98,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
     if args.watch_parent:
         watch_parent()
-    # The late masks' worker (structured output) needs the GIL back the moment its fill returns, while the
-    # step loop runs Python: the default 5 ms switch interval would hold the masks that long (rank 0 waits).
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     transport = ZmqTransport(args.frontend_addr, args.executor_addr)
     core = EngineCore(engine_config_from_args(args), transport)
 

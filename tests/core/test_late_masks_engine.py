@@ -4,9 +4,6 @@ applied, and a failed step's sequences are dropped from the next step's late mas
 for, while the engine keeps serving."""
 from __future__ import annotations
 
-import threading
-import time
-
 import llguidance
 import numpy as np
 import pytest
@@ -15,7 +12,6 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.core.engine_core import EngineCore
-from scheduler_svc.core.structured import mask_fill
 from scheduler_svc.core.structured.compiler import tokenizer_loader
 from scheduler_svc.core.structured.grammars import grammar_of
 from support.loopback_engine import FakeExecutor, LoopbackTransport, pump
@@ -72,11 +68,11 @@ class MaskingExecutor(FakeExecutor):
         self.transport.from_executor(b"rank0", engine_pb2.ExecutorToScheduler(result=result, epoch=self.epoch))
 
 
-def masking_engine(model_dir: str, fail: set[int] = frozenset(), **config) -> tuple[EngineCore, LoopbackTransport,
-                                                                                    MaskingExecutor]:
+def masking_engine(model_dir: str, fail: set[int] = frozenset()) -> tuple[EngineCore, LoopbackTransport,
+                                                                          MaskingExecutor]:
     transport = LoopbackTransport()
     core = EngineCore(EngineConfig(model=model_dir, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                   max_steps_in_flight=2, **config), transport)
+                                   max_steps_in_flight=2), transport)
     executor = MaskingExecutor(transport, fail)
     transport.executors[0] = executor
     executor.join()
@@ -207,55 +203,3 @@ def test_a_late_row_whose_sequence_the_answered_token_ends_is_dropped_not_masked
     dropped = [m.step_id for m in executor.late_received if m.dropped_seq_ids]
     assert len(masked) == len(tokens) - 1 and masked == list(range(masked[0], masked[0] + len(masked)))
     assert dropped == [masked[-1] + 1]  # the row planned on its last token is never masked
-
-
-class KindsExecutor(MaskingExecutor):
-    """Notes the order in which plans and late masks arrive: ("plan", step) and ("late", step)."""
-
-    def __init__(self, transport: LoopbackTransport) -> None:
-        super().__init__(transport)
-        self.arrivals: list[tuple[str, int]] = []
-
-    def receive(self, msg: engine_pb2.SchedulerToExecutor) -> None:
-        kind = msg.WhichOneof("kind")
-        if kind == "plan":
-            self.arrivals.append(("plan", msg.plan.step_id))
-        elif kind == "late_masks":
-            self.arrivals.append(("late", msg.late_masks.step_id))
-        super().receive(msg)
-
-
-def test_a_slow_late_fill_on_the_worker_lets_the_next_plan_go_first_and_changes_no_token(embedded_model,
-                                                                                        monkeypatch):
-    def serve(threads: int) -> tuple[dict[str, list[int]], list[tuple[str, int]]]:
-        transport = LoopbackTransport()
-        core = EngineCore(EngineConfig(model=embedded_model, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                       max_steps_in_flight=2, mask_fill_threads=threads), transport)
-        executor = KindsExecutor(transport)
-        transport.executors[0] = executor
-        executor.join()
-        pump(core)
-        for i in range(3):
-            transport.from_frontend(FRONT, add(f"c{i}", [100 + i, 101, 102], 10, LETTERS))
-        while len(core.scheduler.running) < 3:  # their grammar compiles first
-            core.run_once(idle_poll_ms=1)
-        transport.from_frontend(FRONT, add("f", [200, 201], 10))
-        pump(core, 20000)
-        return {r: outputs(transport, r)[0] for r in ("c0", "c1", "c2", "f")}, executor.arrivals
-
-    real_fill = mask_fill.MaskFiller._timed_fill
-
-    def slow_on_the_worker(self, matchers):
-        if threading.current_thread().name.startswith("late-mask-fill"):
-            time.sleep(0.03)  # a fill that builds new lexer states
-        return real_fill(self, matchers)
-
-    monkeypatch.setattr(mask_fill, "PARALLEL_FROM_ROWS", 2)  # three late rows go to the worker
-    monkeypatch.setattr(mask_fill.MaskFiller, "_timed_fill", slow_on_the_worker)
-    serial_tokens, serial_order = serve(threads=1)
-    pooled_tokens, pooled_order = serve(threads=2)
-    assert pooled_tokens == serial_tokens and all(len(t) == 10 for t in pooled_tokens.values())
-    # serially the late masks of step s go out before the plan of step s + 1; from the worker, after it
-    ahead = lambda order: sum(order.index(("plan", s + 1)) < order.index(("late", s))  # noqa: E731
-                              for kind, s in order if kind == "late" and ("plan", s + 1) in order)
-    assert ahead(serial_order) == 0 and ahead(pooled_order) >= 5

@@ -11,8 +11,6 @@ per-row wrapper checks the array again for every row (a third of a warm row's ti
 from __future__ import annotations
 
 import os
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -35,14 +33,9 @@ class MaskFiller:
         self.num_threads = num_threads or default_fill_threads()
         self._pool: llguidance.LLExecutor | None = None  # made on the first parallel fill
         self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)  # grown to the most rows a step masked
-        self._worker: ThreadPoolExecutor | None = None  # made on the first fill submitted to run beside the loop
 
     def fill(self, matchers: list[llguidance.LLMatcher], seq_ids: list[int], into: engine_pb2.TokenBitmasks) -> None:
         """Each matcher's allowed next tokens, row i for matchers[i], written into `into` (a fresh message)."""
-        self.pack(self.fill_rows(matchers), seq_ids, into)
-
-    def fill_rows(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """The rows, in this filler's reused array (valid until its next fill)."""
         n = len(matchers)
         if n > len(self._bitmask):
             self._bitmask = np.zeros((max(n, 2 * len(self._bitmask)), self.num_words), dtype=np.int32)
@@ -55,26 +48,6 @@ class MaskFiller:
             address, row_bytes = rows.ctypes.data, rows.shape[1] * rows.itemsize
             for i, matcher in enumerate(matchers):  # what fill_next_token_bitmask does, the checks done once above
                 matcher.unsafe_compute_mask_ptr(address + i * row_bytes, row_bytes)
-        return rows
-
-    def pack(self, rows: np.ndarray, seq_ids: list[int], into: engine_pb2.TokenBitmasks) -> None:
         into.seq_ids.extend(seq_ids)
         into.num_words = self.num_words
         into.words = rows.astype("<i4", copy=False).tobytes()
-
-    def submit(self, matchers: list[llguidance.LLMatcher]) -> Future:
-        """fill_rows() beside the caller, on a worker thread, where the pool fills (outside the GIL) while the
-        step loop applies the rest of the result and plans the next step; a few rows, or one thread, are filled
-        at once instead. The future gives (rows, seconds the fill took); one fill at a time per filler."""
-        if self.num_threads > 1 and len(matchers) >= PARALLEL_FROM_ROWS:
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="late-mask-fill")
-            return self._worker.submit(self._timed_fill, matchers)
-        done: Future = Future()
-        done.set_result(self._timed_fill(matchers))
-        return done
-
-    def _timed_fill(self, matchers: list[llguidance.LLMatcher]) -> tuple[np.ndarray, float]:
-        t0 = time.perf_counter()
-        rows = self.fill_rows(matchers)
-        return rows, time.perf_counter() - t0

@@ -16,7 +16,6 @@ rest of the result is applied); accept() then takes the verdict reached then and
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import llguidance
@@ -46,24 +45,6 @@ class StructuredCounters:
 
 
 @dataclass
-class LateMaskFill:
-    """The late masks of one step, being filled (StructuredOutputs.start_late_masks)."""
-
-    step_id: int
-    dropped_ids: list[int]
-    live_ids: list[int]
-    future: Future | None = None  # (rows, seconds) of the live rows; None when there are none
-
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
-    def settle(self) -> None:
-        """Wait until the fill has stopped, whatever its outcome (a fill being abandoned)."""
-        if self.future is not None:
-            wait([self.future])
-
-
-@dataclass
 class _InUse:
     """A compiled grammar held by live sequences, so a sibling or a repeat starts at once, whatever the
     compiler's cache has dropped since."""
@@ -76,7 +57,6 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, num_fill_threads: int = 0) -> None:
         self.compiler = compiler
         self.filler = MaskFiller(vocab_size, num_fill_threads)  # num_fill_threads 0: default_fill_threads()
-        self.late_filler = MaskFiller(vocab_size, num_fill_threads)  # rows and pool of its own: it fills beside the loop
         self.matchers: dict[int, llguidance.LLMatcher] = {}  # seq_id -> its matcher, once its grammar compiled
         self.compiling: dict[int, tuple[Sequence, str]] = {}  # seq_id -> (seq, grammar) waiting for the compiler
         self._grammar_of: dict[int, str] = {}  # seq_id -> its grammar text, for every live constrained sequence
@@ -167,40 +147,21 @@ class StructuredOutputs:
         return masks, late
 
     def late_masks(self, into: engine_pb2.LateTokenMasks, step_id: int, seqs: list[Sequence]) -> None:
-        """start_late_masks() and finish_late_masks() at once."""
-        self.finish_late_masks(self.start_late_masks(step_id, seqs), into)
-
-    def start_late_masks(self, step_id: int, seqs: list[Sequence]) -> "LateMaskFill":
-        """Start filling the masks of a step's late rows, once every earlier sample of theirs is known: the steps
-        before are applied (results come in order), and the one just answered has gone through accept_ahead().
-        A sequence that ended meanwhile (stop, length, grammar end, abort, a failed step), or ends by the token
-        it just took, is listed as dropped: the executor samples it free and its token is discarded. The fill
-        may run beside the step loop (MaskFiller.submit): until finish_late_masks(), nothing may touch the live
-        rows' matchers, which holds because every sample of theirs before this step was taken already and
-        the next comes only after rank 0 has these masks."""
+        """Fill `into` (a fresh message, in the envelope that carries it) with the masks of a step's late rows,
+        once every earlier sample of theirs is known: the steps before are applied (results come in order),
+        and the one just answered has gone through accept_ahead(). A sequence that ended meanwhile (stop,
+        length, grammar end, abort, a failed step), or ends by the token it just took, is listed as dropped:
+        the executor samples it free and its token is discarded."""
         live, dropped = [], []
         for seq in seqs:
             ahead = self._ahead.get(seq.seq_id)
             ended = seq.is_finished or seq.seq_id not in self.matchers or (ahead is not None and ahead[1] != UNFINISHED)
             (dropped if ended else live).append(seq)
-        fill = LateMaskFill(step_id, [seq.seq_id for seq in dropped], [seq.seq_id for seq in live])
+        into.step_id = step_id
+        into.dropped_seq_ids.extend(seq.seq_id for seq in dropped)
         if live:
-            fill.future = self.late_filler.submit([self.matchers[seq.seq_id] for seq in live])
-        return fill
-
-    def finish_late_masks(self, fill: "LateMaskFill", into: engine_pb2.LateTokenMasks) -> None:
-        """Write a started fill into `into` (a fresh message, in the envelope that carries it), waiting for it
-        if it is still running."""
-        into.step_id = fill.step_id
-        into.dropped_seq_ids.extend(fill.dropped_ids)
-        if fill.future is None:
-            return
-        rows, seconds = fill.future.result()
-        self.late_filler.pack(rows, fill.live_ids, into.masks)
-        c = self.counters
-        c.num_token_masks += len(fill.live_ids)
-        c.num_late_token_masks += len(fill.live_ids)
-        c.token_mask_seconds += seconds
+            self._fill(live, into.masks)
+            self.counters.num_late_token_masks += len(live)
 
     def _fill(self, seqs: list[Sequence], into: engine_pb2.TokenBitmasks) -> None:
         """Each sequence's allowed tokens after its output so far, and any token accept_ahead() gave it."""
