@@ -1,21 +1,40 @@
 """Admission, the second half of Scheduler.schedule(): swapped sequences resume first, then waiting ones
 start, in queue order, while the step's token budget, max_num_seqs and the free blocks allow.
 
-Functions of the Scheduler they are given, which owns the queues and the blocks; they move sequences from
-its waiting and swapped queues to running.
+Functions of the scheduler they are given (AdmissionHost), which owns the queues and the blocks; they move
+sequences from its waiting and swapped queues to running.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from scheduler_svc.core.groups.beam_scheduler import BeamScheduler
+from scheduler_svc.core.kv_cache_manager import BlockManager
+from scheduler_svc.core.preemption_policy import Preemption
 from scheduler_svc.core.scheduler_output import ScheduledSeq
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 
 
-def admit(sched: Scheduler, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> int:
+class AdmissionHost(Protocol):
+    """What admission reads and moves of the scheduler (scheduler.py's Scheduler)."""
+
+    running: list[Sequence]  # admitted sequences are appended
+    waiting: list[Sequence]  # admitted ones are taken out
+    swapped: list[Sequence]  # resumed ones are taken out
+    block_manager: BlockManager
+    structured: StructuredOutputs
+    preemption: Preemption
+    beams: BeamScheduler
+
+    def has_room(self, seq: Sequence, reserved: int) -> bool:
+        """Whether seq may join the running queue, reserved slots counted."""
+
+    def slots_reserved(self) -> int:
+        """Running-queue slots that started beam searches hold."""
+
+
+def admit(sched: AdmissionHost, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> int:
     """Resume swapped sequences, then admit waiting ones in order while they fit. Stopping at the first
     that does not fit keeps it from starving. Returns the token budget left."""
     reserved = sched.slots_reserved()
@@ -49,7 +68,7 @@ def admit(sched: Scheduler, budget: int, scheduled: list[ScheduledSeq], swap_in:
     return budget
 
 
-def _resume_swapped(sched: Scheduler, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
+def _resume_swapped(sched: AdmissionHost, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
                     reserved: int) -> tuple[int, int]:
     """Swap sequences back in, in order, while they fit; each computes its next chunk in this step."""
     bm = sched.block_manager
@@ -73,11 +92,11 @@ def _resume_swapped(sched: Scheduler, scheduled: list[ScheduledSeq], swap_in: li
     return budget, reserved
 
 
-def _reserved_after_admitting(sched: Scheduler, seq: Sequence, reserved: int) -> int:
+def _reserved_after_admitting(sched: AdmissionHost, seq: Sequence, reserved: int) -> int:
     return reserved if seq.beam is None else sched.beams.slots_reserved()
 
 
-def _run_new(sched: Scheduler, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
+def _run_new(sched: AdmissionHost, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
     """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
     seq.status = SequenceStatus.RUNNING
     sched.running.append(seq)

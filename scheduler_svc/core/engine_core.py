@@ -118,6 +118,15 @@ class EngineCore:
         """Heartbeats, new requests, aborts and stats queries: frontend_requests.py."""
         frontend_requests.on_frontend(self, identity, payload)
 
+    def stats(self, query_id: int) -> engine_pb2.SchedulerStats:
+        """The answer to a stats query: the loop's counters and timings, then the scheduler's."""
+        stats = engine_pb2.SchedulerStats(query_id=query_id, engine_ready=self.ready is not None,
+                                          num_rejected_messages=self.num_rejected_messages, **vars(self.timings))
+        if self.scheduler is not None:
+            for key, value in self.scheduler.stats().items():
+                setattr(stats, key, value)
+        return stats
+
     # ------------------------------------------------------------------ executors
 
     def on_executor(self, identity: bytes, payload: bytes) -> None:

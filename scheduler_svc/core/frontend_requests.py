@@ -1,27 +1,48 @@
 """What the scheduler does with each message from a front end: heartbeats, new requests, aborts, stats
 queries; and how it tells a front end that one of its requests ended.
 
-These are functions of the EngineCore they are given: it owns the scheduler, the transport, the front
-ends' liveness and the timings, and calls them on its one thread, so the scheduler keeps a single
-writer (invariant 1). Nothing here holds state of its own.
+These are functions of the EngineCore they are given (FrontendHost): it owns the scheduler, the transport
+and the front ends' liveness, and calls them on its one thread, so the scheduler keeps a single writer
+(invariant 1). Nothing here holds state of its own.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
 from protos import engine_pb2
+from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.core import request_outputs
+from scheduler_svc.core.executor_registry import ExecutorRegistry
 from scheduler_svc.core.message_checks import BadMessage, check_add_request
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.sequence import Sequence
 
-if TYPE_CHECKING:
-    from scheduler_svc.core.engine_core import EngineCore
+
+class FrontendHost(Protocol):
+    """What front-end requests read and change of the scheduler process (engine_core.py's EngineCore)."""
+
+    config: EngineConfig
+    scheduler: Scheduler | None  # None until every executor rank has shaken hands
+    ready: engine_pb2.EngineReady | None
+    executors: ExecutorRegistry
+    world_size: int
+    handshake_refused: str
+    frontends: dict[bytes, float]  # identity -> when it was last heard from (monotonic)
+
+    def to_frontend(self, identity: bytes, msg: engine_pb2.SchedulerToFrontend) -> None:
+        """Send to a front end, stamped with this process's epoch."""
+
+    def reject_message(self, identity: bytes, reason: str) -> None:
+        """Drop a bad message: logged and counted."""
+
+    def stats(self, query_id: int) -> engine_pb2.SchedulerStats:
+        """The answer to a stats query."""
 
 
-def on_frontend(core: EngineCore, identity: bytes, payload: bytes) -> None:
+def on_frontend(core: FrontendHost, identity: bytes, payload: bytes) -> None:
     try:
         msg = engine_pb2.FrontendToScheduler.FromString(payload)
     except DecodeError as exc:
@@ -44,10 +65,10 @@ def on_frontend(core: EngineCore, identity: bytes, payload: bytes) -> None:
     elif kind == "abort":
         _abort_requests(core, identity, msg.abort)
     elif kind == "stats":
-        core.to_frontend(identity, engine_pb2.SchedulerToFrontend(stats=stats(core, msg.stats.query_id)))
+        core.to_frontend(identity, engine_pb2.SchedulerToFrontend(stats=core.stats(msg.stats.query_id)))
 
 
-def _add_request(core: EngineCore, identity: bytes, add: engine_pb2.AddRequest) -> None:
+def _add_request(core: FrontendHost, identity: bytes, add: engine_pb2.AddRequest) -> None:
     if core.scheduler is None:
         return _reject(core, identity, add, "engine not ready: executors have not finished their handshake")
     try:
@@ -68,11 +89,11 @@ def _add_request(core: EngineCore, identity: bytes, add: engine_pb2.AddRequest) 
         _reject(core, identity, add, str(exc))
 
 
-def _reject(core: EngineCore, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
+def _reject(core: FrontendHost, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
     _tell(core, identity, request_outputs.refused(add, reason))
 
 
-def _abort_requests(core: EngineCore, identity: bytes, abort_msg: engine_pb2.AbortRequests) -> None:
+def _abort_requests(core: FrontendHost, identity: bytes, abort_msg: engine_pb2.AbortRequests) -> None:
     for request_id in abort_msg.request_ids:
         abort(core, identity, request_id, engine_pb2.FINISH_REASON_ABORT)
     found = set()
@@ -86,7 +107,7 @@ def _abort_requests(core: EngineCore, identity: bytes, abort_msg: engine_pb2.Abo
             query_id=abort_msg.query_id, client_request_ids=sorted(found))))
 
 
-def abort(core: EngineCore, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
+def abort(core: FrontendHost, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
     """End a front end's request now with one terminal output (invariant 7); unknown or finished ids
     are ignored."""
     seq = core.scheduler.abort(request_id, identity) if core.scheduler is not None else None
@@ -94,19 +115,9 @@ def abort(core: EngineCore, identity: bytes, request_id: str, reason: int, error
         tell_ended(core, seq, reason, error)
 
 
-def tell_ended(core: EngineCore, seq: Sequence, reason: int, error: str) -> None:
+def tell_ended(core: FrontendHost, seq: Sequence, reason: int, error: str) -> None:
     _tell(core, seq.reply_to, request_outputs.ended(seq, reason, error))
 
 
-def _tell(core: EngineCore, identity: bytes, out: engine_pb2.RequestOutput) -> None:
+def _tell(core: FrontendHost, identity: bytes, out: engine_pb2.RequestOutput) -> None:
     core.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
-
-
-def stats(core: EngineCore, query_id: int) -> engine_pb2.SchedulerStats:
-    """The answer to a stats query: the loop's counters and timings, then the scheduler's."""
-    answer = engine_pb2.SchedulerStats(query_id=query_id, engine_ready=core.ready is not None,
-                                       num_rejected_messages=core.num_rejected_messages, **vars(core.timings))
-    if core.scheduler is not None:
-        for key, value in core.scheduler.stats().items():
-            setattr(answer, key, value)
-    return answer

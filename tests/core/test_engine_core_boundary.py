@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from executor_svc.seq_mirror import SequenceMirrors
 from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
-from scheduler_svc.core import frontend_requests
 from scheduler_svc.core.engine_core import EngineCore
 from support.loopback_engine import (VOCAB, FakeExecutor, LoopbackTransport, add_request, engine,
                                      fake_token, pump)
@@ -188,7 +187,7 @@ def test_a_constrained_request_on_an_engine_without_a_tokenizer_fails_alone_and_
     tokens, reason, error = served(transport, FRONT, "json")
     assert (tokens, reason) == ([], ERROR) and "structured output is unavailable" in error
     assert served(transport, FRONT, "free") == (expected_tokens([4, 5, 6], 5), LENGTH, "")
-    assert frontend_requests.stats(core, 0).num_grammar_compile_errors == 1
+    assert core.stats(0).num_grammar_compile_errors == 1
     assert_still_serves(core, transport)
 
 
