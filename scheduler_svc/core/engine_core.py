@@ -2,8 +2,9 @@
 prefix index (invariant 1).
 
 Each iteration it takes requests and aborts from front ends, plans a step, sends the plan to every
-executor rank, waits for rank 0's result, applies it, and sends per-request outputs back. The sockets
-are behind a Transport (scheduler_process.py has the ZeroMQ one), so the loop can be driven in tests.
+executor rank, waits for rank 0's result, applies it, and sends per-request outputs back. What each front-end
+message does is in frontend_requests.py. The sockets are behind a Transport (scheduler_process.py has the
+ZeroMQ one), so the loop can be driven in tests.
 
 Every message is checked before it touches any state (message_checks.py); a bad one is dropped, logged
 with its peer's identity and counted. Every message out carries this process's epoch, so peers notice
@@ -24,13 +25,11 @@ from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.core.executor_registry import EngineLostError, ExecutorRegistry, ExecutorReplaced
-from scheduler_svc.core.message_checks import (BadMessage, check_add_request, check_handshake, check_heartbeat,
-                                               check_step_result)
-from scheduler_svc.core import request_outputs
+from scheduler_svc.core.message_checks import BadMessage, check_handshake, check_heartbeat, check_step_result
+from scheduler_svc.core import frontend_requests, request_outputs
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import scheduler_config
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
-from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.step_plan import build_step_plan
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -116,80 +115,11 @@ class EngineCore:
     # ------------------------------------------------------------------ front ends
 
     def on_frontend(self, identity: bytes, payload: bytes) -> None:
-        try:
-            msg = engine_pb2.FrontendToScheduler.FromString(payload)
-        except DecodeError as exc:
-            return self.reject_message(identity, f"not a FrontendToScheduler: {exc}")
-        kind = msg.WhichOneof("kind")
-        if kind is None:
-            return self.reject_message(identity, "a FrontendToScheduler with no message in it")
-        self.frontends[identity] = time.monotonic()
-        if kind == "hello":  # a heartbeat: the answer is the front end's heartbeat from us
-            answer = engine_pb2.SchedulerToFrontend()
-            if self.ready is not None:
-                answer.ready.CopyFrom(self.ready)
-            else:
-                answer.not_ready.CopyFrom(engine_pb2.NotReady(num_executors=len(self.executors.handshakes),
-                                                              world_size=self.world_size,
-                                                              refused=self.handshake_refused))
-            self.to_frontend(identity, answer)
-        elif kind == "add":
-            self._add_request(identity, msg.add)
-        elif kind == "abort":
-            self._abort_requests(identity, msg.abort)
-        elif kind == "stats":
-            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(stats=self._stats(msg.stats.query_id)))
+        """Heartbeats, new requests, aborts and stats queries: frontend_requests.py."""
+        frontend_requests.on_frontend(self, identity, payload)
 
-    def _add_request(self, identity: bytes, add: engine_pb2.AddRequest) -> None:
-        if self.scheduler is None:
-            return self._reject(identity, add, "engine not ready: executors have not finished their handshake")
-        try:
-            check_add_request(add, self.ready.model.vocab_size, self.config.max_num_seqs)
-        except BadMessage as exc:
-            self.reject_message(identity, f"AddRequest {add.request_id[:64]!r}: {exc}")
-            return self._reject(identity, add, f"rejected by the scheduler: {exc}")
-        seq = Sequence(
-            seq_id=self.scheduler.new_seq_id(), request_id=add.request_id, token_ids=list(add.prompt_token_ids),
-            num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
-            priority=add.priority, group_id=add.group_id, reply_to=identity, client_request_id=add.client_request_id,
-            beam_options=add.beam_search if add.beam_search.beam_width > 0 else None,
-            constraint=add.constraint if add.HasField("constraint") else None,
-        )
-        try:
-            self.scheduler.add(seq)
-        except ValueError as exc:
-            self._reject(identity, add, str(exc))
-
-    def _reject(self, identity: bytes, add: engine_pb2.AddRequest, reason: str) -> None:
-        self._tell(identity, request_outputs.refused(add, reason))
-
-    def _abort_requests(self, identity: bytes, abort: engine_pb2.AbortRequests) -> None:
-        for request_id in abort.request_ids:
-            self._abort(identity, request_id, engine_pb2.FINISH_REASON_ABORT)
-        found = set()
-        if abort.client_request_ids and self.scheduler is not None:
-            wanted = set(abort.client_request_ids)  # a scan: aborts are rare, the running set is small
-            for seq in [s for s in self.scheduler.requests.values() if s.client_request_id in wanted]:
-                found.add(seq.client_request_id)
-                self._abort(seq.reply_to, seq.request_id, engine_pb2.FINISH_REASON_ABORT)
-        if abort.query_id:
-            self.to_frontend(identity, engine_pb2.SchedulerToFrontend(aborted=engine_pb2.AbortedRequests(
-                query_id=abort.query_id, client_request_ids=sorted(found))))
-
-    def _abort(self, identity: bytes, request_id: str, reason: int, error: str = "") -> None:
-        """End a front end's request now with one terminal output (invariant 7); unknown or finished ids
-        are ignored."""
-        seq = self.scheduler.abort(request_id, identity) if self.scheduler is not None else None
-        if seq is not None:
-            self._tell_ended(seq, reason, error)
-
-    def _tell_ended(self, seq: Sequence, reason: int, error: str) -> None:
-        self._tell(seq.reply_to, request_outputs.ended(seq, reason, error))
-
-    def _tell(self, identity: bytes, out: engine_pb2.RequestOutput) -> None:
-        self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=engine_pb2.StepOutputs(outputs=[out])))
-
-    def _stats(self, query_id: int) -> engine_pb2.SchedulerStats:
+    def stats(self, query_id: int) -> engine_pb2.SchedulerStats:
+        """The answer to a stats query: the loop's counters and timings, then the scheduler's."""
         stats = engine_pb2.SchedulerStats(query_id=query_id, engine_ready=self.ready is not None,
                                           num_rejected_messages=self.num_rejected_messages, **vars(self.timings))
         if self.scheduler is not None:
@@ -279,7 +209,7 @@ class EngineCore:
         self.results.clear()
         if self.scheduler is not None:
             for identity, request_id in list(self.scheduler.requests):
-                self._abort(identity, request_id, ERROR, error=f"engine lost: {reason}")
+                frontend_requests.abort(self, identity, request_id, ERROR, error=f"engine lost: {reason}")
         for identity in self.frontends:
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(lost=engine_pb2.EngineLost(reason=reason)))
         self._shutdown_executors(self.executors.forget(), reason, spare_rank)
@@ -337,8 +267,8 @@ class EngineCore:
         if self.scheduler is not None and self.scheduler.beams.searches:
             timeout = self.config.beam_group_timeout_s
             for member in self.scheduler.abort_incomplete_beam_searches(older_than=now - timeout):
-                self._tell_ended(member, ERROR, f"beam search group {member.group_id!r}: not all its requests "
-                                                f"arrived within {timeout:.0f}s")
+                frontend_requests.tell_ended(self, member, ERROR, f"beam search group {member.group_id!r}: not all "
+                                             f"its requests arrived within {timeout:.0f}s")
 
     def _advance(self) -> None:
         """Plan ahead while fewer than pipeline_depth steps are in flight, else apply the oldest result."""
@@ -346,7 +276,7 @@ class EngineCore:
             return
         if self.scheduler.structured.compiling:  # grammars compile in a worker thread; the loop never waits
             for seq, error in self.scheduler.admit_compiled_grammars():
-                self._tell_ended(seq, ERROR, error)
+                frontend_requests.tell_ended(self, seq, ERROR, error)
         if len(self.in_flight) < self.pipeline_depth and self.scheduler.has_unfinished():
             if self._launch_step():
                 return
@@ -433,7 +363,7 @@ class EngineCore:
         log.error("step %d failed: %s", step.step_id, error)
         for item in step.out.scheduled:
             for request in self.scheduler.requests_served_by(item.seq):
-                self._abort(request.reply_to, request.request_id, ERROR, error=f"executor: {error}")
+                frontend_requests.abort(self, request.reply_to, request.request_id, ERROR, error=f"executor: {error}")
         self.scheduler.postprocess(step.out, {})
 
     def _wait_result(self, step_id: int) -> engine_pb2.StepResult:

@@ -1,17 +1,18 @@
 """Iteration-level continuous batching: schedule() picks this step's work, postprocess() applies its result.
 
 Running sequences go first (decodes, unfinished prefill chunks), then waiting ones are admitted with chunked
-prefill. When blocks run out a running sequence is preempted (whom: preemption_policy.py), swapped to the host
-pool or recomputed later (preemption_cost.py); swapped ones resume before waiting ones are admitted. Request
-groups (parallel samples, beam search) act through GroupHost (groups/group_host.py). With async scheduling,
-schedule() runs before the last step's result is back: a sample in flight is a placeholder token until
-postprocess() fills it in.
+prefill (admission.py). When blocks run out a running sequence is preempted (whom: preemption_policy.py),
+swapped to the host pool or recomputed later (preemption_cost.py); swapped ones resume before waiting ones are
+admitted. Request groups (parallel samples, beam search) act through GroupHost (groups/group_host.py). With
+async scheduling, schedule() runs before the last step's result is back: a sample in flight is a placeholder
+token until postprocess() fills it in.
 """
 from __future__ import annotations
 
 import bisect
 
 from protos import engine_pb2
+from scheduler_svc.core.admission import admit
 from scheduler_svc.core.groups.beam_scheduler import BeamScheduler
 from scheduler_svc.core.groups.parallel_samples import ParallelSamples
 from scheduler_svc.core.kv_cache_manager import BlockManager
@@ -153,11 +154,11 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         # Admit only while memory is not short (nothing was preempted this step).
         if self.counters.num_preemptions == num_preemptions:
-            budget = self._schedule_waiting(budget, scheduled, swap_in)
+            budget = admit(self, budget, scheduled, swap_in)
             # Beams that have reported hold their blocks until their round: when they are all that holds the
             # pool, one gives way (it recomputes later), or searches could wait on each other's blocks forever.
             if not scheduled and (self.waiting or self.swapped) and self.preemption.idle_beams_give_way(preempted):
-                budget = self._schedule_waiting(budget, scheduled, swap_in)
+                budget = admit(self, budget, scheduled, swap_in)
         for s in scheduled[num_running:]:  # running ones are mirrored already; admitted ones are sent in full now
             s.seq.in_executor = True
         # Drops and swap-outs ride on a step that runs. (Nothing scheduled means nothing ran.)
@@ -216,62 +217,6 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]]) -> int:
-        """Resume swapped sequences, then admit waiting ones in order while they fit. Stopping at the first
-        that does not fit keeps it from starving. Returns the token budget left."""
-        reserved = self.slots_reserved()
-        if self.swapped:
-            budget, reserved = self._resume_swapped(scheduled, swap_in, budget, reserved)
-        bm = self.block_manager
-        index = 0
-        while index < len(self.waiting) and budget > 0:
-            seq = self.waiting[index]
-            if not self.has_room(seq, reserved):
-                break
-            if seq.leader is not None or (seq.constraint is not None and not self.structured.is_ready(seq)):
-                index += 1  # a parallel sample waits for its first sibling's prompt; a constrained one for its grammar
-                continue
-            if seq.num_placeholders:
-                break  # preempted while a step was in flight: its token must arrive before it is resent
-            computed_blocks, num_hit = bm.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - num_hit, budget)
-            if not bm.can_allocate(seq, num_hit + num_new, computed_blocks):
-                break
-            bm.allocate(seq, num_hit + num_new, computed_blocks)
-            self.waiting.pop(index)
-            seq.num_computed_tokens = num_hit
-            if not seq.admitted_once:
-                seq.admitted_once, seq.num_cached_tokens = True, num_hit
-            if seq.num_preempted_tokens:
-                self.preemption.on_admitted(seq, num_hit)
-            self._run_new(seq, num_new, scheduled)
-            reserved = self._reserved_after_admitting(seq, reserved)
-            budget -= num_new
-        return budget
-
-    def _resume_swapped(self, scheduled: list[ScheduledSeq], swap_in: list[tuple[int, int]], budget: int,
-                        reserved: int) -> tuple[int, int]:
-        """Swap sequences back in, in order, while they fit; each computes its next chunk in this step."""
-        bm = self.block_manager
-        for seq in list(self.swapped):
-            if budget <= 0 or seq.num_placeholders or not self.preemption.resumes_first(seq):
-                break  # a sample in flight must arrive before it is resent; a waiting one may go first
-            if not self.has_room(seq, reserved):
-                break
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new <= 0:
-                continue  # a beam that has reported: its search's round decides what comes of it
-            if not bm.can_swap_in(seq, seq.num_computed_tokens + num_new):
-                break
-            copies = bm.swap_in(seq, seq.num_computed_tokens + num_new)
-            self.preemption.on_swap_in(copies)
-            swap_in += copies
-            self.swapped.remove(seq)
-            self._run_new(seq, num_new, scheduled)
-            reserved = self._reserved_after_admitting(seq, reserved)
-            budget -= num_new
-        return budget, reserved
-
     def slots_reserved(self) -> int:
         """Started beam searches hold room for all their beams, so forking never passes max_num_seqs."""
         return self.beams.slots_reserved() if self.beams.searches else 0
@@ -281,19 +226,6 @@ class Scheduler:
         the first beam of a search to run needs room for the whole width."""
         need = 1 if seq.beam is None else self.beams.room_needed(seq)
         return len(self.running) + reserved + need <= self.config.max_num_seqs
-
-    def _reserved_after_admitting(self, seq: Sequence, reserved: int) -> int:
-        return reserved if seq.beam is None else self.beams.slots_reserved()
-
-    def _run_new(self, seq: Sequence, num_new: int, scheduled: list[ScheduledSeq]) -> None:
-        """Move an admitted or swapped-in sequence to running; it is sent in full with this chunk."""
-        seq.status = RUNNING
-        self.running.append(seq)
-        start = seq.num_computed_tokens  # a chunk that reaches the end leaves a placeholder token
-        samples = start + num_new == len(seq.token_ids) + seq.num_placeholders
-        seq.num_computed_tokens = start + num_new
-        seq.num_placeholders += samples
-        scheduled.append(ScheduledSeq(seq, num_new, True, start, samples, seq.epoch))
 
     # ------------------------------------------------------------------ postprocess
 

@@ -187,7 +187,7 @@ def test_a_constrained_request_on_an_engine_without_a_tokenizer_fails_alone_and_
     tokens, reason, error = served(transport, FRONT, "json")
     assert (tokens, reason) == ([], ERROR) and "structured output is unavailable" in error
     assert served(transport, FRONT, "free") == (expected_tokens([4, 5, 6], 5), LENGTH, "")
-    assert core._stats(0).num_grammar_compile_errors == 1
+    assert core.stats(0).num_grammar_compile_errors == 1
     assert_still_serves(core, transport)
 
 
