@@ -2,8 +2,9 @@
 version of bench/kv_fp8_accuracy.py (8 chat prompts x 16 tokens, the default scales), held to issue
 13's targets: mean per-token KL <= 0.01 nats and top-1 agreement >= 98%.
 
-Top-1 falls short: 95-97% on every run so far (bench/RESULTS.md), the misses at positions where the
-reference's two best tokens are within ~0.15 nats. The error is e4m3's 3-bit mantissa on K (fp8 V
+Top-1 falls short: 95-97% on every run so far (bench/RESULTS.md; 96.7% at 64 prompts x 128 tokens), the
+misses at positions where the reference's two best tokens are a median 0.09 nats apart (close, but not
+near-ties by the project's 0.02-nat rule). The error is e4m3's 3-bit mantissa on K (fp8 V
 alone keeps KL under 0.001), which no choice of scale changes; a Hadamard rotation of K and q
 (--kv-cache-rotation hadamard) cuts KL by ~30% but reaches only ~96%. The test says so until fixed.
 """
