@@ -23,7 +23,9 @@ from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step, st
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_reason, stop_rule_for
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
+from scheduler_svc.core.structured.mask_fill import default_fill_threads
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
+
 
 ABORT = engine_pb2.FINISH_REASON_ABORT
 RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
@@ -53,9 +55,10 @@ class Scheduler:
         self.stop_rules: dict[int, StopRule] = {}  # by seq_id, unfinished requests only
         self.samples = ParallelSamples(self)
         self.beams = BeamScheduler(self)
+        fill_threads = config.mask_fill_threads or default_fill_threads()
         self.structured = StructuredOutputs(GrammarCompiler(tokenizer_loader(
-            config.tokenizer_dir, config.vocab_size, config.eos_token_ids)), config.vocab_size,
-            config.mask_fill_threads)
+            config.tokenizer_dir, config.vocab_size, config.eos_token_ids), num_lexers=fill_threads),
+            config.vocab_size, fill_threads)
         self.counters = SchedulerCounters()
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)

@@ -20,6 +20,7 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.structured import mask_fill
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
+from scheduler_svc.core.structured.grammars import grammar_of
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 from support.fake_executor import check_block_references
 from support.structured_serving import EOS, FREE_TOKEN, VOCAB, allowed_tokens, masks_of, masks_of_plan, serve
@@ -185,6 +186,22 @@ def test_every_mask_sent_in_a_plan_or_late_is_the_grammars_after_exactly_the_out
             jsonschema.validate(json.loads(text_of(lltokenizer, seq)), PERSON)
         else:
             assert seq.finish_reason in (engine_pb2.FINISH_REASON_ABORT, engine_pb2.FINISH_REASON_LENGTH)
+
+
+def test_a_grammar_gets_as_many_lexers_as_fill_threads_and_its_sequences_are_spread_over_them(embedded_model):
+    sched = make_scheduler(embedded_model, mask_fill_threads=3)
+    seqs = [new_seq(sched, constraint=json_constraint(PERSON), first_token=100 + 10 * i) for i in range(7)]
+    for seq in seqs:
+        sched.add(seq)
+    wait_compiled(sched)
+    compiled = sched.structured.compiler.get(grammar_of(json_constraint(PERSON)))
+    states = compiled.initial_states
+    assert len(states) == 3 and len({id(m) for m in states}) == 3  # compiled three times, not copied
+    assert sched.structured._in_use[grammar_of(json_constraint(PERSON))].num_started == 7  # round robin over 3
+    one = make_scheduler(embedded_model, mask_fill_threads=1)
+    one.add(new_seq(one, constraint=json_constraint(PERSON)))
+    wait_compiled(one)
+    assert len(one.structured.compiler.get(grammar_of(json_constraint(PERSON))).initial_states) == 1
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])

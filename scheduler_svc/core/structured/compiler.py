@@ -4,7 +4,8 @@ Compiling a grammar builds its lexer over the whole vocabulary: about a millisec
 schema, up to a second for a heavy one. The step loop only asks (request, get); the worker compiles
 in the background (llguidance releases the GIL while it builds), so a heavy schema never stalls the
 other requests, and a request whose grammar is still compiling simply waits (structured_outputs.py).
-A compiled grammar is a matcher in its initial state: each sequence gets a copy of it.
+A compiled grammar is a matcher in its initial state, one per lexer (num_lexers, as many as threads fill
+masks): each sequence gets a copy of one of them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ class CompiledGrammar:
     matcher: llguidance.LLMatcher | None  # the initial state; None when compiling failed
     error: str  # why it failed ("invalid constraint: " and llguidance's message, for the request's own fault), else ""
     seconds: float  # how long compiling took
+    # The initial state again, compiled on its own num_lexers - 1 times: copies of one matcher share its lexer,
+    # which builds new states under a lock, so a parallel mask fill over rows of one grammar would wait on it.
+    more_lexers: tuple[llguidance.LLMatcher, ...] = ()
+
+    @property
+    def initial_states(self) -> tuple[llguidance.LLMatcher, ...]:
+        """One matcher per lexer: sequences of this grammar are spread over them."""
+        return (self.matcher, *self.more_lexers) if self.matcher is not None else ()
 
 
 def tokenizer_loader(tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]
@@ -46,12 +55,13 @@ def tokenizer_loader(tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[i
 
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], llguidance.LLTokenizer],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, num_lexers: int = 1) -> None:
         self._load_tokenizer = load_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error = ""
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by grammar text; guarded by _lock
         self._cache_size = cache_size
+        self.num_lexers = max(1, num_lexers)  # lexers per grammar: as many as threads fill its masks at once
         self._queued: set[str] = set()  # requested and not compiled yet; guarded by _lock
         self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: stop
         self._lock = threading.Lock()
@@ -101,13 +111,16 @@ class GrammarCompiler:
         tokenizer = self._tokenizer_or_error()
         if tokenizer is None:
             return CompiledGrammar(None, self._tokenizer_error, 0.0)
+        more: tuple[llguidance.LLMatcher, ...] = ()
         try:
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             error = INVALID + matcher.get_error() if matcher.is_error() else ""
+            if not error:
+                more = tuple(llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(self.num_lexers - 1))
         except Exception as exc:  # llguidance reports grammar errors in the matcher; this is anything else
             log.exception("compiling a grammar failed")
             matcher, error = None, f"{type(exc).__name__}: {exc}"
-        return CompiledGrammar(None if error else matcher, error, time.perf_counter() - t0)
+        return CompiledGrammar(None if error else matcher, error, time.perf_counter() - t0, more)
 
     def _tokenizer_or_error(self) -> llguidance.LLTokenizer | None:
         """The tokenizer, loaded on first use (about a second for a large vocabulary), in the worker."""

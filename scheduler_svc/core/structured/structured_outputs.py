@@ -23,7 +23,7 @@ import llguidance
 from protos import engine_pb2
 from scheduler_svc.core.scheduler_output import ScheduledSeq
 from scheduler_svc.core.sequence import Sequence
-from scheduler_svc.core.structured.compiler import GrammarCompiler
+from scheduler_svc.core.structured.compiler import CompiledGrammar, GrammarCompiler
 from scheduler_svc.core.structured.grammars import INVALID, grammar_of
 from scheduler_svc.core.structured.mask_fill import MaskFiller
 
@@ -49,8 +49,9 @@ class _InUse:
     """A compiled grammar held by live sequences, so a sibling or a repeat starts at once, whatever the
     compiler's cache has dropped since."""
 
-    template: llguidance.LLMatcher
+    templates: tuple[llguidance.LLMatcher, ...]  # one initial state per lexer (CompiledGrammar.initial_states)
     num_seqs: int = 0
+    num_started: int = 0
 
 
 class StructuredOutputs:
@@ -83,7 +84,7 @@ class StructuredOutputs:
         self.counters.num_constrained_requests += 1
         self._grammar_of[seq.seq_id] = grammar
         if grammar in self._in_use or compiled is not None:
-            self._start(seq.seq_id, grammar, compiled.matcher if compiled is not None else None)
+            self._start(seq.seq_id, grammar, compiled)
         else:
             self.compiling[seq.seq_id] = (seq, grammar)
             self.compiler.request(grammar)
@@ -106,15 +107,17 @@ class StructuredOutputs:
                 self.counters.num_grammar_compile_errors += 1
                 failed.append((seq, compiled.error))
                 continue
-            self._start(seq_id, grammar, compiled.matcher if compiled is not None else None)
+            self._start(seq_id, grammar, compiled)
         return failed
 
-    def _start(self, seq_id: int, grammar: str, template: llguidance.LLMatcher | None) -> None:
+    def _start(self, seq_id: int, grammar: str, compiled: CompiledGrammar | None) -> None:
         entry = self._in_use.get(grammar)
         if entry is None:
-            entry = self._in_use[grammar] = _InUse(template)
+            entry = self._in_use[grammar] = _InUse(compiled.initial_states)
         entry.num_seqs += 1
-        self.matchers[seq_id] = entry.template.deep_copy()  # microseconds: the lexer is shared
+        template = entry.templates[entry.num_started % len(entry.templates)]  # its sequences spread over the lexers
+        entry.num_started += 1
+        self.matchers[seq_id] = template.deep_copy()  # microseconds: the copy shares its template's lexer
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended: its matcher goes, and its grammar's hold once no live sequence uses it."""
