@@ -193,11 +193,18 @@ def test_a_grammar_gets_as_many_lexers_as_fill_threads_and_its_sequences_are_spr
     seqs = [new_seq(sched, constraint=json_constraint(PERSON), first_token=100 + 10 * i) for i in range(7)]
     for seq in seqs:
         sched.add(seq)
-    wait_compiled(sched)
-    compiled = sched.structured.compiler.get(grammar_of(json_constraint(PERSON)))
-    states = compiled.initial_states
+    wait_compiled(sched)  # the sequences start on the first lexer; the compiler adds the others after it
+    grammar = grammar_of(json_constraint(PERSON))
+    deadline = time.monotonic() + 30
+    while len(sched.structured.compiler.get(grammar).initial_states) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    states = sched.structured.compiler.get(grammar).initial_states
     assert len(states) == 3 and len({id(m) for m in states}) == 3  # compiled three times, not copied
-    assert sched.structured._in_use[grammar_of(json_constraint(PERSON))].num_started == 7  # round robin over 3
+    entry = sched.structured._in_use[grammar]
+    assert entry.num_started == 0  # a sequence takes its lexer at its first mask, when the others may be ready
+    out = sched.schedule()  # every prompt in one step: seven first masks
+    assert out.token_bitmasks is not None and len(out.token_bitmasks.seq_ids) == 7
+    assert entry.templates == states and entry.num_started == 7  # round robin over all three
     one = make_scheduler(embedded_model, mask_fill_threads=1)
     one.add(new_seq(one, constraint=json_constraint(PERSON)))
     wait_compiled(one)

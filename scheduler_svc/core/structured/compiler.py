@@ -4,8 +4,8 @@ Compiling a grammar builds its lexer over the whole vocabulary: about a millisec
 schema, up to a second for a heavy one. The step loop only asks (request, get); the worker compiles
 in the background (llguidance releases the GIL while it builds), so a heavy schema never stalls the
 other requests, and a request whose grammar is still compiling simply waits (structured_outputs.py).
-A compiled grammar is a matcher in its initial state, one per lexer (num_lexers, as many as threads fill
-masks): each sequence gets a copy of one of them.
+A compiled grammar is a matcher in its initial state, and later one per lexer (num_lexers, as many as
+threads fill masks, compiled when nothing else waits): each sequence gets a copy of one of them.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import llguidance
@@ -32,8 +32,9 @@ class CompiledGrammar:
     matcher: llguidance.LLMatcher | None  # the initial state; None when compiling failed
     error: str  # why it failed ("invalid constraint: " and llguidance's message, for the request's own fault), else ""
     seconds: float  # how long compiling took
-    # The initial state again, compiled on its own num_lexers - 1 times: copies of one matcher share its lexer,
-    # which builds new states under a lock, so a parallel mask fill over rows of one grammar would wait on it.
+    # The initial state again, compiled on its own up to num_lexers - 1 times, after the first (the worker adds
+    # them when no requested grammar waits): copies of one matcher share its lexer, which builds new states
+    # under a lock, so a parallel mask fill over rows of one grammar would wait on it.
     more_lexers: tuple[llguidance.LLMatcher, ...] = ()
 
     @property
@@ -62,6 +63,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by grammar text; guarded by _lock
         self._cache_size = cache_size
         self.num_lexers = max(1, num_lexers)  # lexers per grammar: as many as threads fill its masks at once
+        self._more_lexers: deque[str] = deque()  # grammars to compile once more, for a lexer of their own; worker-only
         self._queued: set[str] = set()  # requested and not compiled yet; guarded by _lock
         self._jobs: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: stop
         self._lock = threading.Lock()
@@ -94,7 +96,11 @@ class GrammarCompiler:
 
     def _work(self) -> None:
         while True:
-            grammar = self._jobs.get()
+            try:  # requested grammars first; extra lexers when none waits
+                grammar = self._jobs.get(block=not self._more_lexers)
+            except queue.Empty:
+                self._add_lexer(self._more_lexers.popleft())
+                continue
             if grammar is None:
                 return
             compiled = self._compile(grammar)
@@ -105,22 +111,39 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
             self.num_compiles += 1
             self.compile_seconds += compiled.seconds
+            if compiled.matcher is not None and self.num_lexers > 1:
+                self._more_lexers.append(grammar)
+
+    def _add_lexer(self, grammar: str) -> None:
+        """One more lexer for a cached grammar (its sequences start on the first meanwhile), until num_lexers."""
+        t0 = time.perf_counter()
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        except Exception:  # it compiled once: this is not the request's fault, and the others serve it
+            log.exception("compiling another lexer for a grammar failed")
+            return
+        with self._lock:
+            compiled = self._cache.get(grammar)
+            if compiled is None or matcher.is_error():
+                return  # dropped from the cache meanwhile
+            compiled = replace(compiled, more_lexers=compiled.more_lexers + (matcher,))
+            self._cache[grammar] = compiled
+        self.compile_seconds += time.perf_counter() - t0
+        if len(compiled.initial_states) < self.num_lexers:
+            self._more_lexers.append(grammar)
 
     def _compile(self, grammar: str) -> CompiledGrammar:
         t0 = time.perf_counter()
         tokenizer = self._tokenizer_or_error()
         if tokenizer is None:
             return CompiledGrammar(None, self._tokenizer_error, 0.0)
-        more: tuple[llguidance.LLMatcher, ...] = ()
         try:
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             error = INVALID + matcher.get_error() if matcher.is_error() else ""
-            if not error:
-                more = tuple(llguidance.LLMatcher(tokenizer, grammar, log_level=0) for _ in range(self.num_lexers - 1))
         except Exception as exc:  # llguidance reports grammar errors in the matcher; this is anything else
             log.exception("compiling a grammar failed")
             matcher, error = None, f"{type(exc).__name__}: {exc}"
-        return CompiledGrammar(None if error else matcher, error, time.perf_counter() - t0, more)
+        return CompiledGrammar(None if error else matcher, error, time.perf_counter() - t0)
 
     def _tokenizer_or_error(self) -> llguidance.LLTokenizer | None:
         """The tokenizer, loaded on first use (about a second for a large vocabulary), in the worker."""

@@ -62,6 +62,7 @@ class StructuredOutputs:
         self.compiling: dict[int, tuple[Sequence, str]] = {}  # seq_id -> (seq, grammar) waiting for the compiler
         self._grammar_of: dict[int, str] = {}  # seq_id -> its grammar text, for every live constrained sequence
         self._in_use: dict[str, _InUse] = {}
+        self._unspread: dict[int, str] = {}  # seq_id -> its grammar, for sequences whose matcher has had no mask yet
         # seq_id -> (token, finish reason, error): its matcher has taken a token that postprocess has not applied yet
         self._ahead: dict[int, tuple[int, int, str]] = {}
         self.counters = StructuredCounters()
@@ -115,14 +116,28 @@ class StructuredOutputs:
         if entry is None:
             entry = self._in_use[grammar] = _InUse(compiled.initial_states)
         entry.num_seqs += 1
-        template = entry.templates[entry.num_started % len(entry.templates)]  # its sequences spread over the lexers
+        self.matchers[seq_id] = entry.templates[0].deep_copy()  # microseconds: the copy shares its template's lexer
+        self._unspread[seq_id] = grammar  # until its first mask, which takes a copy of the next lexer in turn
+
+    def _spread(self, seq_id: int) -> None:
+        """At a sequence's first mask, before it has taken a token: a copy of its grammar's next lexer in turn,
+        counting those the compiler has added since the sequence started (a burst of new requests would
+        otherwise all start on the first)."""
+        grammar = self._unspread.pop(seq_id)
+        entry = self._in_use[grammar]
+        latest = self.compiler.get(grammar)
+        if latest is not None and len(latest.initial_states) > len(entry.templates):
+            entry.templates = latest.initial_states
+        template = entry.templates[entry.num_started % len(entry.templates)]
         entry.num_started += 1
-        self.matchers[seq_id] = template.deep_copy()  # microseconds: the copy shares its template's lexer
+        if template is not entry.templates[0]:
+            self.matchers[seq_id] = template.deep_copy()
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended: its matcher goes, and its grammar's hold once no live sequence uses it."""
         self.compiling.pop(seq.seq_id, None)
         self._ahead.pop(seq.seq_id, None)
+        self._unspread.pop(seq.seq_id, None)
         grammar = self._grammar_of.pop(seq.seq_id, None)
         if self.matchers.pop(seq.seq_id, None) is not None:
             entry = self._in_use[grammar]
@@ -169,6 +184,9 @@ class StructuredOutputs:
     def _fill(self, seqs: list[Sequence], into: engine_pb2.TokenBitmasks) -> None:
         """Each sequence's allowed tokens after its output so far, and any token accept_ahead() gave it."""
         t0 = time.perf_counter()
+        for seq in seqs:
+            if seq.seq_id in self._unspread:
+                self._spread(seq.seq_id)
         self.filler.fill([self.matchers[seq.seq_id] for seq in seqs], [seq.seq_id for seq in seqs], into)
         c = self.counters
         c.num_token_masks += len(seqs)
