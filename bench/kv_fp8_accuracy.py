@@ -126,7 +126,8 @@ def agreement(ref: torch.Tensor, test: torch.Tensor) -> dict:
     same = (ref.argmax(-1) == test.argmax(-1)).flatten()
     top2 = ref.flatten(0, -2).topk(2, -1).values
     gaps = (top2[:, 0] - top2[:, 1])[~same]
-    return {"top1": same.float().mean().item(), "top1_near_ties_excused": (same | near_ties(ref, test)).float().mean().item(),
+    excused = same | near_ties(ref, test)
+    return {"top1": same.float().mean().item(), "top1_near_ties_excused": excused.float().mean().item(),
             "miss_ref_gap_median": gaps.median().item() if gaps.numel() else 0.0,
             "mean_kl": kl.mean().item(), "p99_kl": torch.quantile(kl.double(), 0.99).item(), "num_tokens": kl.numel()}
 

@@ -52,7 +52,7 @@ def _load_rows(ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
 @triton.jit
 def _fp16_for_fp8_dots(q, FP16_DOTS: tl.constexpr):
     """Over an fp8 pool the dots run in fp16: e4m3 converts to fp16 in one instruction on sm_89+ but
-    to bf16 through more, which left the bf16 decode 0.8x slower than a bf16 pool's (1.3x faster in
+    to bf16 through more, so with bf16 dots fp8 decode ran at 0.8x a bf16 pool's speed (1.23-1.32x in
     fp16: bench/fp8_decode_variants.py). q, bf16 or fp16, is clamped into fp16's range once."""
     if FP16_DOTS:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
@@ -84,7 +84,9 @@ def _attend_tile(
     v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :]
     k = _load_rows(k_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
     v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
-    if KV_FP8:  # exact: every e4m3 value is a bf16, fp16 and fp32 value (q's dtype here: fp16 or fp32); the scales come outside the dots
+    # exact: every e4m3 value is a bf16, fp16 and fp32 value (q is fp16 or fp32 here: _fp16_for_fp8_dots);
+    # the scales come outside the dots
+    if KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 

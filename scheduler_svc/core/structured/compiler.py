@@ -125,7 +125,7 @@ class GrammarCompiler:
         with self._lock:
             compiled = self._cache.get(grammar)
             if compiled is None or matcher.is_error():
-                return  # dropped from the cache meanwhile
+                return  # dropped from the cache meanwhile, or (never seen) compiled wrong this time
             compiled = replace(compiled, more_lexers=compiled.more_lexers + (matcher,))
             self._cache[grammar] = compiled
         self.compile_seconds += time.perf_counter() - t0
