@@ -7,7 +7,7 @@
 #   tests-par    the same, one pytest per test file, all at once (Triton compiles on many cores), each within 230 s; a test
 #                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
-#   variants     bench/fp8_decode_variants.py (decode kernel shapes over an fp8 pool)
+#   variants     bench/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
@@ -25,6 +25,8 @@
 #   structured   bench/structured.py: token-mask fill times, the scheduler's late-mask path on this host's
 #                CPU (bench/structured_loop.py), then throughput with half the requests JSON-schema-constrained
 #                against all free (STRUCTURED_ARGS adds flags to the latter)
+#   structured-profile  the structured throughput run with GPU timeline windows (executor) and cProfile windows
+#                (scheduler, rank 0): where a half-constrained step's time goes
 #   accuracy     bench/kv_fp8_accuracy.py (fp8 KV cache against bf16; ACCURACY_ARGS adds flags, e.g. --model DIR)
 #   preemption   bench/preemption.py (every preemption mode x policy; PREEMPTION_ARGS adds flags, e.g.
 #                --workloads c-nanovllm: all three take longer than one call)
@@ -66,7 +68,7 @@ for step in "$@"; do
       tar czf "$OUT/gpu_tests.tgz" -C "$LOGS" tests
       summary+=("tests-par: $(cat "$LOGS"/tests/*.log | grep -c -E '^(FAILED|ERROR)') failed or errored") ;;
     variants)
-      python3 bench/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" 2>&1 \
+      python3 bench/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
@@ -120,6 +122,16 @@ PY
         ${STRUCTURED_ARGS:-} > "$OUT/structured_throughput.log" 2>&1
       grep -v " INFO " "$OUT/structured_throughput.log" | tail -n 6
       summary+=("structured ${STRUCTURED_ARGS:-}: $(grep -E '^ratio' "$OUT/structured_throughput.log" | tail -n 1)") ;;
+    structured-profile)
+      # the half-constrained run's GPU timeline (it runs second, so its windows overwrite the free run's) and
+      # cProfile windows of the scheduler and rank 0 on other steps (cProfile slows the steps it watches)
+      NANOSERVE_PROFILE_DIR="$OUT/sprof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-400:10,700:10}" \
+        NANOSERVE_PYPROFILE_DIR="$OUT/spy" NANOSERVE_PYPROFILE_STEPS=500:20 \
+        python3 bench/structured.py --mode throughput --no-progress --out "$OUT/structured_profiled.json" \
+        ${STRUCTURED_ARGS:-} > "$OUT/structured_profiled.log" 2>&1
+      grep -E "^ratio| free | half " "$OUT/structured_profiled.log" | tail -n 3
+      python3 -m executor_svc.step_profiler "$OUT/sprof"
+      for f in "$OUT"/spy/*.txt; do echo "== $f"; head -n 28 "$f"; done ;;
     accuracy)
       python3 bench/kv_fp8_accuracy.py --out "$OUT/kv_fp8_accuracy.json" ${ACCURACY_ARGS:-} 2>&1 \
         | grep -v " INFO " | tee "$OUT/kv_fp8_accuracy.log" | tail -n 12 ;;

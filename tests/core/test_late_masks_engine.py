@@ -68,11 +68,11 @@ class MaskingExecutor(FakeExecutor):
         self.transport.from_executor(b"rank0", engine_pb2.ExecutorToScheduler(result=result, epoch=self.epoch))
 
 
-def masking_engine(model_dir: str, fail: set[int] = frozenset()) -> tuple[EngineCore, LoopbackTransport,
-                                                                          MaskingExecutor]:
+def masking_engine(model_dir: str, fail: set[int] = frozenset(), depth: int = 2) -> tuple[EngineCore, LoopbackTransport,
+                                                                                         MaskingExecutor]:
     transport = LoopbackTransport()
     core = EngineCore(EngineConfig(model=model_dir, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                   max_steps_in_flight=2), transport)
+                                   max_steps_in_flight=depth), transport)
     executor = MaskingExecutor(transport, fail)
     transport.executors[0] = executor
     executor.join()
@@ -93,8 +93,9 @@ def outputs(transport: LoopbackTransport, request_id: str) -> tuple[list[int], i
     return [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason, outs[-1].error
 
 
-def test_a_constrained_request_decodes_every_step_with_its_later_masks_sent_late(embedded_model):
-    core, transport, executor = masking_engine(embedded_model)
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_constrained_request_decodes_every_step_with_its_later_masks_sent_late(embedded_model, depth):
+    core, transport, executor = masking_engine(embedded_model, depth=depth)
     transport.from_frontend(FRONT, add("c", [100, 101, 102], 8, LETTERS))
     transport.from_frontend(FRONT, add("f", [200, 201], 8))
     pump(core, 20000)
