@@ -30,6 +30,7 @@ Datasets:
 
 With --launch, flags this script does not know (engine and server flags) go to `nanoserve serve`;
 with --dataset nanovllm the engine flags also build the --offline-too engine, so both are the same.
+--server-tree DIR serves from another source tree, an older commit say (bench/server_tree.py, compare_trees.sh).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench import serving_probe  # noqa: E402
+from bench import server_tree, serving_probe  # noqa: E402
 from bench.nanovllm_workload import ENGINE_DEFAULTS, MODEL_SHAPES, dummy_model_dir, workload  # noqa: E402
 from bench.serving_figures import json_safe, plot, print_summary, print_table, summarize  # noqa: E402
 from bench.serving_load import ClientPool, LoadSpec  # noqa: E402
@@ -153,15 +154,18 @@ def run_offline_text(args, engine: argparse.Namespace, chats: list[tuple[str, in
 # ---------------------------------------------------------------- the server
 
 
-def launch_server(server_args: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
-    """`nanoserve serve` on a free loopback port; returns once health says SERVING."""
+def launch_server(server_args: list[str], log_path: str, timeout: float,
+                  tree: server_tree.ServerTree | None = None) -> tuple[subprocess.Popen, str]:
+    """`nanoserve serve` (this tree's, or tree's) on a free loopback port; returns once health says SERVING."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
+    module, cwd, env = ((tree.cli_module, tree.root, server_tree.tree_env(tree.root)) if tree
+                        else ("scheduler_svc.entrypoints.cli", REPO, None))
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.entrypoints.cli", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port), *server_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 *server_args], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -212,7 +216,8 @@ def run_wave(pool: ClientPool, args, address: str, probe: dict, dataset, rate: f
     spec = LoadSpec(address, args.temperature, not args.no_ignore_eos, args.request_timeout, args.max_concurrency,
                     stop=tuple(args.stop))
     before = serving_probe.snapshot(address, **probe)
-    watch = serving_probe.FirstStepWatch(probe["scheduler_addr"], before.counters["num_steps"])
+    watch = serving_probe.FirstStepWatch(probe["scheduler_addr"], before.counters["num_steps"],
+                                         counters=probe.get("counters", serving_probe.COUNTERS))
     try:
         load = pool.run_wave(dataset, send_offsets(arrival_gaps(len(dataset), rate, args.burstiness, seed)), spec)
     finally:
@@ -305,6 +310,8 @@ def parse_args():
     parser.add_argument("--out", help="write the results as JSON here (and the plot beside it, .png)")
     parser.add_argument("--plot", help="PNG path of the latency/rate plot (default: --out with .png)")
     parser.add_argument("--server-log", default=None, help="with --launch: the server's log file")
+    parser.add_argument("--server-tree", metavar="DIR", help="with --launch: serve from the source tree DIR (an "
+                        "older commit, stubs built in it; bench/server_tree.py)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args, server_args = parser.parse_known_args()
     if server_args and not args.launch:
@@ -316,6 +323,8 @@ def parse_args():
     if args.offline_too and not ((nanovllm or text) and args.launch):
         parser.error("--offline-too needs --dataset nanovllm or text, and --launch (it runs the launched engine's "
                      "flags)")
+    if args.server_tree and (not args.launch or args.offline_too):
+        parser.error("--server-tree needs --launch, and not --offline-too (that would run this tree's engine)")
     if nanovllm and args.no_ignore_eos:
         parser.error("the nanovllm dataset ignores EOS")
     args.no_ignore_eos = args.no_ignore_eos or text  # text runs as users do: EOS and stop strings end it
@@ -327,6 +336,7 @@ def parse_args():
 
 def main() -> None:
     args, server_args = parse_args()
+    tree = server_tree.open_tree(args.server_tree, serving_probe.COUNTERS) if args.server_tree else None
     engine, tmp, fixed_set, offline, has_tokenizer = None, None, None, None, True
     if args.launch and args.dataset in ("nanovllm", "text"):
         engine, server_args, tmp = offline_engine(args, server_args)
@@ -361,12 +371,19 @@ def main() -> None:
                     sock.bind(("127.0.0.1", 0))
                     metrics_port = sock.getsockname()[1]
                 server_args = [*server_args, "--metrics-port", str(metrics_port)]
+            if tree is not None:
+                server_args, dropped = server_tree.adapt_argv(tree, server_args)
+                print(f"server tree {tree.root} ({tree.cli_module}); flags it lacks, at this tree's defaults, "
+                      f"left out: {' '.join(dropped) or 'none'}; counters it lacks: {' '.join(tree.lacking) or 'none'}")
             print(f"launching nanoserve serve {' '.join(server_args)} (log: {log_path})")
-            proc, address = launch_server(server_args, log_path, args.startup_timeout)
+            proc, address = launch_server(server_args, log_path, args.startup_timeout, tree)
             probe = {"scheduler_addr": serving_probe.scheduler_socket(proc.pid), "server_pid": proc.pid,
-                     "metrics_port": metrics_port}
+                     "metrics_port": metrics_port,
+                     "counters": tuple(c for c in serving_probe.COUNTERS if tree is None or c not in tree.lacking)}
             if probe["scheduler_addr"] is None:
                 print("the scheduler's socket was not found: no executor counters, only gRPC GetStats")
+            if metrics_port and not serving_probe.frontend_metrics(metrics_port):
+                print("the front end's /metrics has no detokenize counter: no detokenize figure")
         runs, scale = benchmark(args, address, probe, fixed_set)
     finally:
         if proc is not None:

@@ -29,6 +29,8 @@ from scheduler_svc.entrypoints.launcher import IPC_DIR_PREFIX
 COUNTERS = ("num_steps", "num_generated_tokens", "num_prefill_tokens", "num_preemptions", "prefill_step_seconds",
             "decode_step_seconds", "executor_busy_seconds", "executor_idle_seconds", "prefix_cache_query_tokens",
             "prefix_cache_hit_tokens")
+# the scheduler's module now, and up to session 4 (a22f1ae, bench/serving.py --server-tree)
+SCHEDULER_MODULES = {b"scheduler_svc.core.scheduler_process", b"scheduler_svc.scheduler_process"}
 
 
 @dataclass
@@ -38,9 +40,19 @@ class Snapshot:
 
 
 def scheduler_socket(server_pid: int) -> str | None:
-    """The scheduler's front-end socket of a `nanoserve serve` process (launcher.make_ipc_dir's layout)."""
+    """The scheduler's front-end socket of a `nanoserve serve` process: launcher.make_ipc_dir's layout, else
+    the --frontend-addr of the scheduler it started (a tree before session 5 named its ipc dir without a pid)."""
     paths = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{server_pid}-*", "frontend.sock"))
-    return f"ipc://{paths[0]}" if len(paths) == 1 else None
+    if len(paths) == 1:
+        return f"ipc://{paths[0]}"
+    for pid in _children(server_pid):
+        try:
+            argv = _cmdline(pid)
+        except OSError:
+            continue
+        if _role(argv, pid) == "scheduler" and b"--frontend-addr" in argv:
+            return argv[argv.index(b"--frontend-addr") + 1].decode()
+    return None
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -49,12 +61,27 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _role(pid: int) -> str:
+def _cmdline(pid: int) -> list[bytes]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
+        return f.read().split(b"\0")
+
+
+def _children(server_pid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == server_pid:
+                    out.append(int(stat.split("/")[2]))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+def _role(argv: list[bytes], pid: int) -> str:
     if b"executor_svc" in argv:  # launcher.launch_engine's command lines
         return f"executor{argv[argv.index(b'--rank') + 1].decode()}"
-    if b"scheduler_svc.core.scheduler_process" in argv:
+    if SCHEDULER_MODULES & set(argv):
         return "scheduler"
     return "frontend" if b"frontend" in argv else f"child{pid}"  # serve --frontend-procs' extra front ends
 
@@ -63,14 +90,10 @@ def role_cpu_s(server_pid: int) -> dict[str, float]:
     """CPU seconds of the front end (the serve process itself, and its extra front ends summed) and of each
     of its child roles."""
     out = {"frontend": _proc_cpu_s(server_pid)}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        pid = int(stat.split("/")[2])
+    for pid in _children(server_pid):
         try:
-            with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == server_pid:
-                role = _role(pid)
-                out[role] = out.get(role, 0.0) + _proc_cpu_s(pid)
+            role = _role(_cmdline(pid), pid)
+            out[role] = out.get(role, 0.0) + _proc_cpu_s(pid)
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return out
@@ -99,23 +122,26 @@ def frontend_metrics(metrics_port: int | None) -> dict[str, float]:
 
 
 def snapshot(address: str, scheduler_addr: str | None, server_pid: int | None,
-             metrics_port: int | None = None) -> Snapshot:
+             metrics_port: int | None = None, counters: tuple[str, ...] = COUNTERS) -> Snapshot:
+    """counters: those to read (an older server lacks some: bench/server_tree.py)."""
     if scheduler_addr:
         stats = _scheduler_stats(scheduler_addr)
     else:
         with grpc.insecure_channel(address) as channel:
             stats = generation_pb2_grpc.GenerationStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
-    counters = {name: float(getattr(stats, name)) for name in COUNTERS if hasattr(stats, name)}
-    counters.update(frontend_metrics(metrics_port))
-    return Snapshot(counters, role_cpu_s(server_pid) if server_pid else {})
+    values = {name: float(getattr(stats, name)) for name in counters if hasattr(stats, name)}
+    values.update(frontend_metrics(metrics_port))
+    return Snapshot(values, role_cpu_s(server_pid) if server_pid else {})
 
 
 class FirstStepWatch:
     """Polls the scheduler from a thread until a step beyond steps_before has been answered; then
     holds the counters of that moment (None if the wave ended first or there is no socket)."""
 
-    def __init__(self, scheduler_addr: str | None, steps_before: float, poll_s: float = 0.005) -> None:
+    def __init__(self, scheduler_addr: str | None, steps_before: float, poll_s: float = 0.005,
+                 counters: tuple[str, ...] = COUNTERS) -> None:
         self.snapshot: Snapshot | None = None
+        self._counters = counters
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(scheduler_addr, steps_before, poll_s), daemon=True)
         if scheduler_addr:
@@ -127,7 +153,7 @@ class FirstStepWatch:
             while not self._done.is_set():
                 stats = client.stats(timeout_s=10)
                 if stats.num_steps > steps_before:
-                    self.snapshot = Snapshot({name: float(getattr(stats, name)) for name in COUNTERS})
+                    self.snapshot = Snapshot({name: float(getattr(stats, name)) for name in self._counters})
                     return
                 self._done.wait(poll_s)
         finally:
