@@ -12,8 +12,9 @@ inside the graph from the previous step's ids, which stay on the device.
 
 On a single rank the graph also computes the logits and samples every row with the fused Gumbel-max
 kernel, from static temperature and noise-seed rows. A step whose rows all sample plainly
-(temperature only) then launches nothing else; any other step samples eagerly from the graph's
-logits, and the in-graph tokens go unused.
+(temperature only) then launches nothing else, or, when some rows have structured-output token masks
+(known only after the replay was launched, for late ones), one more draw over the same logits with the
+masks; any other step samples eagerly from the graph's logits, and the in-graph tokens go unused.
 """
 from __future__ import annotations
 
@@ -181,6 +182,16 @@ class DecodeGraphs:
         until the next replay."""
         self.graphs[bs].replay()
         return self.hidden[:b]
+
+    def redraw_masked(self, bs: int, b: int, mask_rows: torch.Tensor, mask_words: torch.Tensor) -> None:
+        """After bucket bs's replay: draw its b rows again from the same logits, temperatures and noise seeds,
+        with token masks (mask_rows int32 [b] into mask_words, -1 for a free row, which draws what it drew),
+        into self.sampled, where the next step gathers them."""
+        from kernels.sampling import sample_tokens
+
+        v = self._views[bs]
+        sample_tokens(self.logits[:b], v["temperature"][:b], v["noise_seeds"][:b], out=self.sampled[:b],
+                      mask_rows=mask_rows, mask_words=mask_words)
 
     def step_inputs(self, bs: int, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of a loaded step's inputs: input ids (valid after the replay), positions, metadata."""

@@ -28,6 +28,8 @@ class StepInputs:
     sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
     logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
     sampled: torch.Tensor | None = None  # [S] token ids when the decode graph sampled them
+    # the graph bucket whose in-graph draw ignored this step's token masks: sample() draws again with them
+    redraw_masked_in: int | None = None
 
 
 @dataclass

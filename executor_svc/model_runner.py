@@ -208,10 +208,12 @@ class ModelRunner:
             inputs = self.prepare_inputs(one_token_chunks_first(chunks))
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            # a decode graph samples in place when every row samples plainly (temperature alone, no token mask,
-            # none to come late); otherwise the graph gives the logits and the sampler runs after it
-            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain and c.token_mask is None
-                                                        and not c.late_mask for c in chunks)
+            # a decode graph samples in place when every row samples plainly (temperature alone); otherwise the
+            # graph gives the logits and the sampler runs after it. Token masks (structured output, perhaps still
+            # to come) do not send a plain step to the sampler: sample() draws again from the graph's logits and
+            # rows, with the masks, in one kernel (the eager sampler's per-step host work sat on rank 0's path
+            # from the late masks to the next step)
+            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain for c in chunks)
             columns = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) \
                 if graph_samples else None
             host = host_inputs(chunks, self.block_size, self.prev_rows)
@@ -221,6 +223,8 @@ class ModelRunner:
                 inputs.logits = self.graphs.logits[: len(chunks)]
             if graph_samples:
                 inputs.sampled = self.graphs.sampled[: len(chunks)]
+                if any(c.token_mask is not None or c.late_mask for c in chunks):
+                    inputs.redraw_masked_in = bucket
         if inputs.sampling_chunks and inputs.logits is None:
             rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
             inputs.logits = self.model.compute_logits(rows)
@@ -238,6 +242,8 @@ class ModelRunner:
         lp = None
         if inputs.sampled is not None:  # sampled inside the decode graph
             token_ids = inputs.sampled
+            if inputs.redraw_masked_in is not None:
+                self._redraw_masked(inputs.redraw_masked_in, chunks)
         elif self.rank == 0:
             batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
                                         [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device,
@@ -269,6 +275,18 @@ class ModelRunner:
         else:
             host = token_ids
         return PendingStep(seqs, host, lp, event)
+
+    def _redraw_masked(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
+        """Draw the graph's step again over its logits, temperatures and noise seeds with the rows' token masks
+        (a late row dropped since has none: it draws free, and the scheduler discards its token)."""
+        masked = [i for i, c in enumerate(chunks) if c.token_mask is not None]
+        if not masked:
+            return
+        mask_rows = np.full(len(chunks), -1, dtype=np.int32)
+        mask_rows[masked] = np.arange(len(masked), dtype=np.int32)
+        dev = self.staging.upload({"mask_rows": mask_rows,
+                                   "mask_words": np.stack([chunks[i].token_mask for i in masked])}, "sampling")
+        self.graphs.redraw_masked(bucket, len(chunks), dev["mask_rows"], dev["mask_words"])
 
     def finalize(self, pending: PendingStep) -> list[SampledToken]:
         """Wait for a sampled step's ids on the host: one SampledToken per sampling sequence."""

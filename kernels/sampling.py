@@ -69,11 +69,11 @@ def _log2_exponential(u, FAST_LOG: tl.constexpr):
     return _log2(e, FAST_LOG)  # u = 0: E = inf, so that token never wins
 
 
-@triton.jit(do_not_specialize=["tiles_per_chunk"])  # one variant for every batch size
+@triton.jit(do_not_specialize=["tiles_per_chunk", "num_words"])  # one variant for every batch size
 def _sample_chunk_kernel(
-    logits_ptr, temperature_ptr, seeds_ptr, chunk_score_ptr, chunk_token_ptr,
-    vocab_size, row_stride, tiles_per_chunk,
-    BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
+    logits_ptr, temperature_ptr, seeds_ptr, chunk_score_ptr, chunk_token_ptr, mask_rows_ptr, mask_words_ptr,
+    vocab_size, row_stride, tiles_per_chunk, num_words,
+    BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, HAS_MASKS: tl.constexpr,
 ):
     # Program (row, chunk) scores tokens [chunk, chunk + 1) * tiles_per_chunk * BLOCK of its row.
     row = tl.program_id(0)
@@ -82,6 +82,10 @@ def _sample_chunk_kernel(
     GROUPS: tl.constexpr = BLOCK // 4
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row)
+    mask_row = -1
+    if HAS_MASKS:  # structured output: the row's bitmask (bit t % 32 of word t // 32), or -1 for a free row
+        mask_row = tl.load(mask_rows_ptr + row)
+    words_ptr = mask_words_ptr + tl.maximum(mask_row, 0).to(tl.int64) * num_words
     greedy = temperature < _GREEDY_TEMPERATURE
     # Scores in base 2 (log2 is the cheap log on a GPU); greedy rows never use the scale.
     scale = _LOG2E / tl.where(greedy, 1.0, temperature)
@@ -95,6 +99,10 @@ def _sample_chunk_kernel(
         tokens = group[:, None] * 4 + tl.arange(0, 4)[None, :]
         # Masked tokens read -inf, so (as -inf logits do) they never win.
         x = tl.load(row_ptr + tokens, mask=tokens < vocab_size, other=float("-inf")).to(tl.float32)
+        if HAS_MASKS:
+            if mask_row >= 0:  # a token its mask does not allow reads -inf too
+                word = tl.load(words_ptr + tokens // 32, mask=tokens < num_words * 32, other=0)
+                x = tl.where(((word >> (tokens % 32)) & 1) != 0, x, float("-inf"))
         if greedy:
             score = x
         else:
@@ -134,7 +142,8 @@ def _tiles_per_chunk(num_rows: int, vocab_size: int, device: torch.device, chunk
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  out: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, chunk_size: int | None = None,
+                  mask_rows: torch.Tensor | None = None, mask_words: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of logits [B, V] (bf16/fp16/fp32, unit last stride, any row stride).
 
     temperature: float32 [B]; below 1e-5 the row is greedy (argmax of the raw logits, lowest token
@@ -142,6 +151,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     argmax_i(logit_i / T - log(-log u_i)) with u = uniform_noise(seeds, V). Returns int64 [B],
     written into `out` when given. chunk_size (tokens per program) overrides the chunking; the
     tokens do not depend on it.
+
+    Structured output: mask_rows int32 [B] names each row's bitmask in mask_words int32 [R, W] (-1: a free
+    row); a token whose bit (t % 32 of word t // 32) is clear, or past 32 W, is never drawn. Read inside
+    the same pass, so masking costs no copy of the logits.
     """
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits [B, V] with a unit last stride"
     num_rows, vocab_size = logits.shape
@@ -153,14 +166,21 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     assert out.shape == (num_rows,) and out.dtype == torch.int64
     if num_rows == 0:
         return out
+    has_masks = mask_rows is not None
+    if has_masks:
+        assert mask_words is not None and mask_words.dim() == 2 and mask_words.dtype == torch.int32
+        assert mask_words.is_contiguous() and mask_words.device == logits.device
+        assert mask_rows.shape == (num_rows,) and mask_rows.dtype == torch.int32 and mask_rows.is_contiguous()
+    else:
+        mask_rows = mask_words = temperature  # never read: HAS_MASKS is off
     tiles_per_chunk = _tiles_per_chunk(num_rows, vocab_size, logits.device, chunk_size)
     num_chunks = triton.cdiv(triton.cdiv(vocab_size, BLOCK), tiles_per_chunk)
     chunk_score = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_token = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     _sample_chunk_kernel[(num_rows, num_chunks)](
-        logits, temperature, seeds, chunk_score, chunk_token,
-        vocab_size, logits.stride(0), tiles_per_chunk,
-        BLOCK=BLOCK, FAST_LOG=not INTERPRET, num_warps=NUM_WARPS,
+        logits, temperature, seeds, chunk_score, chunk_token, mask_rows, mask_words,
+        vocab_size, logits.stride(0), tiles_per_chunk, mask_words.shape[-1] if has_masks else 0,
+        BLOCK=BLOCK, FAST_LOG=not INTERPRET, HAS_MASKS=has_masks, num_warps=NUM_WARPS,
     )
     _pick_token_kernel[(num_rows,)](
         chunk_score, chunk_token, out, num_chunks, out.stride(0),
@@ -178,9 +198,12 @@ def warm_up(max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.de
         chunks = triton.cdiv(triton.cdiv(vocab_size, BLOCK), tiles)
         first_rows.setdefault(triton.next_power_of_2(chunks), rows)
     logits = torch.randn(max(first_rows.values()), vocab_size, device=device).to(dtype)
+    words = torch.full((1, triton.cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device)
     for rows in first_rows.values():
-        sample_tokens(logits[:rows], torch.full((rows,), 0.5, device=device),
-                      torch.arange(rows, dtype=torch.int64, device=device))
+        for masks in (None, torch.zeros(rows, dtype=torch.int32, device=device)):  # free, and structured output
+            sample_tokens(logits[:rows], torch.full((rows,), 0.5, device=device),
+                          torch.arange(rows, dtype=torch.int64, device=device), mask_rows=masks,
+                          mask_words=None if masks is None else words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +230,13 @@ def uniform_noise(seeds: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return out
 
 
-def sample_tokens_reference(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max in float64 from the same u: what sample_tokens computes, up to fp32 rounding."""
+def sample_tokens_reference(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Gumbel-max in float64 from the same u: what sample_tokens computes, up to fp32 rounding.
+    allowed: bool [B, V], the tokens each row's mask allows (None: all)."""
     x = logits.double()
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     greedy = temperature < GREEDY_TEMPERATURE
     t = torch.where(greedy, 1.0, temperature.double())[:, None]
     scores = x / t - torch.log(-torch.log(u.double()))

@@ -160,8 +160,8 @@ def run_prefill_and_decode(runner: ModelRunner, allowed_by_step: dict[int, list[
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_runner_samples_a_masked_sequence_inside_its_mask_and_leaves_the_other_alone(tiny_llama, device):
-    """On CUDA the decode step runs in a CUDA graph that samples in place, unless a row is masked: then the
-    graph's logits go to the sampler."""
+    """On CUDA the decode step runs in a CUDA graph that samples in place; a masked row is drawn again from the
+    graph's logits with its mask (the prefill step, eager, goes through the sampler)."""
     runner = ModelRunner(EngineConfig(model=tiny_llama, device=device, dtype="float32", block_size=16,
                                       num_gpu_blocks=8, max_num_seqs=4, attention_backend="torch"))
     free = run_prefill_and_decode(runner, {})

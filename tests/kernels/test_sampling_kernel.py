@@ -82,6 +82,36 @@ def assert_matches_reference(tokens: torch.Tensor, logits: torch.Tensor, tempera
                      f"reference {reference[bad].tolist()} (score {best[bad].tolist()})")
 
 
+def random_bitmasks(num_masks: int, vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words [num_masks, ceil(V / 32)] allowing a random subset of each row's tokens (from a handful to
+    most, bit 31 included, so some words are negative), and the bool [num_masks, V] they mean."""
+    num_words = -(-vocab_size // 32)
+    density = torch.rand(num_masks, 1, generator=gen) * 0.9 + 0.005
+    allowed = torch.rand(num_masks, num_words * 32, generator=gen) < density
+    allowed[:, 0] = True  # never an empty row
+    bits = allowed.view(num_masks, num_words, 32).long() << torch.arange(32)
+    words = bits.sum(-1).to(torch.int64)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words, allowed[:, :vocab_size]
+
+
+def assert_masked_draws(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                        gen: torch.Generator) -> None:
+    """Rows with a bitmask draw what the unmasked kernel draws from logits with the disallowed tokens at -inf
+    (the same noise), never a disallowed token, and free rows (mask row -1) draw as without masks."""
+    num_rows, vocab_size = logits.shape
+    words, allowed = random_bitmasks(3, vocab_size, gen)
+    mask_rows = torch.tensor([i % 4 - 1 for i in range(num_rows)], dtype=torch.int32)  # -1, 0, 1, 2, -1, ...
+    row_allowed = torch.ones(num_rows, vocab_size, dtype=torch.bool)
+    row_allowed[mask_rows >= 0] = allowed[mask_rows[mask_rows >= 0].long()]
+    device = logits.device
+    tokens = ks.sample_tokens(logits, temperature, seeds, mask_rows=mask_rows.to(device), mask_words=words.to(device))
+    pre_masked = logits.masked_fill(~row_allowed.to(device), float("-inf"))
+    assert torch.equal(tokens, ks.sample_tokens(pre_masked, temperature, seeds))
+    assert row_allowed[torch.arange(num_rows), tokens.cpu()].all(), "a disallowed token was drawn"
+    assert_matches_reference(tokens, pre_masked, temperature, seeds)
+
+
 def chi_square_threshold(dof: int, alpha: float) -> float:
     """x with P(chi2_dof > x) = alpha, by bisection on the regularised upper incomplete gamma."""
     half_dof = torch.tensor(dof / 2, dtype=torch.float64)
@@ -143,6 +173,16 @@ def test_random_rows_match_the_float64_reference_beside_greedy_rows(dtype):
     assert logits[1, tokens[1]] > float("-inf"), "a masked token is never sampled"
     assert torch.equal(ks.sample_tokens(logits, temperature, seeds, chunk_size=vocab_size), tokens), \
         "one chunk per row or several: the same tokens"
+
+
+@interpreter
+def test_rows_with_a_bitmask_draw_only_allowed_tokens_as_if_the_rest_were_minus_infinity():
+    gen = fresh_generator()
+    num_rows, vocab_size = 8, 1000  # 32 words: the last word's high bits lie past the vocabulary
+    logits = (torch.randn(num_rows, vocab_size, generator=gen) * 3).to(torch.bfloat16)
+    temperature = torch.rand(num_rows, generator=gen) * 1.2 + 0.3
+    temperature[[1, 6]] = 0.0  # greedy rows, masked and free
+    assert_masked_draws(logits, temperature, random_seeds(num_rows, gen), gen)
 
 
 @interpreter
@@ -250,6 +290,14 @@ def test_gpu_qwen3_vocabulary_matches_the_float64_reference(num_rows):
     assert_matches_reference(tokens, logits, temperature, seeds)
     assert torch.equal(ks.sample_tokens(logits[-1:], temperature[-1:], seeds[-1:]), tokens[-1:]), \
         "alone, with other chunking, the last row gets the same token"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_rows", [7, 256])
+def test_gpu_qwen3_vocabulary_with_bitmasks_draws_only_allowed_tokens(num_rows):
+    gen = fresh_generator()
+    assert_masked_draws(*qwen3_batch(num_rows, gen), gen)
 
 
 @pytest.mark.gpu
