@@ -137,7 +137,7 @@ def run_one(args, name: str, mode: str, policy: str, prompts, max_tokens, num_bl
         priority_preemptions=d("num_priority_preemptions"),
         estimated_swap_s=d("estimated_swap_seconds"), measured_swap_s=d("measured_swap_seconds"),
         estimated_recompute_s=d("estimated_recompute_seconds"), measured_recompute_s=d("measured_recompute_seconds"),
-        prefill_tokens_per_s=after.prefill_tokens_per_s,
+        prefill_tokens_per_s=after.prefill_tokens_per_s, prefill_step_premium_s=after.prefill_step_premium_seconds,
         probe_steps_to_first_token=got["probe_steps_to_first_token"],
         probe_seconds_to_first_token=got["probe_seconds_to_first_token"])
 
