@@ -12,6 +12,9 @@ token (the batch runs at priority 1, the probe at 0: only the priority policy le
 
     python bench/preemption.py                                 # the GPU run: Qwen3-0.6B shape, random weights
     python bench/preemption.py --scale 0.1 --model-shape tiny  # the CPU run: 26 sequences, lengths x 0.1
+    python bench/preemption.py --workloads c-nanovllm --policies newest --repeat 3  # medians of 3 rounds
+
+The last table gives each mode's median over the rounds and auto against the better of swap and recompute.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -169,6 +173,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"])
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over every configuration, in turn (the "
+                        "same schedule varies by several percent from run to run: compare medians)")
     parser.add_argument("--out", default="bench/results/preemption.json")
     args = parser.parse_args()
     tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
@@ -179,18 +185,55 @@ def main() -> None:
         for name in args.workloads:
             prompts, max_tokens = draws(name, num_seqs, args.scale, args.seed)
             num_blocks = pool_blocks(prompts, max_tokens, 16, args.pool_fraction)
-            for mode in args.modes:
-                for policy in args.policies:
-                    rows.append(run_one(args, name, mode, policy, prompts, max_tokens, num_blocks))
-                    print_table(rows[-1:])
+            for round_index in range(args.repeat):  # rounds, not runs back to back: drift hits every mode alike
+                for mode in args.modes:
+                    for policy in args.policies:
+                        rows.append(run_one(args, name, mode, policy, prompts, max_tokens, num_blocks)
+                                    | {"round": round_index})
+                        print_table(rows[-1:])
     finally:
         tmp.cleanup()
     print(f"\npreemption: {num_seqs} sequences per workload, {args.model_shape}, KV pool {args.pool_fraction:.2f} "
           f"of the batch's blocks")
     print_table(rows)
+    verdicts = auto_verdicts(rows)
+    print_verdicts(verdicts)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "model"}, "rows": rows}, f, indent=2)
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "model"}, "rows": rows,
+                   "auto_verdicts": verdicts}, f, indent=2)
+
+
+def auto_verdicts(rows: list[dict]) -> list[dict]:
+    """Per workload and policy: each mode's median tok/s over the rounds, and auto against the better of swap
+    and recompute (issue 14's targets: auto >= 0.98x the better on every workload, above both on one)."""
+    medians: dict[tuple[str, str], dict[str, float]] = {}
+    for key in dict.fromkeys((r["workload"], r["policy"]) for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            runs = [r["tok_per_s"] for r in rows if (r["workload"], r["policy"], r["mode"]) == (*key, mode)]
+            if runs:
+                medians.setdefault(key, {})[mode] = statistics.median(runs)
+    verdicts = []
+    for (workload, policy), by_mode in medians.items():
+        if {"auto", "swap", "recompute"} <= set(by_mode):
+            best = max(by_mode["swap"], by_mode["recompute"])
+            verdicts.append(dict(workload=workload, policy=policy, median_tok_per_s=by_mode,
+                                 auto_over_best=by_mode["auto"] / best,
+                                 auto_above_both=by_mode["auto"] > best))
+    return verdicts
+
+
+def print_verdicts(verdicts: list[dict]) -> None:
+    if not verdicts:
+        return
+    print(f"\n{'workload':>15} {'policy':>14} {'recompute':>9} {'swap':>8} {'auto':>8} {'auto/best':>9}   (medians)")
+    for v in verdicts:
+        m = v["median_tok_per_s"]
+        print(f"{v['workload']:>15} {v['policy']:>14} {m['recompute']:>9.0f} {m['swap']:>8.0f} {m['auto']:>8.0f} "
+              f"{v['auto_over_best']:>9.3f}{'  above both' if v['auto_above_both'] else ''}")
+    worst = min(v["auto_over_best"] for v in verdicts)
+    print(f"auto / better of swap and recompute: worst {worst:.3f} (target >= 0.98), above both on "
+          f"{sum(v['auto_above_both'] for v in verdicts)} of {len(verdicts)} (target >= 1)")
 
 
 if __name__ == "__main__":
