@@ -359,7 +359,7 @@ class EngineCore:
                     result.error = f"an inconsistent reply: {exc}"
                 else:
                     self._send_late_masks(step.out, tokens)
-                    return self.scheduler.postprocess(step.out, tokens, candidates), sampled
+                    return self.scheduler.postprocess(step.out, tokens, candidates, checked=True), sampled
             else:
                 result.error = "an inconsistent reply: a sampled token outside the vocabulary"
             self.reject_message(b"rank0", f"step {step.step_id}: {result.error}")

@@ -233,14 +233,17 @@ class Scheduler:
     # ------------------------------------------------------------------ postprocess
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
-                    candidates: dict[int, tuple[list[int], list[float]]] | None = None) -> list[StepUpdate]:
+                    candidates: dict[int, tuple[list[int], list[float]]] | None = None,
+                    checked: bool = False) -> list[StepUpdate]:
         """Apply a successful step: hash newly full blocks, append samples, check stops. A failed step is
         applied with nothing sampled, after its requests were aborted.
 
         candidates: each sampled sequence's top continuations (token ids, logprobs; best first), which beams
-        choose among; plain sequences ignore them.
+        choose among; plain sequences ignore them. checked: the caller ran check_result() on this very reply
+        already (the engine does, before accept_ahead), so it is not walked twice.
         """
-        self.check_result(out, sampled, candidates)
+        if not checked:
+            self.check_result(out, sampled, candidates)
         live = [s for s in out.scheduled if s.seq.status is not FINISHED]  # skip ones aborted while in flight
         updates: list[StepUpdate] = []
         c = self.counters
