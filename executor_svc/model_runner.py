@@ -21,7 +21,7 @@ from executor_svc.model_loader import load_model
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
-from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
+from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, draw_masks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, is_fp8
 from kernels.kv_rotation import hadamard_matrix
@@ -279,13 +279,10 @@ class ModelRunner:
     def _redraw_masked(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
         """Draw the graph's step again over its logits, temperatures and noise seeds with the rows' token masks
         (a late row dropped since has none: it draws free, and the scheduler discards its token)."""
-        masked = [i for i, c in enumerate(chunks) if c.token_mask is not None]
-        if not masked:
+        masks = draw_masks(chunks)
+        if masks is None:
             return
-        mask_rows = np.full(len(chunks), -1, dtype=np.int32)
-        mask_rows[masked] = np.arange(len(masked), dtype=np.int32)
-        dev = self.staging.upload({"mask_rows": mask_rows,
-                                   "mask_words": np.stack([chunks[i].token_mask for i in masked])}, "sampling")
+        dev = self.staging.upload({"mask_rows": masks[0], "mask_words": masks[1]}, "sampling")
         self.graphs.redraw_masked(bucket, len(chunks), dev["mask_rows"], dev["mask_words"])
 
     def finalize(self, pending: PendingStep) -> list[SampledToken]:

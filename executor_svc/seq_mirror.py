@@ -49,6 +49,8 @@ class ScheduledChunk:
     start: int
     end: int
     token_mask: np.ndarray | None = None  # structured output: int32 [ceil(V / 32)], bit t set = token t allowed
+    mask_words: np.ndarray | None = None  # the message's whole int32 [R, W] array: token_mask is its row mask_row
+    mask_row: int = -1
     late_mask: bool = False  # its mask comes after the plan (LateTokenMasks), before the step samples
 
     @property
@@ -140,9 +142,26 @@ def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: li
         if row is not None:
             if not (chunk.samples or chunk.late_mask):  # (a late one was checked with its plan, committed since)
                 raise RuntimeError(f"plan {step_id}: seq {chunk.seq.seq_id} has a token mask but does not sample")
-            chunk.token_mask = words[row]
+            chunk.token_mask, chunk.mask_words, chunk.mask_row = words[row], words, row
     if row_of:
         raise RuntimeError(f"plan {step_id}: token masks for seqs {sorted(row_of)} that the step does not run")
+
+
+def draw_masks(chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The fused draw's masks for a step's sampling chunks: each row's index into one int32 [R, W] words array
+    (-1: a free row, or a late one dropped since) and that array; None when no row is masked. When every mask
+    is a row of one message's array (a step's late masks are), that array goes as it came: one copy fewer of
+    up to 2.4 MB on rank 0's way from the masks to the next launch."""
+    masked = [i for i, c in enumerate(chunks) if c.token_mask is not None]
+    if not masked:
+        return None
+    rows = np.full(len(chunks), -1, dtype=np.int32)
+    source = chunks[masked[0]].mask_words
+    if source is not None and all(chunks[i].mask_words is source for i in masked):
+        rows[masked] = [chunks[i].mask_row for i in masked]
+        return rows, source
+    rows[masked] = np.arange(len(masked), dtype=np.int32)
+    return rows, np.stack([chunks[i].token_mask for i in masked])
 
 
 def mark_late_masks(step_id: int, seq_ids, chunks: list[ScheduledChunk]) -> None:

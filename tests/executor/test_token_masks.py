@@ -8,10 +8,12 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.model_runner import ModelRunner
 from executor_svc.sampler import Sampler, SamplingBatch, apply_token_masks
-from executor_svc.seq_mirror import SequenceMirrors
+from executor_svc.seq_mirror import SequenceMirrors, attach_token_masks, draw_masks
 from protos import engine_pb2
 from scheduler_svc.common.config import EngineConfig
 from support.tiny_checkpoints import make_tiny_llama
@@ -120,6 +122,40 @@ def test_the_plans_masks_reach_the_chunks_of_their_sequences_and_no_other():
     mask = bitmask([4, 5], 64)
     chunks = SequenceMirrors().apply(plan_with_masks(1, [new_seq(1, [1, 2], 0), new_seq(2, [3], 1)], {2: mask}, 2))
     assert chunks[0].token_mask is None and np.array_equal(chunks[1].token_mask, mask)
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_chunks=st.integers(1, 12), data=st.data())
+def test_the_fused_draw_gets_each_rows_own_mask_and_the_messages_words_uncopied(num_chunks, data):
+    """draw_masks: every masked row points at exactly its own mask and free rows at -1; when all masks came in
+    one message its array is used as it is, and masks from two messages are stacked."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    vocab = 100
+    chunks = SequenceMirrors().apply(plan_with_masks(1, [new_seq(i + 1, [1, 2], i) for i in range(num_chunks)], {}, 4))
+    message_of = data.draw(st.lists(st.sampled_from([0, 1, 2]), min_size=num_chunks, max_size=num_chunks))
+    first, second = ([i for i, m in enumerate(message_of) if m == k] for k in (1, 2))  # 0: a free row
+    masks = {}
+    for group in (first, second):  # each group arrives as one message, rows in a shuffled order
+        if group:
+            order = list(rng.permutation(group))
+            for i in order:
+                masks[i] = bitmask(rng.choice(vocab, size=int(rng.integers(1, vocab)), replace=False), vocab)
+            message = engine_pb2.TokenBitmasks(seq_ids=[i + 1 for i in order], num_words=4,
+                                               words=b"".join(masks[i].tobytes() for i in order))
+            attach_token_masks(1, message, chunks)
+    got = draw_masks(chunks)
+    if not masks:
+        assert got is None
+        return
+    rows, words = got
+    assert rows.dtype == np.int32 and words.dtype == np.int32 and words.shape[1] == 4
+    for i, chunk in enumerate(chunks):
+        if i in masks:
+            assert np.array_equal(words[rows[i]], masks[i])
+        else:
+            assert rows[i] == -1
+    if not (first and second):  # one message: its own array, not a copy
+        assert words is next(c.mask_words for c in chunks if c.token_mask is not None)
 
 
 @pytest.mark.parametrize("words, seq_ids, why", [
