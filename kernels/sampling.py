@@ -83,9 +83,10 @@ def _sample_chunk_kernel(
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row)
     mask_row = -1
+    words_ptr = mask_words_ptr
     if HAS_MASKS:  # structured output: the row's bitmask (bit t % 32 of word t // 32), or -1 for a free row
         mask_row = tl.load(mask_rows_ptr + row)
-    words_ptr = mask_words_ptr + tl.maximum(mask_row, 0).to(tl.int64) * num_words
+        words_ptr = mask_words_ptr + tl.maximum(mask_row, 0).to(tl.int64) * num_words
     greedy = temperature < _GREEDY_TEMPERATURE
     # Scores in base 2 (log2 is the cheap log on a GPU); greedy rows never use the scale.
     scale = _LOG2E / tl.where(greedy, 1.0, temperature)
