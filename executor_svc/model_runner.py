@@ -134,10 +134,12 @@ class ModelRunner:
                                        self.facts.hidden_size, self.dtype, self.device,
                                        vocab_size=self.facts.vocab_size if world_size == 1 else None)
             self.graphs.capture()
+        self.fused_masked_draw = False  # masked decode rows drawn by the graph's kernel (DecodeGraphs.redraw_masked)
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling
 
-            sampling.warm_up(config.max_num_seqs, self.facts.vocab_size, self.dtype, self.device)
+            self.fused_masked_draw = sampling.warm_up(config.max_num_seqs, self.facts.vocab_size, self.dtype,
+                                                      self.device)
 
     @property
     def max_model_len(self) -> int:
@@ -213,7 +215,9 @@ class ModelRunner:
             # to come) do not send a plain step to the sampler: sample() draws again from the graph's logits and
             # rows, with the masks, in one kernel (the eager sampler's per-step host work sat on rank 0's path
             # from the late masks to the next step)
-            graph_samples = self.graphs.samples and all(c.seq.sampling_row.plain for c in chunks)
+            graph_samples = self.graphs.samples and all(
+                c.seq.sampling_row.plain and (self.fused_masked_draw or (c.token_mask is None and not c.late_mask))
+                for c in chunks)
             columns = plain_sampling_columns([c.seq.sampling_row for c in chunks], self._noise_rng) \
                 if graph_samples else None
             host = host_inputs(chunks, self.block_size, self.prev_rows)

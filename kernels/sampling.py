@@ -9,6 +9,7 @@ host or is sized by data: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import logging
 
 import torch
 import triton
@@ -16,6 +17,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.triton_runtime import INTERPRET, num_sms
+
+log = logging.getLogger("nanoserve.kernels")
 
 GREEDY_TEMPERATURE = 1e-5  # a row whose temperature is below this takes the plain argmax
 _GREEDY_TEMPERATURE = tl.constexpr(GREEDY_TEMPERATURE)
@@ -190,21 +193,37 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return out
 
 
-def warm_up(max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+def warm_up(max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Compile every kernel variant a batch of 1..max_rows rows can need (the row count sets the
-    chunking, hence the picker's block), so that no step of a running server waits for a compile."""
+    chunking, hence the picker's block), so that no step of a running server waits for a compile.
+
+    Returns whether the masked variant (structured output) built and drew inside its masks here. If it did
+    not, the caller keeps masked rows on the torch masking path; an unmasked failure propagates."""
     first_rows: dict[int, int] = {}
     for rows in range(1, max_rows + 1):
         tiles = _tiles_per_chunk(rows, vocab_size, device, None)
         chunks = triton.cdiv(triton.cdiv(vocab_size, BLOCK), tiles)
         first_rows.setdefault(triton.next_power_of_2(chunks), rows)
     logits = torch.randn(max(first_rows.values()), vocab_size, device=device).to(dtype)
-    words = torch.full((1, triton.cdiv(vocab_size, 32)), -1, dtype=torch.int32, device=device)
+    allowed = torch.tensor([3, vocab_size - 1], device=device)  # two tokens; bit 31 of a word among them if V > 32
+    words = torch.zeros(1, triton.cdiv(vocab_size, 32), dtype=torch.int32, device=device)
+    for token in allowed.tolist():
+        bit = 1 << token % 32
+        words[0, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # as int32
     for rows in first_rows.values():
-        for masks in (None, torch.zeros(rows, dtype=torch.int32, device=device)):  # free, and structured output
-            sample_tokens(logits[:rows], torch.full((rows,), 0.5, device=device),
-                          torch.arange(rows, dtype=torch.int64, device=device), mask_rows=masks,
-                          mask_words=None if masks is None else words)
+        sample_tokens(logits[:rows], torch.full((rows,), 0.5, device=device),
+                      torch.arange(rows, dtype=torch.int64, device=device))
+    try:
+        for rows in first_rows.values():
+            tokens = sample_tokens(logits[:rows], torch.full((rows,), 0.5, device=device),
+                                   torch.arange(rows, dtype=torch.int64, device=device),
+                                   mask_rows=torch.zeros(rows, dtype=torch.int32, device=device), mask_words=words)
+            if not torch.isin(tokens, allowed).all():
+                raise RuntimeError(f"drew {tokens.unique().tolist()[:4]} outside the mask {allowed.tolist()}")
+    except Exception:  # noqa: BLE001 - a variant that fails here must not take the server down
+        log.exception("the masked sampling kernel failed its warm-up: masked rows use the torch masking path")
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -186,6 +186,20 @@ def test_rows_with_a_bitmask_draw_only_allowed_tokens_as_if_the_rest_were_minus_
 
 
 @interpreter
+def test_the_warm_up_builds_the_masked_variant_and_a_failing_one_is_reported_not_raised(monkeypatch):
+    assert ks.warm_up(3, 1000, torch.float32, torch.device("cpu"))  # tokens 3 and 999: bit 7 of word 31
+    plain = ks.sample_tokens
+
+    def broken_masks(*args, mask_rows=None, **kwargs):
+        if mask_rows is not None:
+            raise RuntimeError("no masked variant here")
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(ks, "sample_tokens", broken_masks)
+    assert ks.warm_up(3, 1000, torch.float32, torch.device("cpu")) is False  # the runner keeps the torch path
+
+
+@interpreter
 def test_a_seeded_row_gets_the_same_token_wherever_it_sits_in_the_batch():
     gen = fresh_generator()
     vocab_size = 600
