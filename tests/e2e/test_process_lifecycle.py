@@ -55,7 +55,8 @@ def test_engine_roles_are_separate_processes_and_close_leaves_none(model):
 
 
 CHILD = textwrap.dedent("""
-    import os, sys, time
+    import faulthandler, os, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a caller that hangs
     sys.path.insert(0, {repo!r})
     from scheduler_svc.entrypoints.llm import LLM
     from scheduler_svc.frontend.sampling_params import SamplingParams
@@ -70,9 +71,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def start_child(model: str, mode: str) -> tuple[subprocess.Popen, list[int]]:
+def start_child(model: str, mode: str, stderr) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=REPO, model=model, mode=mode)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO)
     for line in proc.stdout:
         if line.startswith("PIDS"):
             return proc, [int(p) for p in line.split()[1:]]
@@ -80,16 +81,33 @@ def start_child(model: str, mode: str) -> tuple[subprocess.Popen, list[int]]:
     raise AssertionError(f"child exited with {proc.returncode} before starting the engine")
 
 
+def wait_exit(proc: subprocess.Popen, stderr, timeout: float) -> int:
+    """The caller's exit code; if it has not exited within timeout, fail with its threads' stacks and the end
+    of its log (a caller that hangs on its way out is the bug this file guards against)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        proc.wait()
+        stderr.seek(0)
+        raise AssertionError(f"the caller did not exit within {timeout:g}s; its stderr ends:\n"
+                             + stderr.read().decode(errors="replace")[-6000:]) from None
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM"])
-def test_no_child_process_survives_a_killed_caller(model, how):
-    proc, pids = start_child(model, "busy")
-    time.sleep(1.0)
-    proc.send_signal(getattr(signal, how))
-    proc.wait(timeout=30)
+def test_no_child_process_survives_a_killed_caller(model, how, tmp_path):
+    with open(tmp_path / "caller.stderr", "w+b") as stderr:
+        proc, pids = start_child(model, "busy", stderr)
+        time.sleep(1.0)
+        proc.send_signal(getattr(signal, how))
+        wait_exit(proc, stderr, 30)
     assert wait_all_gone(pids) == [], f"orphans after {how}"
 
 
-def test_no_child_process_survives_an_exception_in_the_caller(model):
-    proc, pids = start_child(model, "exception")
-    assert proc.wait(timeout=30) != 0
+def test_no_child_process_survives_an_exception_in_the_caller(model, tmp_path):
+    with open(tmp_path / "caller.stderr", "w+b") as stderr:
+        proc, pids = start_child(model, "exception", stderr)
+        assert wait_exit(proc, stderr, 30) != 0
     assert wait_all_gone(pids) == []
