@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 
 from protos import engine_pb2
 from scheduler_svc.core.structured.grammars import MAX_CONSTRAINT_BYTES
@@ -32,7 +33,15 @@ def _require(ok: bool, reason: str) -> None:
         raise BadMessage(reason)
 
 
-def _finite(name: str, value: float, low: float, high: float) -> None:
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _finite(name: str, value: float, low: float, high: float, float32: bool = False) -> None:
+    """float32: a 32-bit field, whose bounds are compared rounded alike, so that 0.01 accepts itself (as the
+    front end's validator does; a double bound refused a float32 0.01 that the front end had let through)."""
+    if float32:
+        low, high = _float32(low), _float32(high)
     _require(math.isfinite(value) and low <= value <= high, f"{name} = {value} is not in [{low}, {high}]")
 
 
@@ -46,15 +55,15 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     _require(len(ids) > 0, "prompt_token_ids is empty")
     _require(min(ids) >= 0 and max(ids) < vocab_size, f"prompt_token_ids outside the vocabulary [0, {vocab_size})")
     s = add.sampling
-    _finite("sampling.temperature", s.temperature, 0.0, 1e6)
-    _finite("sampling.top_p", s.top_p, 0.0, 1.0)  # 0 is the wire's unset value: off
-    _finite("sampling.min_p", s.min_p, 0.0, 1.0)
+    _finite("sampling.temperature", s.temperature, 0.0, 1e6, float32=True)
+    _finite("sampling.top_p", s.top_p, 0.0, 1.0, float32=True)  # 0 is the wire's unset value: off
+    _finite("sampling.min_p", s.min_p, 0.0, 1.0, float32=True)
     _require(0 <= s.top_k <= vocab_size, f"sampling.top_k must be in [0, {vocab_size}]")
     _require(0 <= s.logprobs <= MAX_LOGPROBS, f"sampling.logprobs must be in [0, {MAX_LOGPROBS}]")
-    _finite("sampling.presence_penalty", s.presence_penalty, -100.0, 100.0)
-    _finite("sampling.frequency_penalty", s.frequency_penalty, -100.0, 100.0)
+    _finite("sampling.presence_penalty", s.presence_penalty, -100.0, 100.0, float32=True)
+    _finite("sampling.frequency_penalty", s.frequency_penalty, -100.0, 100.0, float32=True)
     # 0 is the wire's unset value (no penalty); otherwise its reciprocal must stay a sane float32
-    _require(s.repetition_penalty == 0 or 0.01 <= s.repetition_penalty <= 100.0,
+    _require(s.repetition_penalty == 0 or _float32(0.01) <= s.repetition_penalty <= 100.0,
              f"sampling.repetition_penalty = {s.repetition_penalty} is not 0 (off) or in [0.01, 100]")
     _require(math.isfinite(s.repetition_penalty), "sampling.repetition_penalty is not finite")
     st = add.stopping
@@ -71,7 +80,7 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     if beam.beam_width:
         _require(0 < beam.beam_width <= min(MAX_BEAM_WIDTH, max_num_seqs),
                  f"beam_search.beam_width must be in [1, {min(MAX_BEAM_WIDTH, max_num_seqs)}]")
-        _finite("beam_search.length_penalty", beam.length_penalty, -100.0, 100.0)
+        _finite("beam_search.length_penalty", beam.length_penalty, -100.0, 100.0, float32=True)
         _require(bool(add.group_id), "a beam search request needs a group_id")
 
 

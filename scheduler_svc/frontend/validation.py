@@ -206,6 +206,8 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, ready:
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=min(limits.default_max_tokens, room))
     check_sampling(params, limits)
+    if params.top_k >= vocab_size:  # keeps every token: no filter (the scheduler takes top_k <= vocab only)
+        params = dataclasses.replace(params, top_k=0)
     check(params.max_tokens <= room,
           f"sampling.max_tokens = {params.max_tokens} does not fit: prompt tokens + max_tokens must be "
           f"<= {what}, which leaves room for {room}")

@@ -57,6 +57,9 @@ def test_engine_roles_are_separate_processes_and_close_leaves_none(model):
 CHILD = textwrap.dedent("""
     import faulthandler, os, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a caller that hangs
+    # Ctrl-C as at a terminal: a test run in a shell's background job inherits SIGINT ignored, and Python keeps
+    # an ignored SIGINT ignored (so the caller slept through the signal in such a CI run)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {repo!r})
     from scheduler_svc.entrypoints.llm import LLM
     from scheduler_svc.frontend.sampling_params import SamplingParams

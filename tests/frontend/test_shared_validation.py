@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from protos import engine_pb2
 from protos import generation_pb2 as pb
+from scheduler_svc.core.message_checks import check_add_request
 from scheduler_svc.entrypoints.llm import LLM
 from scheduler_svc.frontend.sampling_params import SamplingParams
 from scheduler_svc.frontend.server_config import RequestLimits
@@ -118,6 +119,7 @@ def test_an_unset_max_tokens_is_the_default_cut_to_fit_the_length_limit_on_both_
 def assert_the_engine_gets_finite_numbers_in_range(adds: list[engine_pb2.AddRequest], params: SamplingParams):
     for sent in adds:
         add = engine_pb2.AddRequest.FromString(sent.SerializeToString())  # what the scheduler decodes
+        check_add_request(add, VOCAB, max_num_seqs=1024)  # the scheduler's own refusal, which would be INTERNAL
         for message in (add.sampling, add.stopping, add.beam_search):
             for field, value in message.ListFields():
                 if field.type in (field.TYPE_FLOAT, field.TYPE_DOUBLE):
@@ -191,6 +193,18 @@ def documented_params(draw) -> SamplingParams:
         seed=draw(st.none() | st.integers(0, 2**63 - 1)), n=draw(st.integers(1, LIMITS.max_n)),
         presence_penalty=draw(f32(-2, 2)), frequency_penalty=draw(f32(-2, 2)),
         repetition_penalty=draw(f32(float(np.float32(0.01)), 10)), **common)
+
+
+@pytest.mark.parametrize("fields", [dict(top_k=VOCAB), dict(top_k=VOCAB + 1), dict(top_k=2**31 - 1),
+                                    dict(repetition_penalty=0.01), dict(temperature=0.01, top_p=0.01)])
+def test_values_at_the_edges_the_front_end_accepts_pass_the_schedulers_own_checks(fields):
+    """A top_k past the vocabulary keeps every token (sent as 0, off); a float32 0.01 is 0.01 on both sides. The
+    scheduler refusing what the front end accepted would reach the client as INTERNAL (found by the gRPC fuzz)."""
+    valid = validate_request([5], SamplingParams(max_tokens=4, **fields), READY, LIMITS)
+    assert_the_engine_gets_finite_numbers_in_range(valid.params.add_requests(["r"], valid.prompt_token_ids),
+                                                   valid.params)
+    if "top_k" in fields:
+        assert valid.params.top_k == 0
 
 
 @given(ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=KV_TOKENS // 2), params=documented_params())
