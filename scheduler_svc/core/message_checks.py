@@ -20,6 +20,7 @@ MAX_ID_LENGTH = 512  # request and group ids
 MAX_LOGPROBS = 1024
 MAX_BEAM_WIDTH = 1024
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_STEP_SECONDS = 1e6  # a step's timings beyond this (or negative, or not finite) are no times at all
 STEP_TIMING_FIELDS = ("execute_seconds", "idle_seconds", "late_mask_wait_seconds", "swap_seconds")
 
@@ -55,7 +56,7 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     _require(len(ids) > 0, "prompt_token_ids is empty")
     _require(min(ids) >= 0 and max(ids) < vocab_size, f"prompt_token_ids outside the vocabulary [0, {vocab_size})")
     s = add.sampling
-    _finite("sampling.temperature", s.temperature, 0.0, 1e6, float32=True)
+    _finite("sampling.temperature", s.temperature, 0.0, FLOAT32_MAX, float32=True)  # any finite one: the validator's
     _finite("sampling.top_p", s.top_p, 0.0, 1.0, float32=True)  # 0 is the wire's unset value: off
     _finite("sampling.min_p", s.min_p, 0.0, 1.0, float32=True)
     _require(0 <= s.top_k <= vocab_size, f"sampling.top_k must be in [0, {vocab_size}]")

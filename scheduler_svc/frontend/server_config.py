@@ -6,6 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from scheduler_svc.core.message_checks import MAX_BEAM_WIDTH, MAX_LOGPROBS
+
 
 @dataclass
 class RequestLimits:
@@ -59,6 +61,11 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.limits.max_logprobs < 0 or self.limits.max_stop_strings < 0 or self.limits.max_beam_width < 0:
             raise ValueError("--max-logprobs, --max-stop-strings and --max-beam-width must be >= 0")
+        # past the scheduler's own limits, a request the front end accepts would be refused there (INTERNAL)
+        for flag, value, engine_limit in (("--max-logprobs", self.limits.max_logprobs, MAX_LOGPROBS),
+                                          ("--max-beam-width", self.limits.max_beam_width, MAX_BEAM_WIDTH)):
+            if value > engine_limit:
+                raise ValueError(f"{flag} must be <= {engine_limit} (the scheduler's limit), got {value}")
         if not self.stream_stall_timeout_s > 0:
             raise ValueError(f"--stream-stall-timeout-s must be > 0, got {self.stream_stall_timeout_s}")
         if self.max_receive_message_mb < 0:

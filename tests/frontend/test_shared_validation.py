@@ -17,7 +17,7 @@ from protos import generation_pb2 as pb
 from scheduler_svc.core.message_checks import check_add_request
 from scheduler_svc.entrypoints.llm import LLM
 from scheduler_svc.frontend.sampling_params import SamplingParams
-from scheduler_svc.frontend.server_config import RequestLimits
+from scheduler_svc.frontend.server_config import RequestLimits, ServerConfig
 from scheduler_svc.frontend.validation import InvalidArgument, validate_generate, validate_request
 
 VOCAB, MAX_MODEL_LEN, NUM_BLOCKS, BLOCK_SIZE = 1000, 128, 4, 16
@@ -196,7 +196,8 @@ def documented_params(draw) -> SamplingParams:
 
 
 @pytest.mark.parametrize("fields", [dict(top_k=VOCAB), dict(top_k=VOCAB + 1), dict(top_k=2**31 - 1),
-                                    dict(repetition_penalty=0.01), dict(temperature=0.01, top_p=0.01)])
+                                    dict(repetition_penalty=0.01), dict(temperature=0.01, top_p=0.01),
+                                    dict(temperature=3e38), dict(logprobs=LIMITS.max_logprobs)])
 def test_values_at_the_edges_the_front_end_accepts_pass_the_schedulers_own_checks(fields):
     """A top_k past the vocabulary keeps every token (sent as 0, off); a float32 0.01 is 0.01 on both sides. The
     scheduler refusing what the front end accepted would reach the client as INTERNAL (found by the gRPC fuzz)."""
@@ -273,3 +274,10 @@ def test_a_valid_constraint_reaches_every_engine_request_of_the_completion(wire,
         assert [add.constraint for add in adds] == [sent, sent]
     unconstrained = validate_request([5], SamplingParams(), READY, LIMITS).params.add_requests(["b"], [5])
     assert not unconstrained[0].HasField("constraint")
+
+
+@pytest.mark.parametrize("limits, flag", [(RequestLimits(max_logprobs=1025), "--max-logprobs"),
+                                          (RequestLimits(max_beam_width=1025), "--max-beam-width")])
+def test_a_server_limit_past_the_schedulers_own_is_refused_at_start_up(limits, flag):
+    with pytest.raises(ValueError, match=f"{flag} must be <= 1024"):
+        ServerConfig(limits=limits).validate()
