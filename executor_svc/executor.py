@@ -25,7 +25,7 @@ from executor_svc.late_masks import LateMaskError, wait_late_masks
 from executor_svc.seq_mirror import SequenceMirrors
 from executor_svc.step_profiler import StepProfiler
 from protos import engine_pb2
-from scheduler_svc.common.parent_watch import watch_parent
+from scheduler_svc.common.parent_watch import add_watch_parent_flag, watch_parent
 from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 
@@ -284,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the scheduler's executor socket (ZMQ address)")
     parser.add_argument("--dist-init-addr", default=os.environ.get("NANOSERVE_DIST_INIT_ADDR", "127.0.0.1:29500"),
                         help="host:port of rank 0 for torch.distributed when world size > 1")
-    parser.add_argument("--watch-parent", action="store_true", help="exit when the parent process dies")
+    add_watch_parent_flag(parser)
     parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s executor[{args.rank}] %(levelname)s %(message)s")
-    if args.watch_parent:
-        watch_parent()
+    if args.watch_parent is not None:
+        watch_parent(args.watch_parent)
     # SIGTERM (compose stop, a supervisor) ends the process cleanly: sockets closed, exit code 0
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     config = engine_config_from_args(args)

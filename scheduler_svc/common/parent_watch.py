@@ -1,5 +1,8 @@
 """A child role dies with the process that started it: it asks the kernel for SIGKILL when its parent
-dies (PR_SET_PDEATHSIG), and a watcher thread covers a parent that died before that was armed."""
+dies (PR_SET_PDEATHSIG), and a watcher thread backs that up. The launcher names itself on the command line
+(`--watch-parent PID`): a parent that died while the child was still importing (seconds, with torch) has
+already handed it to init, so the child cannot learn who its parent was from getppid(), and would live on
+(a serve SIGKILLed right after start left its scheduler and executor running, in CI)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,14 +20,16 @@ def die_with_parent() -> None:
         pass  # not Linux: --watch-parent still covers it
 
 
-def watch_parent() -> None:
-    """In a child role: exit when the process that started us is gone (backs up PR_SET_PDEATHSIG),
-    and leave Ctrl-C to the parent, which owns shutdown."""
+def watch_parent(parent_pid: int = 0) -> None:
+    """In a child role: exit when the process that started us (parent_pid; 0: whoever is our parent now) is
+    gone, backing up PR_SET_PDEATHSIG, and leave Ctrl-C to the parent, which owns shutdown."""
     import threading
     import time
 
-    parent_pid = os.getppid()
+    parent_pid = parent_pid or os.getppid()
     die_with_parent()
+    if os.getppid() != parent_pid:  # it died before the kernel was asked to tell us
+        os._exit(1)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -33,3 +38,9 @@ def watch_parent() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=watch, daemon=True, name="watch-parent").start()
+
+
+def add_watch_parent_flag(parser) -> None:
+    """`--watch-parent [PID]`: exit when PID (the launcher gives its own; alone: the parent at start) is gone."""
+    parser.add_argument("--watch-parent", nargs="?", type=int, const=0, default=None, metavar="PID",
+                        help="exit when this process (default: the parent at start) is gone")

@@ -16,7 +16,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protos import engine_pb2
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args
-from scheduler_svc.common.parent_watch import watch_parent
+from scheduler_svc.common.parent_watch import add_watch_parent_flag, watch_parent
 from scheduler_svc.core.engine_core import EngineCore
 from scheduler_svc.core.executor_registry import EngineLostError
 
@@ -90,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="ZMQ address to bind for frontends")
     parser.add_argument("--executor-addr", default=os.environ.get("NANOSERVE_EXECUTOR_ADDR", "tcp://127.0.0.1:5560"),
                         help="ZMQ address to bind for executors")
-    parser.add_argument("--watch-parent", action="store_true", help="exit when the parent process dies")
+    add_watch_parent_flag(parser)
     parser.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
-    if args.watch_parent:
-        watch_parent()
+    if args.watch_parent is not None:
+        watch_parent(args.watch_parent)
     transport = ZmqTransport(args.frontend_addr, args.executor_addr)
     core = EngineCore(engine_config_from_args(args), transport)
 

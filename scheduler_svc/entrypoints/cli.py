@@ -101,10 +101,10 @@ def _cmd_frontend(args: argparse.Namespace) -> int:
     from scheduler_svc.frontend.server_config import server_config_from_args
 
     _setup_logging(args.log_level)
-    if args.watch_parent:
+    if args.watch_parent is not None:
         from scheduler_svc.common.parent_watch import watch_parent
 
-        watch_parent()
+        watch_parent(args.watch_parent)
     return asyncio.run(run_frontend(server_config_from_args(args), args.scheduler_addr))
 
 
@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                           help="the scheduler's frontend socket (its --frontend-addr)")
     add_server_args(frontend)
     frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
-    frontend.add_argument("--watch-parent", action="store_true", help=argparse.SUPPRESS)  # serve's own front ends
+    frontend.add_argument("--watch-parent", nargs="?", type=int, const=0, default=None,
+                          help=argparse.SUPPRESS)  # serve's own front ends (parent_watch.add_watch_parent_flag)
     _add_client_parsers(sub.add_parser("client", help="call a running server"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")

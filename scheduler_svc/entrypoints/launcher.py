@@ -197,7 +197,7 @@ def _shutdown_all() -> None:
 def _spawn(argv: list[str], stdout, env: dict) -> subprocess.Popen:
     # No preexec_fn: running Python between fork and exec in a process whose gRPC threads are busy (serve
     # restarting an executor) crashed about one child in ten. The child arms PR_SET_PDEATHSIG itself
-    # (--watch-parent), and its watcher thread covers the instant before that.
+    # (--watch-parent PID), and exits at once if PID is gone by then; its watcher thread backs that up.
     return subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, env=env)
 
 
@@ -217,12 +217,13 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
         env.setdefault(name, value)
     stdout = open(log_path, "ab") if log_path else None
     flags = config.to_argv()
-    scheduler_argv = [sys.executable, "-m", "scheduler_svc.core.scheduler_process", "--watch-parent",
+    watch = ["--watch-parent", str(os.getpid())]  # named, so a child that outlives us while it starts still knows
+    scheduler_argv = [sys.executable, "-m", "scheduler_svc.core.scheduler_process", *watch,
                       "--frontend-addr", frontend_addr, "--executor-addr", executor_addr, *flags]
     scheduler = _spawn(scheduler_argv, stdout, env)
     dist_addr = f"127.0.0.1:{dist_port or _free_port()}"
     executor_argvs = [
-        [sys.executable, "-m", "executor_svc", "--watch-parent", "--rank", str(rank),
+        [sys.executable, "-m", "executor_svc", *watch, "--rank", str(rank),
          "--world-size", str(config.tensor_parallel_size), "--scheduler-addr", executor_addr,
          "--dist-init-addr", dist_addr, *flags]
         for rank in range(config.tensor_parallel_size)
@@ -238,7 +239,7 @@ def launch_engine(config: EngineConfig, log_path: str | None = None, dist_port: 
 
 def frontend_argv(procs: EngineProcesses, server_flags: list[str]) -> list[str]:
     """`nanoserve frontend` on this engine's scheduler, dying with us."""
-    return [sys.executable, "-m", "scheduler_svc.entrypoints.cli", "frontend", "--watch-parent",
+    return [sys.executable, "-m", "scheduler_svc.entrypoints.cli", "frontend", "--watch-parent", str(os.getpid()),
             "--scheduler-addr", procs.frontend_addr, *server_flags]
 
 

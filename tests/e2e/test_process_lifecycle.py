@@ -114,3 +114,32 @@ def test_no_child_process_survives_an_exception_in_the_caller(model, tmp_path):
         proc, pids = start_child(model, "exception", stderr)
         assert wait_exit(proc, stderr, 30) != 0
     assert wait_all_gone(pids) == []
+
+
+WATCHED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from scheduler_svc.common.parent_watch import watch_parent
+    watch_parent({parent_pid})
+    print("watching", flush=True)
+    time.sleep(30)
+""")
+
+
+def test_a_role_whose_named_launcher_died_while_it_started_exits_at_once():
+    """A launcher SIGKILLed while its children still import (seconds, with torch) has handed them to init
+    before they look: they must go by the pid they were given, not by the parent they find (CI once kept a
+    SIGKILLed serve's scheduler and executor running for the rest of the suite)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan = subprocess.run([sys.executable, "-c", WATCHED.format(repo=REPO, parent_pid=gone.pid)], cwd=REPO,
+                            capture_output=True, text=True, timeout=20)
+    assert orphan.returncode == 1 and "watching" not in orphan.stdout
+    kept = subprocess.Popen([sys.executable, "-c", WATCHED.format(repo=REPO, parent_pid=os.getpid())], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert kept.stdout.readline().strip() == "watching"  # its launcher (this process) lives: it stays
+        assert kept.poll() is None
+    finally:
+        kept.kill()
+        kept.wait()
