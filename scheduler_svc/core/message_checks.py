@@ -34,15 +34,19 @@ def _require(ok: bool, reason: str) -> None:
         raise BadMessage(reason)
 
 
-def _float32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
+def as_float32(x: float) -> float:
+    """x rounded to the wire's 32-bit float: 1e39 becomes inf there, 1e-46 becomes 0."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _finite(name: str, value: float, low: float, high: float, float32: bool = False) -> None:
     """float32: a 32-bit field, whose bounds are compared rounded alike, so that 0.01 accepts itself (as the
     front end's validator does; a double bound refused a float32 0.01 that the front end had let through)."""
     if float32:
-        low, high = _float32(low), _float32(high)
+        low, high = as_float32(low), as_float32(high)
     _require(math.isfinite(value) and low <= value <= high, f"{name} = {value} is not in [{low}, {high}]")
 
 
@@ -64,7 +68,7 @@ def check_add_request(add: engine_pb2.AddRequest, vocab_size: int, max_num_seqs:
     _finite("sampling.presence_penalty", s.presence_penalty, -100.0, 100.0, float32=True)
     _finite("sampling.frequency_penalty", s.frequency_penalty, -100.0, 100.0, float32=True)
     # 0 is the wire's unset value (no penalty); otherwise its reciprocal must stay a sane float32
-    _require(s.repetition_penalty == 0 or _float32(0.01) <= s.repetition_penalty <= 100.0,
+    _require(s.repetition_penalty == 0 or as_float32(0.01) <= s.repetition_penalty <= 100.0,
              f"sampling.repetition_penalty = {s.repetition_penalty} is not 0 (off) or in [0.01, 100]")
     _require(math.isfinite(s.repetition_penalty), "sampling.repetition_penalty is not finite")
     st = add.stopping

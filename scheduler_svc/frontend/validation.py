@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import struct
 from dataclasses import dataclass
 
 from protos import engine_pb2, generation_pb2
+from scheduler_svc.core.message_checks import as_float32
 from scheduler_svc.core.structured.grammars import MAX_CONSTRAINT_BYTES, grammar_error
 from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits
@@ -41,14 +41,6 @@ def check(ok: bool, message: str) -> None:
 
 
 # ---------------------------------------------------------------- numbers as the executor sees them
-
-
-def as_float32(x: float) -> float:
-    """x rounded to the wire's 32-bit float: 1e39 becomes inf there, 1e-46 becomes 0."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 @dataclass(frozen=True)
