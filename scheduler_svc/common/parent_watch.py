@@ -40,7 +40,10 @@ def watch_parent(parent_pid: int = 0) -> None:
     threading.Thread(target=watch, daemon=True, name="watch-parent").start()
 
 
-def add_watch_parent_flag(parser) -> None:
+def add_watch_parent_flag(parser, hidden: bool = False) -> None:
     """`--watch-parent [PID]`: exit when PID (the launcher gives its own; alone: the parent at start) is gone."""
+    import argparse
+
     parser.add_argument("--watch-parent", nargs="?", type=int, const=0, default=None, metavar="PID",
-                        help="exit when this process (default: the parent at start) is gone")
+                        help=argparse.SUPPRESS if hidden else "exit when this process (default: the parent at "
+                        "start) is gone")

@@ -344,7 +344,7 @@ class EngineCore:
         t.executor_idle_seconds += result.idle_seconds
         t.late_mask_wait_seconds += result.late_mask_wait_seconds
         t.measured_swap_seconds += result.swap_seconds
-        self.scheduler.preemption.costs.observe_step(step.out.num_batched_tokens, step.out.num_prefill_tokens, elapsed)
+        self.scheduler.preemption.costs.observe_step(step.out.num_prefill_tokens, elapsed)
         if not result.error:
             sampled = {s.seq_id: s for s in result.sampled}
             candidates = None

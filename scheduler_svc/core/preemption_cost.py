@@ -87,7 +87,7 @@ class PreemptionCosts:
     _beyond_decode: DecayedSums = field(default_factory=DecayedSums, repr=False)  # (prefill tokens, s - decode)
     _whole_step: DecayedSums = field(default_factory=DecayedSums, repr=False)  # (prefill tokens, s)
 
-    def observe_step(self, num_tokens: int, num_prefill_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_prefill_tokens: int, seconds: float) -> None:
         """Refine the estimates from a step that ran: a decode-only step the decode step's time, one carrying
         prefill a sample of the line premium + prefill tokens / rate over the time beyond a decode step."""
         if not (seconds > 0 and math.isfinite(seconds)) or num_prefill_tokens < 0:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from scheduler_svc.common.config import add_engine_args, engine_config_from_args
+from scheduler_svc.common.parent_watch import add_watch_parent_flag, watch_parent
 from scheduler_svc.entrypoints.sampling_args import add_sampling_args, constraint_from_args
 from scheduler_svc.frontend.server_config import add_server_args
 
@@ -102,8 +103,6 @@ def _cmd_frontend(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     if args.watch_parent is not None:
-        from scheduler_svc.common.parent_watch import watch_parent
-
         watch_parent(args.watch_parent)
     return asyncio.run(run_frontend(server_config_from_args(args), args.scheduler_addr))
 
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                           help="the scheduler's frontend socket (its --frontend-addr)")
     add_server_args(frontend)
     frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
-    frontend.add_argument("--watch-parent", nargs="?", type=int, const=0, default=None,
-                          help=argparse.SUPPRESS)  # serve's own front ends (parent_watch.add_watch_parent_flag)
+    add_watch_parent_flag(frontend, hidden=True)  # serve's own front ends
     _add_client_parsers(sub.add_parser("client", help="call a running server"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")

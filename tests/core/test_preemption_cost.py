@@ -81,7 +81,7 @@ def test_unmeasured_costs_count_as_infinite_and_auto_then_swaps_as_swap_mode_wou
 def test_decode_only_steps_set_the_decode_baseline_and_leave_the_calibrated_rate_alone():
     costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
     for _ in range(20):
-        costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.001)
+        costs.observe_step(num_prefill_tokens=0, seconds=0.001)
     assert costs.prefill_tokens_per_s == 1000.0 and costs.prefill_step_premium_s == 0.0
     assert costs.decode_step_s == pytest.approx(0.001)
 
@@ -89,13 +89,13 @@ def test_decode_only_steps_set_the_decode_baseline_and_leave_the_calibrated_rate
 def test_prefill_steps_before_any_decode_step_give_no_premium_and_keep_the_calibrated_rate():
     costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
     for x in (100, 2000, 16384, 700):  # the first admissions: nothing to measure the time beyond a decode against
-        costs.observe_step(num_tokens=x, num_prefill_tokens=x, seconds=0.5 + x / 2000.0)
+        costs.observe_step(num_prefill_tokens=x, seconds=0.5 + x / 2000.0)
     assert costs.prefill_tokens_per_s == 1000.0 and costs.prefill_step_premium_s == 0.0
 
 
 def test_without_a_calibration_the_rate_is_measured_from_whole_prefill_steps_until_the_fit_determines_it():
     unknown = PreemptionCosts()
-    unknown.observe_step(num_tokens=512, num_prefill_tokens=512, seconds=0.5)
+    unknown.observe_step(num_prefill_tokens=512, seconds=0.5)
     assert unknown.prefill_tokens_per_s == 1024  # all of the step charged to its tokens, as the calibration does
     assert unknown.prefill_step_premium_s == 0.0
 
@@ -103,8 +103,8 @@ def test_without_a_calibration_the_rate_is_measured_from_whole_prefill_steps_unt
 def test_the_premium_of_a_decode_step_carrying_prefill_is_learned_from_steps_and_charged_once_per_recompute():
     costs = PreemptionCosts(**H200, prefill_tokens_per_s=900_000.0)  # the H200's calibrated rate (session 7)
     for _ in range(40):  # a graph-replayed decode step of 5 ms, then one carrying 90 prefill tokens in 11.1 ms
-        costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.005)
-        costs.observe_step(num_tokens=346, num_prefill_tokens=90, seconds=0.0111)
+        costs.observe_step(num_prefill_tokens=0, seconds=0.005)
+        costs.observe_step(num_prefill_tokens=90, seconds=0.0111)
     assert costs.decode_step_s == pytest.approx(0.005)
     assert costs.prefill_step_premium_s == pytest.approx(0.0111 - 0.005 - 90 / 900_000.0, rel=1e-3)
     tokens = 700  # a victim that computed 700 tokens, 44 blocks: swapping them out and in is ~3 ms
@@ -116,8 +116,8 @@ def test_the_premium_of_a_decode_step_carrying_prefill_is_learned_from_steps_and
 def test_a_premium_that_measures_below_zero_counts_as_none_and_noise_is_not_biased_up():
     costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
     for noise in [0.001, -0.001] * 50:  # a CPU: no graphs, a step carrying prefill costs just its tokens
-        costs.observe_step(num_tokens=10, num_prefill_tokens=0, seconds=0.1)
-        costs.observe_step(num_tokens=12, num_prefill_tokens=2, seconds=0.1 + 2 / 1000.0 + noise)
+        costs.observe_step(num_prefill_tokens=0, seconds=0.1)
+        costs.observe_step(num_prefill_tokens=2, seconds=0.1 + 2 / 1000.0 + noise)
     assert abs(costs.prefill_step_premium_s) < 0.001
     below = PreemptionCosts(prefill_tokens_per_s=1000.0, prefill_step_premium_s=-0.5)
     assert recompute_seconds(100, 0, below) == pytest.approx(0.1)
@@ -125,10 +125,10 @@ def test_a_premium_that_measures_below_zero_counts_as_none_and_noise_is_not_bias
 
 def run_steps(costs: PreemptionCosts, steps, premium: float, rate: float, decode_s: float, noise, rng) -> None:
     """Feed costs steps of (prefill tokens, decode rows) that take decode_s, plus premium + tokens / rate when
-    they carry prefill, plus noise."""
-    for prefill, decodes in steps:
+    they carry prefill, plus noise (the decode rows describe the mix; a step's cost does not see them)."""
+    for prefill, _decode_rows in steps:
         seconds = decode_s + (premium + prefill / rate if prefill else 0.0) + rng.uniform(-noise, noise)
-        costs.observe_step(prefill + decodes, prefill, seconds)
+        costs.observe_step(prefill, seconds)
 
 
 def workload_c_steps(rng: random.Random, num_steps: int, prefill_share: float, num_large: int):
@@ -171,11 +171,11 @@ def test_workload_c_learns_the_premium_that_mixed_steps_pay_and_then_swaps_its_v
 
 def test_steps_that_take_no_time_a_negative_time_or_no_finite_time_are_ignored():
     costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
-    costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.01)
+    costs.observe_step(num_prefill_tokens=0, seconds=0.01)
     before = repr(costs), costs.prefill_tokens_per_s, costs.prefill_step_premium_s, costs.decode_step_s
     for seconds in (0.0, -1.0, math.nan, math.inf, -math.inf):
-        costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=seconds)
-        costs.observe_step(num_tokens=356, num_prefill_tokens=100, seconds=seconds)
+        costs.observe_step(num_prefill_tokens=0, seconds=seconds)
+        costs.observe_step(num_prefill_tokens=100, seconds=seconds)
     assert (repr(costs), costs.prefill_tokens_per_s, costs.prefill_step_premium_s, costs.decode_step_s) == before
 
 
@@ -189,8 +189,8 @@ def assert_sane(costs: PreemptionCosts) -> None:
 def test_prefill_steps_all_of_one_size_keep_the_calibrated_rate_and_charge_the_rest_to_the_premium():
     costs = PreemptionCosts(prefill_tokens_per_s=1000.0)
     for _ in range(100):  # no spread in the prefill sizes: the slope cannot be told from the intercept
-        costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.01)
-        costs.observe_step(num_tokens=356, num_prefill_tokens=100, seconds=0.01 + 0.002 + 100 / 1000.0)
+        costs.observe_step(num_prefill_tokens=0, seconds=0.01)
+        costs.observe_step(num_prefill_tokens=100, seconds=0.01 + 0.002 + 100 / 1000.0)
     assert_sane(costs)
     assert costs.prefill_tokens_per_s == 1000.0 and costs.prefill_step_premium_s == pytest.approx(0.002)
 
@@ -200,22 +200,22 @@ DOWNHILL = ((100, 0.5), (400, 0.3), (1600, 0.1), (100, 0.2), (1600, 0.2))  # (pr
 
 def test_a_slope_at_or_below_zero_keeps_the_previous_rate():
     calibrated = PreemptionCosts(prefill_tokens_per_s=1000.0)
-    calibrated.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.01)
+    calibrated.observe_step(num_prefill_tokens=0, seconds=0.01)
     for _ in range(100):  # bigger prefill steps that run faster: a line sloping down
         for x, extra in DOWNHILL:
-            calibrated.observe_step(num_tokens=256 + x, num_prefill_tokens=x, seconds=0.01 + extra)
+            calibrated.observe_step(num_prefill_tokens=x, seconds=0.01 + extra)
             assert_sane(calibrated)
             assert calibrated.prefill_tokens_per_s == 1000.0
     fitted = PreemptionCosts(prefill_tokens_per_s=1000.0)
     for _ in range(50):  # a determined fit first: premium 2 ms, 4000 tokens/s
-        fitted.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.01)
+        fitted.observe_step(num_prefill_tokens=0, seconds=0.01)
         for x in (100, 400, 1600):
-            fitted.observe_step(num_tokens=256 + x, num_prefill_tokens=x, seconds=0.01 + 0.002 + x / 4000.0)
+            fitted.observe_step(num_prefill_tokens=x, seconds=0.01 + 0.002 + x / 4000.0)
     assert fitted.prefill_tokens_per_s == pytest.approx(4000.0)
     rates = []
     for _ in range(1000):  # then the downhill steps: the fit's slope falls through 0 and stays there
         for x, extra in DOWNHILL:
-            fitted.observe_step(num_tokens=256 + x, num_prefill_tokens=x, seconds=0.01 + extra)
+            fitted.observe_step(num_prefill_tokens=x, seconds=0.01 + extra)
             assert_sane(fitted)
             rates.append(fitted.prefill_tokens_per_s)
     assert min(rates) >= 4000.0 * 0.999 and len(set(rates[-2500:])) == 1
@@ -223,10 +223,10 @@ def test_a_slope_at_or_below_zero_keeps_the_previous_rate():
 
 def test_a_slope_near_zero_gives_a_finite_rate():
     costs = PreemptionCosts()
-    costs.observe_step(num_tokens=256, num_prefill_tokens=0, seconds=0.01)
+    costs.observe_step(num_prefill_tokens=0, seconds=0.01)
     for i in range(50):
         x = 100 * (1 + i % 5)
-        costs.observe_step(num_tokens=256 + x, num_prefill_tokens=x, seconds=0.01 + 0.003 + x * 1e-16)
+        costs.observe_step(num_prefill_tokens=x, seconds=0.01 + 0.003 + x * 1e-16)
     assert_sane(costs)
     assert costs.prefill_tokens_per_s <= MAX_PREFILL_TOKENS_PER_S
 
