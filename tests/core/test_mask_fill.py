@@ -60,9 +60,10 @@ def walked_matchers(lltokenizer, constraint: engine_pb2.Constraint, num_rows: in
     return matchers
 
 
-def filled(filler: MaskFiller, matchers: list[llguidance.LLMatcher]) -> engine_pb2.TokenBitmasks:
+def filled(filler: MaskFiller, matchers: list[llguidance.LLMatcher], lexers: list[int] | None = None
+           ) -> engine_pb2.TokenBitmasks:
     masks = engine_pb2.TokenBitmasks()
-    filler.fill(matchers, [100 + i for i in range(len(matchers))], masks)
+    filler.fill(matchers, [100 + i for i in range(len(matchers))], masks, lexers)
     return masks
 
 
@@ -75,9 +76,10 @@ def reference_words(matchers: list[llguidance.LLMatcher]) -> bytes:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(constraint=constraints(), num_rows=st.integers(1, 2 * PARALLEL_FROM_ROWS), seed=st.integers(0, 2**16))
+@given(constraint=constraints(), num_rows=st.integers(1, 2 * PARALLEL_FROM_ROWS), seed=st.integers(0, 2**16),
+       data=st.data())
 def test_the_pool_and_the_loops_own_thread_fill_bit_for_bit_llguidances_masks(lltokenizer, constraint, num_rows,
-                                                                               seed):
+                                                                               seed, data):
     # the same walk on fresh compiles: each fill meets lexer states its grammar has not built yet
     def walk() -> list[llguidance.LLMatcher]:
         return walked_matchers(lltokenizer, constraint, num_rows, np.random.default_rng(seed))
@@ -87,7 +89,20 @@ def test_the_pool_and_the_loops_own_thread_fill_bit_for_bit_llguidances_masks(ll
         masks = filled(MaskFiller(VOCAB, num_threads=threads), walk())
         assert masks.words == expected
         assert list(masks.seq_ids) == [100 + i for i in range(num_rows)] and masks.num_words == VOCAB // 32
+    # the pool takes the rows grouped by lexer, yet each lands in its sequence's row
+    lexers = data.draw(st.lists(st.integers(0, 3), min_size=num_rows, max_size=num_rows))
+    assert filled(MaskFiller(VOCAB, num_threads=4), walk(), lexers).words == expected
     assert all(len(allowed_tokens(row)) for row in masks_of(masks).values())  # every row allows something
+
+
+def test_the_pool_gets_each_lexers_rows_as_one_run(lltokenizer, monkeypatch):
+    # rows sharing a lexer take turns on its lock: interleaved, every pool thread would wait on the same one
+    handed = []
+    monkeypatch.setattr(mask_fill, "fill_next_token_bitmask_par", lambda pool, jobs, rows: handed.extend(jobs))
+    matchers = walked_matchers(lltokenizer, engine_pb2.Constraint(regex="[a-z]{1,20}"), 9, np.random.default_rng(2))
+    filled(MaskFiller(VOCAB, num_threads=3), matchers, [i % 3 for i in range(9)])
+    assert [row for _, row in handed] == [0, 3, 6, 1, 4, 7, 2, 5, 8]
+    assert [m for m, _ in handed] == [matchers[row] for _, row in handed]
 
 
 def test_a_filler_reused_for_fewer_rows_sends_only_those_rows(lltokenizer):

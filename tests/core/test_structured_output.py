@@ -205,6 +205,8 @@ def test_a_grammar_gets_as_many_lexers_as_fill_threads_and_its_sequences_are_spr
     out = sched.schedule()  # every prompt in one step: seven first masks
     assert out.token_bitmasks is not None and len(out.token_bitmasks.seq_ids) == 7
     assert entry.templates == states and entry.num_started == 7  # round robin over all three
+    # the filler is told each row's lexer, to hand the pool one lexer's rows together
+    assert [sched.structured._lexer_of[seq.seq_id] for seq in seqs] == [0, 1, 2, 0, 1, 2, 0]
     one = make_scheduler(embedded_model, mask_fill_threads=1)
     one.add(new_seq(one, constraint=json_constraint(PERSON)))
     wait_compiled(one)

@@ -34,8 +34,10 @@ class MaskFiller:
         self._pool: llguidance.LLExecutor | None = None  # made on the first parallel fill
         self._bitmask = np.zeros((0, self.num_words), dtype=np.int32)  # grown to the most rows a step masked
 
-    def fill(self, matchers: list[llguidance.LLMatcher], seq_ids: list[int], into: engine_pb2.TokenBitmasks) -> None:
-        """Each matcher's allowed next tokens, row i for matchers[i], written into `into` (a fresh message)."""
+    def fill(self, matchers: list[llguidance.LLMatcher], seq_ids: list[int], into: engine_pb2.TokenBitmasks,
+             lexers: list[int] | None = None) -> None:
+        """Each matcher's allowed next tokens, row i for matchers[i], written into `into` (a fresh message).
+        lexers: which lexer each matcher shares (its grammar's CompiledGrammar.initial_states index)."""
         n = len(matchers)
         if n > len(self._bitmask):
             self._bitmask = np.zeros((max(n, 2 * len(self._bitmask)), self.num_words), dtype=np.int32)
@@ -43,7 +45,13 @@ class MaskFiller:
         if self.num_threads > 1 and n >= PARALLEL_FROM_ROWS:
             if self._pool is None:
                 self._pool = llguidance.LLExecutor(self.num_threads)
-            fill_next_token_bitmask_par(self._pool, list(zip(matchers, range(n))), rows)
+            jobs = list(zip(matchers, range(n)))
+            if lexers is not None:
+                # rows sharing a lexer take turns on its lock, so give each pool thread a run of one lexer's
+                # rows: the pool splits the list into contiguous runs (rayon), and interleaved rows would put
+                # every thread on the same lexer at once
+                jobs = [jobs[i] for i in sorted(range(n), key=lexers.__getitem__)]
+            fill_next_token_bitmask_par(self._pool, jobs, rows)
         else:
             address, row_bytes = rows.ctypes.data, rows.shape[1] * rows.itemsize
             for i, matcher in enumerate(matchers):  # what fill_next_token_bitmask does, the checks done once above

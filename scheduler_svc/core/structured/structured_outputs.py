@@ -63,6 +63,7 @@ class StructuredOutputs:
         self._grammar_of: dict[int, str] = {}  # seq_id -> its grammar text, for every live constrained sequence
         self._in_use: dict[str, _InUse] = {}
         self._unspread: dict[int, str] = {}  # seq_id -> its grammar, for sequences whose matcher has had no mask yet
+        self._lexer_of: dict[int, int] = {}  # seq_id -> which of its grammar's lexers its matcher shares
         # seq_id -> (token, finish reason, error): its matcher has taken a token that postprocess has not applied yet
         self._ahead: dict[int, tuple[int, int, str]] = {}
         self.counters = StructuredCounters()
@@ -128,16 +129,18 @@ class StructuredOutputs:
         latest = self.compiler.get(grammar)
         if latest is not None and len(latest.initial_states) > len(entry.templates):
             entry.templates = latest.initial_states
-        template = entry.templates[entry.num_started % len(entry.templates)]
+        lexer = entry.num_started % len(entry.templates)
         entry.num_started += 1
-        if template is not entry.templates[0]:
-            self.matchers[seq_id] = template.deep_copy()
+        self._lexer_of[seq_id] = lexer
+        if lexer:
+            self.matchers[seq_id] = entry.templates[lexer].deep_copy()
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended: its matcher goes, and its grammar's hold once no live sequence uses it."""
         self.compiling.pop(seq.seq_id, None)
         self._ahead.pop(seq.seq_id, None)
         self._unspread.pop(seq.seq_id, None)
+        self._lexer_of.pop(seq.seq_id, None)
         grammar = self._grammar_of.pop(seq.seq_id, None)
         if self.matchers.pop(seq.seq_id, None) is not None:
             entry = self._in_use[grammar]
@@ -187,7 +190,8 @@ class StructuredOutputs:
         for seq in seqs:
             if seq.seq_id in self._unspread:
                 self._spread(seq.seq_id)
-        self.filler.fill([self.matchers[seq.seq_id] for seq in seqs], [seq.seq_id for seq in seqs], into)
+        self.filler.fill([self.matchers[seq.seq_id] for seq in seqs], [seq.seq_id for seq in seqs], into,
+                         [self._lexer_of.get(seq.seq_id, 0) for seq in seqs])
         c = self.counters
         c.num_token_masks += len(seqs)
         c.token_mask_seconds += time.perf_counter() - t0
