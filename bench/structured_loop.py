@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from bench.nanovllm_workload import workload  # noqa: E402
 from bench.structured import NESTED, QWEN3_EOS, QWEN3_VOCAB, percentile  # noqa: E402
 from bench.synthetic_tokenizer import write_synthetic_tokenizer  # noqa: E402
-from executor_svc.seq_mirror import SequenceMirrors  # noqa: E402
+from executor_svc.seq_mirror import SequenceMirrors, mask_table  # noqa: E402
 from protos import engine_pb2  # noqa: E402
 from scheduler_svc.common.config import EngineConfig  # noqa: E402
 from scheduler_svc.core.engine_core import EngineCore  # noqa: E402
@@ -67,8 +67,8 @@ class FakeRank0:
         if not msg.HasField(name):
             return {}
         masks = getattr(msg, name)
-        words = np.frombuffer(masks.words, dtype="<u4").reshape(len(masks.seq_ids), masks.num_words)
-        return dict(zip(masks.seq_ids, words))
+        words, rows = mask_table(masks)
+        return {seq_id: words[row].view("<u4") for seq_id, row in zip(masks.seq_ids, rows)}
 
     def draw(self, row: np.ndarray) -> int:
         word = int(self.rng.choice(np.flatnonzero(row)))

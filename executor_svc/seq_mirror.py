@@ -129,14 +129,30 @@ class SequenceMirrors:
             seq.num_pending -= 1
 
 
+def mask_table(masks: engine_pb2.TokenBitmasks) -> tuple[np.ndarray, list[int]]:
+    """A TokenBitmasks message as (its words, int32 [R, W], a view of the message's bytes; the row of each of its
+    seq_ids). Raises RuntimeError for one whose sizes or rows do not fit together."""
+    data = masks.words  # each read of a bytes field copies it out of the message: read it once
+    num_masks, num_words = len(masks.seq_ids), masks.num_words
+    rows = list(masks.rows) if masks.rows else list(range(num_masks))
+    num_rows = len(data) // (num_words * 4) if num_words > 0 else 0
+    if num_words <= 0 or len(data) != num_rows * num_words * 4 or len(rows) != num_masks:
+        raise RuntimeError(f"token_bitmasks hold {len(data)} bytes and {len(masks.rows)} rows, not masks of "
+                           f"{num_words} words for {num_masks} seqs")
+    if rows and max(rows) >= num_rows or num_rows > num_masks:
+        raise RuntimeError(f"token_bitmasks name rows up to {max(rows, default=-1)} of {num_rows} for {num_masks} seqs")
+    return np.frombuffer(data, dtype="<i4").reshape(num_rows, num_words), rows
+
+
 def attach_token_masks(step_id: int, masks: engine_pb2.TokenBitmasks, chunks: list[ScheduledChunk]) -> None:
     """Give each constrained chunk that samples its row of the bitmasks (a view, no copy)."""
-    num_rows, num_words = len(masks.seq_ids), masks.num_words
-    if num_words <= 0 or len(masks.words) != num_rows * num_words * 4:
-        raise RuntimeError(f"plan {step_id}: token_bitmasks hold {len(masks.words)} bytes, not {num_rows} masks "
-                           f"of {num_words} words")
-    words = np.frombuffer(masks.words, dtype="<i4").reshape(num_rows, num_words)
-    row_of = {seq_id: i for i, seq_id in enumerate(masks.seq_ids)}
+    try:
+        words, rows = mask_table(masks)
+    except RuntimeError as exc:
+        raise RuntimeError(f"plan {step_id}: {exc}") from None
+    row_of = dict(zip(masks.seq_ids, rows))
+    if len(row_of) != len(rows):
+        raise RuntimeError(f"plan {step_id}: token_bitmasks name a seq twice")
     for chunk in chunks:
         row = row_of.pop(chunk.seq.seq_id, None)
         if row is not None:

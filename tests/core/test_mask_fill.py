@@ -67,6 +67,11 @@ def filled(filler: MaskFiller, matchers: list[llguidance.LLMatcher], lexers: lis
     return masks
 
 
+def sent_words(masks: engine_pb2.TokenBitmasks) -> bytes:
+    """Every sequence's mask, in order, as rank 0 reads them (a mask sent once for several counts for each)."""
+    return b"".join(row.tobytes() for row in masks_of(masks).values())
+
+
 def reference_words(matchers: list[llguidance.LLMatcher]) -> bytes:
     """The rows as llguidance.numpy's own one-row fill writes them."""
     mask = allocate_token_bitmask(len(matchers), VOCAB)
@@ -87,11 +92,11 @@ def test_the_pool_and_the_loops_own_thread_fill_bit_for_bit_llguidances_masks(ll
     expected = reference_words(walk())
     for threads in (1, 4):  # with 4, the rows go to the pool from PARALLEL_FROM_ROWS on
         masks = filled(MaskFiller(VOCAB, num_threads=threads), walk())
-        assert masks.words == expected
+        assert sent_words(masks) == expected
         assert list(masks.seq_ids) == [100 + i for i in range(num_rows)] and masks.num_words == VOCAB // 32
     # the pool takes the rows grouped by lexer, yet each lands in its sequence's row
     lexers = data.draw(st.lists(st.integers(0, 3), min_size=num_rows, max_size=num_rows))
-    assert filled(MaskFiller(VOCAB, num_threads=4), walk(), lexers).words == expected
+    assert sent_words(filled(MaskFiller(VOCAB, num_threads=4), walk(), lexers)) == expected
     assert all(len(allowed_tokens(row)) for row in masks_of(masks).values())  # every row allows something
 
 
@@ -111,8 +116,40 @@ def test_a_filler_reused_for_fewer_rows_sends_only_those_rows(lltokenizer):
     filler = MaskFiller(VOCAB, num_threads=4)
     filled(filler, matchers)
     two = filled(filler, matchers[:2])  # the filler's rows 2..7 still hold the first fill
-    assert list(two.seq_ids) == [100, 101] and len(two.words) == 2 * (VOCAB // 32) * 4
+    assert list(two.seq_ids) == [100, 101] and sent_words(two) == reference_words(matchers[:2])
     assert two == filled(MaskFiller(VOCAB, num_threads=1), matchers[:2])
+
+
+def test_sequences_at_one_point_of_a_grammar_send_their_mask_once(lltokenizer):
+    template = llguidance.LLMatcher(lltokenizer, grammar_of(engine_pb2.Constraint(regex="[a-z]{1,20}")), log_level=0)
+    other = walked_matchers(lltokenizer, engine_pb2.Constraint(regex="[0-9]{2,3}"), 1, np.random.default_rng(3))[0]
+    matchers = [template.deep_copy() for _ in range(5)] + [other] + [template.deep_copy()]
+    masks = filled(MaskFiller(VOCAB, num_threads=1), matchers)
+    assert list(masks.rows) == [0, 0, 0, 0, 0, 1, 0] and len(masks.words) == 2 * (VOCAB // 32) * 4
+    assert sent_words(masks) == reference_words(matchers)
+    distinct = filled(MaskFiller(VOCAB, num_threads=1), [template.deep_copy(), other])
+    assert not distinct.rows and len(distinct.words) == 2 * (VOCAB // 32) * 4  # nothing shared: no row list
+
+
+@settings(max_examples=50, deadline=None)
+@given(picks=st.lists(st.integers(0, 5), min_size=0, max_size=24), collide=st.booleans(), seed=st.integers(0, 99))
+def test_distinct_rows_rebuild_every_row_and_keep_no_mask_twice(picks, collide, seed):
+    pool = np.random.default_rng(seed).integers(-2**31, 2**31, size=(6, 7), dtype=np.int64).astype(np.int32)
+    pool[5] = pool[4]
+    pool[3, -1] ^= 1  # rows 2 and 3 differ in a single bit
+    pool[2] = pool[3]
+    pool[2, -1] ^= 1
+    rows = pool[picks] if picks else np.zeros((0, 7), dtype=np.int32)
+    hash_row = mask_fill.xxhash.xxh3_64_intdigest
+    try:
+        if collide:  # every row has one hash: equality alone must tell them apart
+            mask_fill.xxhash.xxh3_64_intdigest = lambda row: 7
+        keep, index = mask_fill.distinct_rows(rows)
+    finally:
+        mask_fill.xxhash.xxh3_64_intdigest = hash_row
+    assert np.array_equal(rows[keep][index], rows)
+    assert len({rows[i].tobytes() for i in keep}) == len(keep)
+    assert keep == sorted(keep) and [int(index[i]) for i in keep] == list(range(len(keep)))
 
 
 def test_few_rows_are_filled_without_the_pool_and_one_thread_never_makes_one(lltokenizer, monkeypatch):

@@ -158,13 +158,31 @@ def test_the_fused_draw_gets_each_rows_own_mask_and_the_messages_words_uncopied(
         assert words is next(c.mask_words for c in chunks if c.token_mask is not None)
 
 
-@pytest.mark.parametrize("words, seq_ids, why", [
-    (b"\0" * 12, [1], "hold 12 bytes, not 1 masks of 2 words"),
-    (b"\0" * 8, [9], "for seqs [9] that the step does not run"),
+def test_a_mask_sent_once_for_several_sequences_reaches_each_of_them():
+    shared, own = bitmask([4, 5], 64), bitmask([9], 64)
+    seqs = [new_seq(i, [1, 2], i) for i in (1, 2, 3, 4)]
+    plan = plan_with_masks(1, seqs, {}, 2)
+    plan.token_bitmasks.CopyFrom(engine_pb2.TokenBitmasks(seq_ids=[4, 1, 3], num_words=2, rows=[0, 1, 0],
+                                                          words=shared.tobytes() + own.tobytes()))
+    chunks = SequenceMirrors().apply(plan)
+    assert chunks[1].token_mask is None
+    for chunk, mask in ((chunks[0], own), (chunks[2], shared), (chunks[3], shared)):
+        assert np.array_equal(chunk.token_mask, mask)
+    rows, words = draw_masks(chunks)
+    assert rows.tolist() == [1, -1, 0, 0] and words is chunks[0].mask_words  # the two rows as they came
+
+
+@pytest.mark.parametrize("words, seq_ids, rows, why", [
+    (b"\0" * 12, [1], [], "hold 12 bytes and 0 rows, not masks of 2 words for 1 seqs"),
+    (b"\0" * 8, [9], [], "for seqs [9] that the step does not run"),
+    (b"\0" * 8, [1, 2], [0], "hold 8 bytes and 1 rows, not masks of 2 words for 2 seqs"),  # a row list too short
+    (b"\0" * 8, [1, 2], [0, 1], "name rows up to 1 of 1 for 2 seqs"),  # a row past the words
+    (b"\0" * 24, [1, 2], [0, 1], "name rows up to 1 of 3 for 2 seqs"),  # more masks than sequences
+    (b"\0" * 8, [1, 1], [0, 0], "name a seq twice"),
 ])
-def test_masks_that_do_not_fit_the_plan_fail_the_step(words, seq_ids, why):
-    plan = plan_with_masks(1, [new_seq(1, [1, 2], 0)], {}, 2)
-    plan.token_bitmasks.CopyFrom(engine_pb2.TokenBitmasks(seq_ids=seq_ids, num_words=2, words=words))
+def test_masks_that_do_not_fit_the_plan_fail_the_step(words, seq_ids, rows, why):
+    plan = plan_with_masks(1, [new_seq(1, [1, 2], 0), new_seq(2, [3], 1)], {}, 2)
+    plan.token_bitmasks.CopyFrom(engine_pb2.TokenBitmasks(seq_ids=seq_ids, num_words=2, words=words, rows=rows))
     with pytest.raises(RuntimeError, match=re.escape(why)):
         SequenceMirrors().apply(plan)
 

@@ -12,6 +12,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from executor_svc.seq_mirror import mask_table
 from protos import engine_pb2
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_output import SchedulerOutput
@@ -28,8 +29,8 @@ def masks_of(masks: engine_pb2.TokenBitmasks | None) -> dict[int, np.ndarray]:
     """A step's masks by sequence id."""
     if masks is None:
         return {}
-    words = np.frombuffer(masks.words, dtype="<i4").reshape(len(masks.seq_ids), masks.num_words)
-    return dict(zip(masks.seq_ids, words))
+    words, rows = mask_table(masks)
+    return {seq_id: words[row] for seq_id, row in zip(masks.seq_ids, rows)}
 
 
 def allowed_tokens(words: np.ndarray) -> np.ndarray:

@@ -4,7 +4,9 @@ they are packed straight into the TokenBitmasks message that carries them.
 A mask is ceil(V / 32) int32 words (151,936 tokens: 19 KB a row, 2.4 MB for 128 rows), so the copies count as
 much as the fill on rank 0's critical path (DESIGN.md "Structured output"): the rows are written into one
 reused array and copied once into the message, which the caller builds in its envelope (a protobuf
-constructor given a message copies it whole). A few rows, or all of them with one thread, are filled in this
+constructor given a message copies it whole). Identical rows go once (TokenBitmasks.rows): sequences at one
+point of a grammar (inside a free string, at a key) have one mask, and every copy after this one (the
+serialization, the socket, rank 0's parse and upload) moves each byte. A few rows, or all of them with one thread, are filled in this
 thread, straight into the array: handing them to the pool costs more than it saves, and llguidance.numpy's
 per-row wrapper checks the array again for every row (a third of a warm row's time).
 """
@@ -14,12 +16,46 @@ import os
 
 import llguidance
 import numpy as np
+import xxhash
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from protos import engine_pb2
 
 MAX_DEFAULT_THREADS = 8  # the step loop, the executors and the front ends share the machine
 PARALLEL_FROM_ROWS = 8  # fewer rows are filled in this thread (a warm row takes 5-10 us, the hand-off ~10 us)
+
+
+def distinct_rows(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """(the first row of each distinct mask, in order; for each row, the index of its mask in that list).
+    Rows are grouped by hash, and a row joins a group only if its bytes equal the group's first row's, so a
+    hash collision costs a mask sent twice, never a wrong one. About 1 us a row and 2 us a repeat (151,936
+    tokens), against some 20 us of copies saved for each repeat (this side's packing and serializing, rank
+    0's parse and upload)."""
+    first: dict[int, list[tuple[int, bytes]]] = {}  # hash -> (index into keep, bytes) of its distinct masks
+    keep: list[int] = []
+    index = np.empty(len(rows), dtype=np.uint32)
+    for i, row in enumerate(rows):
+        h = xxhash.xxh3_64_intdigest(row)
+        same = first.get(h)
+        if same is None:
+            first[h] = [(len(keep), b"")]  # its bytes are taken only if another row has its hash
+        else:
+            data = row.tobytes()
+            for g, (j, kept) in enumerate(same):
+                if not kept:
+                    kept = rows[keep[j]].tobytes()
+                    same[g] = (j, kept)
+                if kept == data:
+                    index[i] = j
+                    break
+            else:
+                same.append((len(keep), data))
+                index[i] = len(keep)
+                keep.append(i)
+            continue
+        index[i] = len(keep)
+        keep.append(i)
+    return keep, index
 
 
 def default_fill_threads() -> int:
@@ -58,4 +94,8 @@ class MaskFiller:
                 matcher.unsafe_compute_mask_ptr(address + i * row_bytes, row_bytes)
         into.seq_ids.extend(seq_ids)
         into.num_words = self.num_words
+        keep, index = distinct_rows(rows)
+        if len(keep) < n:
+            into.rows.extend(index.tolist())
+            rows = rows[keep]
         into.words = rows.astype("<i4", copy=False).tobytes()
