@@ -143,7 +143,12 @@ def run_one(args, name: str, mode: str, policy: str, prompts, max_tokens, num_bl
         estimated_recompute_s=d("estimated_recompute_seconds"), measured_recompute_s=d("measured_recompute_seconds"),
         prefill_tokens_per_s=after.prefill_tokens_per_s, prefill_step_premium_s=after.prefill_step_premium_seconds,
         probe_steps_to_first_token=got["probe_steps_to_first_token"],
-        probe_seconds_to_first_token=got["probe_seconds_to_first_token"])
+        probe_seconds_to_first_token=got["probe_seconds_to_first_token"],
+        # where the time went: one schedule can take the same steps in either mode and still differ in their
+        # time (workload a, session 8); these say whether prefill or decode steps, the executor or the wait
+        steps=d("num_steps"), mixed_steps=d("num_mixed_steps"), prefill_tokens=d("num_prefill_tokens"),
+        prefill_steps_s=d("prefill_step_seconds"), decode_steps_s=d("decode_step_seconds"),
+        executor_busy_s=d("executor_busy_seconds"), executor_idle_s=d("executor_idle_seconds"))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -157,6 +162,15 @@ def print_table(rows: list[dict]) -> None:
               f"{r['swaps']:>5}/{r['recomputes']:<5} {r['estimated_swap_s']:>7.3f}/{r['measured_swap_s']:<7.3f} "
               f"{r['estimated_recompute_s']:>8.3f}/{r['measured_recompute_s']:<8.3f} {r['priority_preemptions']:>8} "
               f"{'-' if probe is None else probe:>11}")
+
+
+def print_time_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':>15} {'mode':>9} {'policy':>14} {'steps':>6} {'mixed':>6} {'prefill tok':>11} "
+          f"{'prefill steps s':>15} {'decode steps s':>14} {'exec busy s':>11} {'exec idle s':>11}")
+    for r in rows:
+        print(f"{r['workload']:>15} {r['mode']:>9} {r['policy']:>14} {r['steps']:>6} {r['mixed_steps']:>6} "
+              f"{r['prefill_tokens']:>11} {r['prefill_steps_s']:>15.3f} {r['decode_steps_s']:>14.3f} "
+              f"{r['executor_busy_s']:>11.3f} {r['executor_idle_s']:>11.3f}")
 
 
 def main() -> None:
@@ -196,6 +210,7 @@ def main() -> None:
     print(f"\npreemption: {num_seqs} sequences per workload, {args.model_shape}, KV pool {args.pool_fraction:.2f} "
           f"of the batch's blocks")
     print_table(rows)
+    print_time_table(rows)
     verdicts = auto_verdicts(rows)
     print_verdicts(verdicts)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
