@@ -148,7 +148,18 @@ def run_one(args, name: str, mode: str, policy: str, prompts, max_tokens, num_bl
         # time (workload a, session 8); these say whether prefill or decode steps, the executor or the wait
         steps=d("num_steps"), mixed_steps=d("num_mixed_steps"), prefill_tokens=d("num_prefill_tokens"),
         prefill_steps_s=d("prefill_step_seconds"), decode_steps_s=d("decode_step_seconds"),
-        executor_busy_s=d("executor_busy_seconds"), executor_idle_s=d("executor_idle_seconds"))
+        executor_busy_s=d("executor_busy_seconds"), executor_idle_s=d("executor_idle_seconds"),
+        slow_steps=slow_steps(before, after, SLOW_STEP_S))
+
+
+SLOW_STEP_S = 0.2  # a step this long on the H200 is a stall (a compile, a capture), not work
+
+
+def slow_steps(before, after, over_s: float) -> int:
+    """Steps in the measured window that took longer than over_s, from the scheduler's bucket counts."""
+    bounds = list(after.step_seconds_bounds)
+    return sum(a - b for bound, a, b in zip([*bounds, float("inf")], after.step_seconds_counts,
+                                             before.step_seconds_counts) if bound > over_s)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -166,11 +177,12 @@ def print_table(rows: list[dict]) -> None:
 
 def print_time_table(rows: list[dict]) -> None:
     print(f"\n{'workload':>15} {'mode':>9} {'policy':>14} {'steps':>6} {'mixed':>6} {'prefill tok':>11} "
-          f"{'prefill steps s':>15} {'decode steps s':>14} {'exec busy s':>11} {'exec idle s':>11}")
+          f"{'prefill steps s':>15} {'decode steps s':>14} {'exec busy s':>11} {'exec idle s':>11} "
+          f"{'steps > ' + str(SLOW_STEP_S) + ' s':>12}")
     for r in rows:
         print(f"{r['workload']:>15} {r['mode']:>9} {r['policy']:>14} {r['steps']:>6} {r['mixed_steps']:>6} "
               f"{r['prefill_tokens']:>11} {r['prefill_steps_s']:>15.3f} {r['decode_steps_s']:>14.3f} "
-              f"{r['executor_busy_s']:>11.3f} {r['executor_idle_s']:>11.3f}")
+              f"{r['executor_busy_s']:>11.3f} {r['executor_idle_s']:>11.3f} {r['slow_steps']:>12}")
 
 
 def main() -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from google.protobuf.message import DecodeError
@@ -61,12 +62,19 @@ class InFlightStep:
     launched_at: float
 
 
+# Steps by wall time (SchedulerStats.step_seconds_counts): a decode step is a few ms on a GPU, tens to hundreds
+# on the CPU; a Triton compile or a CUDA graph capture inside a step takes a second or more.
+STEP_SECONDS_BOUNDS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
 @dataclass
 class StepTimings:
     """Wall-clock accounting of the step loop, named as the fields of engine_pb2.SchedulerStats."""
 
     prefill_step_seconds: float = 0.0
     decode_step_seconds: float = 0.0
+    step_seconds_bounds: tuple[float, ...] = STEP_SECONDS_BOUNDS
+    step_seconds_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_SECONDS_BOUNDS) + 1))
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0
     late_mask_wait_seconds: float = 0.0
@@ -339,6 +347,7 @@ class EngineCore:
             t.prefill_step_seconds += elapsed
         else:
             t.decode_step_seconds += elapsed
+        t.step_seconds_counts[bisect_left(STEP_SECONDS_BOUNDS, elapsed)] += 1
         self.last_result_at = now
         t.executor_busy_seconds += result.execute_seconds
         t.executor_idle_seconds += result.idle_seconds

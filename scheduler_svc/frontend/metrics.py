@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
 
 from protos import engine_pb2
 
@@ -81,6 +82,8 @@ class Metrics:
             "estimated_recompute_seconds": cost.labels("recompute", "estimated"),
             "measured_recompute_seconds": cost.labels("recompute", "measured"),
         }.items()})
+        self.step_durations = _StepDurations()
+        r.register(self.step_durations)
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
                                           "Front-end time turning engine outputs into text deltas "
                                           "(incremental detokenizer and stop strings), added as each request ends",
@@ -103,6 +106,7 @@ class Metrics:
         self.prefill_premium.set(s.prefill_step_premium_seconds)
         for name, cumulative in self._cumulative.items():
             cumulative.update(getattr(s, name))
+        self.step_durations.update(s)
 
     def start_request(self) -> "RequestTimer":
         return RequestTimer(self)
@@ -120,6 +124,48 @@ class _FromCumulative:
             self.seen = 0
         self.counter.inc(value - self.seen)
         self.seen = value
+
+
+class _StepDurations:
+    """nanoserve_step_duration_seconds: the scheduler's steps by wall time, a Prometheus histogram made from
+    its bucket counts (SchedulerStats.step_seconds_counts), which restart at 0 with the scheduler."""
+
+    NAME = "nanoserve_step_duration_seconds"
+
+    def __init__(self) -> None:
+        self.bounds: tuple[float, ...] = ()
+        self.counts: list[int] = []  # per bucket, over every scheduler this front end has seen
+        self.seconds = 0.0
+        self._seen: tuple[list[int], float] = ([], 0.0)  # the current scheduler's counts and seconds
+
+    def update(self, s: engine_pb2.SchedulerStats) -> None:
+        counts, seconds = list(s.step_seconds_counts), s.prefill_step_seconds + s.decode_step_seconds
+        if not counts or len(counts) != len(s.step_seconds_bounds) + 1:
+            return  # a scheduler that does not count steps by time
+        bounds = tuple(s.step_seconds_bounds)
+        seen, seen_seconds = self._seen
+        if bounds != self.bounds:  # the first scheduler, or one bucketing differently: start over
+            self.bounds, self.counts, self.seconds, seen, seen_seconds = bounds, [0] * len(counts), 0.0, [], 0.0
+        if len(seen) != len(counts) or any(now < before for now, before in zip(counts, seen)):
+            seen, seen_seconds = [0] * len(counts), 0.0  # the scheduler restarted: its counts began again
+        self.counts = [total + now - before for total, now, before in zip(self.counts, counts, seen)]
+        self.seconds += max(0.0, seconds - seen_seconds)
+        self._seen = (counts, seconds)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.NAME, "Scheduler steps by wall time, from plan sent to result applied "
+                                       "(steps overlap under async scheduling: each counts from the later of its "
+                                       "launch and the result before it)")
+        if self.counts:
+            running, buckets = 0, []
+            for bound, count in zip((*self.bounds, float("inf")), self.counts):
+                running += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            family.add_metric([], buckets, sum_value=self.seconds)
+        yield family
+
+    def describe(self):
+        return [HistogramMetricFamily(self.NAME, "")]
 
 
 class RequestTimer:

@@ -64,3 +64,21 @@ def test_structured_output_counters_follow_the_schedulers_and_survive_its_restar
     assert value(metrics, "nanoserve_preemptions_total") == 2
     assert value(metrics, "nanoserve_late_mask_wait_seconds_total") == 1.0
     assert b"nanoserve_token_mask_seconds_total" in generate_latest(metrics.registry)
+
+
+def step_counts(counts: list[int], seconds: float) -> engine_pb2.SchedulerStats:
+    return stats(step_seconds_bounds=[0.01, 0.1, 1.0], step_seconds_counts=counts, decode_step_seconds=seconds)
+
+
+def test_the_step_duration_histogram_follows_the_schedulers_buckets_and_survives_its_restart():
+    metrics = Metrics()
+    name = "nanoserve_step_duration_seconds"
+    assert value(metrics, f"{name}_count") is None  # nothing before the first stats
+    metrics.update_from_stats(step_counts([5, 2, 0, 1], 3.0))
+    metrics.update_from_stats(step_counts([9, 3, 1, 1], 4.5))
+    assert [value(metrics, f"{name}_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [9, 12, 13, 14]
+    assert value(metrics, f"{name}_count") == 14 and value(metrics, f"{name}_sum") == 4.5
+    metrics.update_from_stats(step_counts([2, 0, 0, 0], 0.01))  # a new scheduler, counting from 0
+    assert [value(metrics, f"{name}_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [11, 14, 15, 16]
+    assert abs(value(metrics, f"{name}_sum") - 4.51) < 1e-9
+    assert b"nanoserve_step_duration_seconds_bucket" in generate_latest(metrics.registry)
