@@ -164,6 +164,15 @@ def test_constrained_requests_are_served_matching_their_constraint(server):
     assert stats.num_constrained_requests >= 2 and stats.num_masked_steps > 0 and stats.token_mask_seconds > 0
 
 
+def test_a_constraint_chained_deeper_than_a_threads_stack_is_served_and_the_server_lives_on(server):
+    # llguidance recurses once per rule: 5,000 of them overflowed a thread's 8 MiB stack, a segfault that
+    # killed the front end while validating, then the scheduler while compiling (grammar_threads.py)
+    rules = "\n".join(f"r{i}: r{i + 1}" for i in range(5000))
+    deep = sampled(grammar=f'start: r0\n{rules}\nr5000: "z"', max_tokens=4)
+    assert server.stub.Generate(deep, timeout=60).outputs[0].text == "z"
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_the_cli_client_sends_its_constraint_flags(server, tmp_path):
     def client(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "scheduler_svc.entrypoints.cli", "client", "generate", "Hi",
