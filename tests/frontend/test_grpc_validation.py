@@ -103,6 +103,8 @@ BAD_GENERATE = [
     ("invalid regex", sampled(regex="[a-"), "unclosed character class"),
     ("invalid grammar", sampled(grammar="start: greeting"), 'sampling.grammar: at 1(8): unknown name: "greeting"'),
     ("empty choice", sampled(choice=pb.Choices()), "sampling.choice needs at least one string"),
+    ("choice over the limit", sampled(choice=pb.Choices(choices=[f"option number {i}" for i in range(2001)])),
+     "sampling.choice: choice has 2001 strings; the limit is 2000"),
     ("constraint with beam search", sampled(beam_width=2, json_object=True),
      "sampling.json_object (structured output) does not apply to beam search"),
     ("two constraints", two_constraints(), "set only one of sampling.json_schema, sampling.json_object, "

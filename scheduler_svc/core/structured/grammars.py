@@ -20,6 +20,10 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 # on its event loop, the scheduler compiles it again), and real schemas are a few KiB.
 MAX_CONSTRAINT_BYTES = 2**18
 
+# A choice's strings at most: llguidance's parser keeps one item per string still possible (max_items_in_row,
+# 2000), so more strings that share their first token passed the checks and failed after the prompt's prefill.
+MAX_CHOICES = 2000
+
 INVALID = "invalid constraint: "  # how an error the request caused begins: the front end answers INVALID_ARGUMENT
 OVERLOADED = "structured output is overloaded: "  # how a refusal for lack of room begins: RESOURCE_EXHAUSTED
 
@@ -44,6 +48,8 @@ def grammar_of(constraint: engine_pb2.Constraint) -> str:
         choices = list(constraint.choice.choices)
         if not choices or not all(choices):
             raise ValueError("choice needs at least one string, and no empty one")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"choice has {len(choices)} strings; the limit is {MAX_CHOICES}")
         return llguidance.grammar_from("choice", choices)
     raise ValueError("the constraint has no kind set")
 
