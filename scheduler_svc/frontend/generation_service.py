@@ -23,6 +23,7 @@ import uuid
 import grpc
 
 from protos import engine_pb2, generation_pb2, generation_pb2_grpc
+from scheduler_svc.core.structured.grammars import INVALID, OVERLOADED
 from scheduler_svc.frontend import api_messages
 from scheduler_svc.frontend.async_engine_client import AsyncEngineClient, EngineLost
 from scheduler_svc.frontend.metrics import Metrics
@@ -31,7 +32,8 @@ from scheduler_svc.frontend.server_config import ServerConfig
 from scheduler_svc.frontend.stream_queue import StreamQueue
 from scheduler_svc.frontend.tokenization import TokenizerThreads, check_input_size
 from scheduler_svc.text.tokenizer import Tokenizer
-from scheduler_svc.frontend.validation import InvalidArgument, chat_token_ids, check_token_ids, validate_generate
+from scheduler_svc.frontend.validation import (InvalidArgument, Overloaded, chat_token_ids, check_token_ids,
+                                               validate_generate)
 
 NO_DEADLINE_S = 365 * 24 * 3600.0  # time_remaining() beyond this means the call has no deadline
 
@@ -46,8 +48,10 @@ def engine_error_status(error: str) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if "already in flight" in error:
         return grpc.StatusCode.ALREADY_EXISTS
-    if "leaves no room" in error or error.startswith("invalid constraint"):
+    if "leaves no room" in error or error.startswith(INVALID):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if error.startswith(OVERLOADED):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
 
 
@@ -103,6 +107,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             valid = await self.tokenizing.run(validate_generate, request, self.tokenizer, ready, self.config.limits)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         await self._admit(context)  # again: draining may have begun, or the engine gone, while it tokenized
         rid, params = request.request_id or uuid.uuid4().hex, valid.params
         if rid in self.requests:

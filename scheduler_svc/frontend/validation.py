@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from protos import engine_pb2, generation_pb2
 from scheduler_svc.core.message_checks import as_float32
+from scheduler_svc.core.structured.grammar_threads import GrammarBusy
 from scheduler_svc.core.structured.grammars import MAX_CONSTRAINT_BYTES, grammar_error
 from scheduler_svc.frontend.sampling_params import SamplingParams, from_api
 from scheduler_svc.frontend.server_config import RequestLimits
@@ -27,6 +28,10 @@ INT32_END = 2**31  # the wire's int32 fields hold values below this
 
 class InvalidArgument(ValueError):
     """The request is wrong; the message says which field and why."""
+
+
+class Overloaded(Exception):
+    """The request may be right but cannot be checked now (the gRPC service answers RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -136,7 +141,10 @@ def _check_constraint(p: SamplingParams) -> None:
         raise InvalidArgument(f"sampling.{kind}: {exc}") from exc
     size = constraint.ByteSize()
     check(size <= MAX_CONSTRAINT_BYTES, f"sampling.{kind} is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}")
-    error = grammar_error(constraint)
+    try:
+        error = grammar_error(constraint)
+    except GrammarBusy as exc:
+        raise Overloaded(f"sampling.{kind} cannot be checked now: {exc}; try again later") from exc
     check(not error, f"sampling.{kind}: {error}")
 
 

@@ -103,6 +103,8 @@ BAD_GENERATE = [
     ("invalid regex", sampled(regex="[a-"), "unclosed character class"),
     ("invalid grammar", sampled(grammar="start: greeting"), 'sampling.grammar: at 1(8): unknown name: "greeting"'),
     ("empty choice", sampled(choice=pb.Choices()), "sampling.choice needs at least one string"),
+    ("choice over the limit", sampled(choice=pb.Choices(choices=[f"option number {i}" for i in range(2001)])),
+     "sampling.choice: choice has 2001 strings; the limit is 2000"),
     ("constraint with beam search", sampled(beam_width=2, json_object=True),
      "sampling.json_object (structured output) does not apply to beam search"),
     ("two constraints", two_constraints(), "set only one of sampling.json_schema, sampling.json_object, "
@@ -162,6 +164,15 @@ def test_constrained_requests_are_served_matching_their_constraint(server):
     assert re.fullmatch("[0-9]{2}-[0-9]{2}", regex.outputs[0].text)
     stats = server.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     assert stats.num_constrained_requests >= 2 and stats.num_masked_steps > 0 and stats.token_mask_seconds > 0
+
+
+def test_a_constraint_chained_deeper_than_a_threads_stack_is_served_and_the_server_lives_on(server):
+    # llguidance recurses once per rule: 5,000 of them overflowed a thread's 8 MiB stack, a segfault that
+    # killed the front end while validating, then the scheduler while compiling (grammar_threads.py)
+    rules = "\n".join(f"r{i}: r{i + 1}" for i in range(5000))
+    deep = sampled(grammar=f'start: r0\n{rules}\nr5000: "z"', max_tokens=4)
+    assert server.stub.Generate(deep, timeout=60).outputs[0].text == "z"
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_the_cli_client_sends_its_constraint_flags(server, tmp_path):

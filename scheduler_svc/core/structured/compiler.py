@@ -20,11 +20,15 @@ from typing import Callable
 
 import llguidance
 
-from scheduler_svc.core.structured.grammars import INVALID
+from scheduler_svc.core.structured import grammar_threads
+from scheduler_svc.core.structured.grammars import INVALID, OVERLOADED
 
 log = logging.getLogger("nanoserve.scheduler")
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# A compile that takes longer fails its requests, and the worker goes on to the next grammar (grammar_threads.py:
+# one that never ends would otherwise hold every later constrained request in the waiting queue).
+COMPILE_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,10 @@ def tokenizer_loader(tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[i
 
 class GrammarCompiler:
     def __init__(self, load_tokenizer: Callable[[], llguidance.LLTokenizer],
-                 cache_size: int = DEFAULT_CACHE_SIZE, num_lexers: int = 1) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, num_lexers: int = 1,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         self._load_tokenizer = load_tokenizer
+        self.compile_timeout_s = compile_timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_error = ""
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by grammar text; guarded by _lock
@@ -77,6 +83,8 @@ class GrammarCompiler:
             compiled = self._cache.get(grammar)
             if compiled is not None:
                 self._cache.move_to_end(grammar)
+                if compiled.error.startswith(OVERLOADED):  # told once: a later request of it compiles afresh
+                    del self._cache[grammar]
             return compiled
 
     def request(self, grammar: str) -> None:
@@ -118,7 +126,7 @@ class GrammarCompiler:
         """One more lexer for a cached grammar (its sequences start on the first meanwhile), until num_lexers."""
         t0 = time.perf_counter()
         try:
-            matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            matcher = self._build(self._tokenizer, grammar)
         except Exception:  # it compiled once: this is not the request's fault, and the others serve it
             log.exception("compiling another lexer for a grammar failed")
             return
@@ -138,12 +146,21 @@ class GrammarCompiler:
         if tokenizer is None:
             return CompiledGrammar(None, self._tokenizer_error, 0.0)
         try:
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            matcher = self._build(tokenizer, grammar)
             error = INVALID + matcher.get_error() if matcher.is_error() else ""
+        except grammar_threads.GrammarTimeout as exc:
+            matcher, error = None, f"{INVALID}too complex: {exc}"
+        except grammar_threads.GrammarBusy as exc:
+            matcher, error = None, f"{OVERLOADED}{exc}"
         except Exception as exc:  # llguidance reports grammar errors in the matcher; this is anything else
             log.exception("compiling a grammar failed")
             matcher, error = None, f"{type(exc).__name__}: {exc}"
         return CompiledGrammar(None if error else matcher, error, time.perf_counter() - t0)
+
+    def _build(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+        """On a deep stack, bounded in time: a hostile grammar overflows a thread's stack or never ends."""
+        return grammar_threads.build_grammar(llguidance.LLMatcher, tokenizer, grammar, log_level=0,
+                                             timeout_s=self.compile_timeout_s)
 
     def _tokenizer_or_error(self) -> llguidance.LLTokenizer | None:
         """The tokenizer, loaded on first use (about a second for a large vocabulary), in the worker."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import llguidance
 
 from protos import engine_pb2
+from scheduler_svc.core.structured import grammar_threads
 
 # JSON is generated compactly, one space after ':' and ',' (as json.dumps writes it): with any whitespace
 # allowed, a small model can fill max_tokens with newlines. A schema's "x-guidance" overrides these.
@@ -19,7 +20,16 @@ ANY_JSON_OBJECT = '{"type": "object"}'
 # on its event loop, the scheduler compiles it again), and real schemas are a few KiB.
 MAX_CONSTRAINT_BYTES = 2**18
 
+# A choice's strings at most: llguidance's parser keeps one item per string still possible (max_items_in_row,
+# 2000), so more strings that share their first token passed the checks and failed after the prompt's prefill.
+MAX_CHOICES = 2000
+
 INVALID = "invalid constraint: "  # how an error the request caused begins: the front end answers INVALID_ARGUMENT
+OVERLOADED = "structured output is overloaded: "  # how a refusal for lack of room begins: RESOURCE_EXHAUSTED
+
+# How long the front end's check of a constraint may take (grammar_threads.py: some schemas take hours);
+# real ones take milliseconds, the heaviest that fit in MAX_CONSTRAINT_BYTES under a second on one core.
+VALIDATE_TIMEOUT_S = 5.0
 
 
 def grammar_of(constraint: engine_pb2.Constraint) -> str:
@@ -38,14 +48,21 @@ def grammar_of(constraint: engine_pb2.Constraint) -> str:
         choices = list(constraint.choice.choices)
         if not choices or not all(choices):
             raise ValueError("choice needs at least one string, and no empty one")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"choice has {len(choices)} strings; the limit is {MAX_CHOICES}")
         return llguidance.grammar_from("choice", choices)
     raise ValueError("the constraint has no kind set")
 
 
 def grammar_error(constraint: engine_pb2.Constraint) -> str:
-    """llguidance's message for a constraint that does not compile; "" for a valid one."""
+    """llguidance's message for a constraint that does not compile; "" for a valid one. Raises
+    grammar_threads.GrammarBusy while too many checks of earlier constraints still run past their time."""
     try:
         grammar = grammar_of(constraint)
     except ValueError as exc:
         return str(exc)
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    try:  # on a deep stack, bounded in time (grammar_threads.py): a hostile grammar overflows or never ends
+        return grammar_threads.build_grammar(llguidance.LLMatcher.validate_grammar, grammar,
+                                             timeout_s=VALIDATE_TIMEOUT_S)
+    except grammar_threads.GrammarTimeout as exc:
+        return f"too complex: {exc}"
