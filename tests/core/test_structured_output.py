@@ -20,7 +20,7 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.structured import mask_fill
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
-from scheduler_svc.core.structured.grammars import grammar_of
+from scheduler_svc.core.structured.grammars import INVALID, grammar_of
 from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 from support.fake_executor import check_block_references
 from support.structured_serving import EOS, FREE_TOKEN, VOCAB, allowed_tokens, masks_of, masks_of_plan, serve
@@ -363,6 +363,21 @@ def test_a_token_the_mask_forbids_fails_the_request_with_the_matchers_error(embe
     letter = lltokenizer.tokenize_str("x")[0]
     (update,) = sched.postprocess(out, {seq.seq_id: letter})  # an executor that ignored the mask
     assert update.finish_reason == engine_pb2.FINISH_REASON_ERROR and "does not fit the grammar" in update.error
+    assert seq.is_finished and not sched.structured.matchers
+
+
+def test_a_grammar_that_outgrows_llguidances_limits_while_it_runs_fails_as_an_invalid_constraint(embedded_model,
+                                                                                                  lltokenizer):
+    # a{1000000} compiles, and its lexer gives up at the first token its mask allowed
+    sched = make_scheduler(embedded_model)
+    seq = new_seq(sched, constraint=engine_pb2.Constraint(regex="a{1000000}"))
+    sched.add(seq)
+    wait_compiled(sched)
+    out = sched.schedule()
+    allowed = allowed_tokens(masks_of(out.token_bitmasks)[seq.seq_id])
+    (update,) = sched.postprocess(out, {seq.seq_id: int(allowed[0])})
+    assert update.finish_reason == engine_pb2.FINISH_REASON_ERROR
+    assert update.error.startswith(INVALID + "too complex: ") and "\n" not in update.error  # no parser dump
     assert seq.is_finished and not sched.structured.matchers
 
 

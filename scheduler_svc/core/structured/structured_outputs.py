@@ -27,6 +27,10 @@ from scheduler_svc.core.structured.compiler import CompiledGrammar, GrammarCompi
 from scheduler_svc.core.structured.grammars import INVALID, grammar_of
 from scheduler_svc.core.structured.mask_fill import MaskFiller
 
+# llguidance's words for a grammar that outgrew its limits while it ran (a{1000000} passes the compile and fails
+# at its first token: "lexer error: too many expressions constructed"), not for a token outside the mask
+LLGUIDANCE_LIMITS = ("too many", "fuel", "max is", "too big", "too large")
+
 STOP = engine_pb2.FINISH_REASON_STOP
 ERROR = engine_pb2.FINISH_REASON_ERROR
 UNFINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
@@ -216,7 +220,11 @@ class StructuredOutputs:
     def _consume(self, seq: Sequence, token: int) -> tuple[int, str]:
         matcher = self.matchers[seq.seq_id]
         if not matcher.consume_token(token):
-            return ERROR, f"structured output: token {token} does not fit the grammar: {matcher.get_error()}"
+            # the first line only: llguidance's verbose error goes on with the parser's state and the grammar
+            error = matcher.get_error().split("\n", 1)[0]
+            if any(mark in error for mark in LLGUIDANCE_LIMITS):  # the constraint's doing: INVALID_ARGUMENT
+                return ERROR, f"{INVALID}too complex: {error}"
+            return ERROR, f"structured output: token {token} does not fit the grammar: {error}"
         return (STOP if matcher.is_stopped() else UNFINISHED), ""
 
     def stats(self) -> dict:
