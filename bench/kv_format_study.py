@@ -1,0 +1,106 @@
+"""Which 8-bit K/V number format would meet issue 13's accuracy targets: each format fake-quantized (quantize,
+then dequantize) on its way into a KV pool of the model's dtype, through the torch backend, so every later
+read sees it; scored as bench/kv_fp8_accuracy.py scores the fp8 cache (teacher-forced top-1 and KL against
+the same engine with an exact pool, the embedded SmolLM2 by default). A study, not a product path: the
+engine's fp8 cache is float8_e4m3fn with a scale per KV head (`kernels/kv_quant.py`).
+
+Formats, each per token and KV head (its own scale over the head_dim values):
+  e4m3      float8_e4m3fn at scale absmax / 448 (3 mantissa bits: a value's error is relative, whatever the scale)
+  int8      round(x / s) in [-127, 127], s = absmax / 127 (an error of at most s / 2, the same for every value)
+  int8+H    int8 after a normalized Hadamard rotation of head_dim (spreads outlier channels), rotated back
+
+    python bench/kv_format_study.py --num-prompts 64 --new-tokens 128     # the issue's size: ~10 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench import kv_fp8_accuracy as accuracy  # noqa: E402
+from kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kernels.kv_quant import FP8_DTYPE, FP8_MAX  # noqa: E402
+from kernels.kv_rotation import hadamard_matrix  # noqa: E402
+from scheduler_svc.common.model_paths import default_model_dir  # noqa: E402
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    s = (x.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+    return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s
+
+
+def int8(x: torch.Tensor) -> torch.Tensor:
+    s = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
+    return (x / s).round().clamp(-127, 127) * s
+
+
+def int8_hadamard(x: torch.Tensor) -> torch.Tensor:
+    h = hadamard_matrix(x.shape[-1], x.dtype, x.device)
+    return int8(x @ h) @ h.T
+
+
+FORMATS = {"e4m3": e4m3, "int8": int8, "int8+H": int8_hadamard, "exact": None}
+# (K, V) pairs: V alone barely moves top-1 (session 7), so K is the question
+PAIRS = [("e4m3", "e4m3"), ("int8", "e4m3"), ("int8+H", "e4m3"), ("int8", "int8"), ("e4m3", "exact"),
+         ("int8", "exact")]
+
+
+def fake_quantized_store(k_format, v_format):
+    """TorchAttentionBackend.store_kvcache, K and V passed through their formats first (in float32)."""
+    store = TorchAttentionBackend.store_kvcache
+
+    def store_fake(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None):
+        if k_format is not None:
+            key = k_format(key.float()).to(key.dtype)
+        if v_format is not None:
+            value = v_format(value.float()).to(value.dtype)
+        return store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales)
+    return store_fake
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="checkpoint directory (default: the embedded SmolLM2)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--out", default="bench/results/kv_format_study.json")
+    args = p.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    model = args.model or default_model_dir()
+    prompts = accuracy.chat_prompts(model, args.num_prompts)
+    batches = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    num_blocks = args.batch * -(-(max(len(q) for q in prompts) + args.new_tokens + 1) // 16)
+    runner = accuracy.make_runner(model, "cpu", "auto", "static", num_blocks)  # the torch backend, exact pool
+    trajectories = [accuracy.greedy(runner, b, args.new_tokens) for b in batches]
+    reference = torch.cat([accuracy.teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
+    rows, exact_store = [], TorchAttentionBackend.store_kvcache
+    for k_name, v_name in PAIRS:
+        t0 = time.perf_counter()
+        TorchAttentionBackend.store_kvcache = fake_quantized_store(FORMATS[k_name], FORMATS[v_name])
+        try:
+            test = torch.cat([accuracy.teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
+        finally:
+            TorchAttentionBackend.store_kvcache = exact_store
+        rows.append({"k": k_name, "v": v_name, **accuracy.agreement(reference, test),
+                     "seconds": time.perf_counter() - t0})
+    print(f"\nK/V formats fake-quantized into an exact pool: {os.path.basename(model)}, {args.num_prompts} prompts x "
+          f"{args.new_tokens} tokens, teacher-forced (targets: top-1 >= {accuracy.TOP1_TARGET:.0%}, mean KL <= "
+          f"{accuracy.MEAN_KL_TARGET})")
+    print(f"{'K':>7} {'V':>6} {'top-1':>7} {'ties ok':>7} {'mean KL':>9} {'p99 KL':>8}")
+    for r in rows:
+        print(f"{r['k']:>7} {r['v']:>6} {r['top1']:>7.2%} {r['top1_near_ties_excused']:>7.2%} {r['mean_kl']:>9.5f} "
+              f"{r['p99_kl']:>8.4f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
