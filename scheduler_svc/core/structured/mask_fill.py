@@ -6,9 +6,10 @@ much as the fill on rank 0's critical path (DESIGN.md "Structured output"): the 
 reused array and copied once into the message, which the caller builds in its envelope (a protobuf
 constructor given a message copies it whole). Identical rows go once (TokenBitmasks.rows): sequences at one
 point of a grammar (inside a free string, at a key) have one mask, and every copy after this one (the
-serialization, the socket, rank 0's parse and upload) moves each byte. A few rows, or all of them with one thread, are filled in this
-thread, straight into the array: handing them to the pool costs more than it saves, and llguidance.numpy's
-per-row wrapper checks the array again for every row (a third of a warm row's time).
+serialization, the socket, rank 0's parse and upload) moves each byte. A few rows, or all of them with one
+thread, are filled in this thread, straight into the array: handing them to the pool costs more than it
+saves, and llguidance.numpy's per-row wrapper checks the array again for every row (a third of a warm row's
+time).
 """
 from __future__ import annotations
 
