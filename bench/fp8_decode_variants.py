@@ -10,6 +10,14 @@ somewhere between the load and the dots. The variants, each one program per (seq
   swap   K [N, D] x q^T [D, G]: K is the dot's first operand, which a Hopper MMA takes from
          registers, so the converted K never goes back through shared memory; V^T [D, N] x p^T likewise
   fma    no tensor cores: q [G, D] times K on CUDA cores, broadcast and summed (G = 2 for Qwen3-0.6B)
+  f8qk   K is never converted: q is split into two e4m3 terms (hi + the rounding left over, scaled into
+         e4m3's range once per program), so q K^T is two fp8 tensor-core dots over the pool's own bytes;
+         the accuracy of a 7-bit-mantissa q. V is converted to DT for p V.
+  halves qk, with K and V loaded and converted as two [N, D/2] halves, each into its own dot, so that only
+         half a tile's converted values need to be live at once (the fp8 qk kernel needs 248 registers a
+         thread, which leaves 2 programs an SM: ncu, session 10)
+  f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
+         nor V is converted.
 DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says
 microseconds per call, TB/s over the pool's own bytes and the error against a float64 reference that
 dequantizes the same bytes. The table ends with the best config of each variant at every shape.
@@ -29,7 +37,8 @@ REPO = HERE.parent
 sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
-VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32")]
+VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32"),
+            ("f8qk", "fp16"), ("f8dot", "fp16"), ("halves", "fp16")]
 CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
 
 
@@ -42,6 +51,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-n", type=int, nargs="+", default=sorted({c[0] for c in CONFIGS}))
     p.add_argument("--warps", type=int, nargs="+", default=sorted({c[1] for c in CONFIGS}))
     p.add_argument("--stages", type=int, nargs="+", default=sorted({c[2] for c in CONFIGS}))
+    p.add_argument("--maxnreg", type=int, nargs="+", default=[0],
+                   help="register caps per thread to try (0: the compiler's choice); a lower cap fits more "
+                   "programs on an SM")
+    p.add_argument("--shapes", nargs="+", default=None, help="B:C pairs, e.g. 256:4096 (default: three)")
+    p.add_argument("--ncu", action="store_true", help="launch each config once, untimed, for Nsight Compute "
+                   "(ncu -k regex:_decode_kernel ... python bench/fp8_decode_variants.py --ncu)")
     p.add_argument("--out", default=str(HERE / "results" / "fp8_decode_variants.json"))
     return p.parse_args()
 
@@ -63,7 +78,15 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt, offs_d,
+def _split_e4m3(x):
+    """x (fp32, within e4m3's range) as hi + lo, both e4m3: the dots over them see ~7 mantissa bits."""
+    hi = x.to(tl.float8e4nv)
+    lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt, offs_d,
          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MODE: tl.constexpr,
          DT: tl.constexpr):
     pos = start + tl.arange(0, BLOCK_N)
@@ -97,6 +120,9 @@ def _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_
             v = tl.load(v_base + row[:, None] + offs_d[None, :])
         if MODE == 0:  # qk: s [G, N] = q K^T, acc [G, D] += p V
             s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
+        elif MODE >= 3:  # f8qk / f8dot: q = hi + lo, K as stored
+            kt = tl.trans(k)
+            s = tl.dot(q_lo, kt, acc=tl.dot(q, kt)) * qk_scale
         else:  # fma
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
         if MASK:
@@ -105,8 +131,11 @@ def _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MODE == 0:
+        if MODE == 0 or MODE == 3:
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+        elif MODE == 4:  # acc in units of 1/256: the kernel divides once at the end
+            p_hi, p_lo = _split_e4m3(p * 256.0)
+            acc = tl.dot(p_lo, v, acc=tl.dot(p_hi, v, acc=acc * alpha[:, None]))
         else:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     return acc, m_new, l_i
@@ -134,20 +163,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
     if MODE == 1:
         q = tl.load(q_base + heads[None, :] * stride_qh + offs_d[:, None], mask=g_mask[None, :], other=0.0)
         q = q.to(DT)
+        q_lo = q
         acc = tl.zeros([D, BLOCK_G], tl.float32)
     else:
         q = tl.load(q_base + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-        q = q.to(DT)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
+        if MODE >= 3:  # q scaled so its largest value is 256, then split; the scores are scaled back
+            q = q.to(tl.float32)
+            q_mult = 256.0 / tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0), 1e-30)
+            q, q_lo = _split_e4m3(q * q_mult)
+            qk_scale = qk_scale / q_mult
+        else:
+            q = q.to(DT)
+            q_lo = q
     full_hi = seqlen // BLOCK_N * BLOCK_N
     for start in range(0, full_hi, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
                              stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, False, MODE, DT)
     for start in range(full_hi, seqlen, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
                              stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, True, MODE, DT)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
+    if MODE == 4:
+        acc = acc * (1.0 / 256.0)
     o_base = o_ptr + seq.to(tl.int64) * stride_ot
     if MODE == 1:
         out = acc / l_i[None, :]
@@ -157,6 +196,85 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
         out = acc / l_i[:, None]
         tl.store(o_base + heads[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=g_mask[:, None])
+
+
+@triton.jit
+def _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt,
+                 offs_h, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, DT: tl.constexpr,
+                 HALF: tl.constexpr):
+    pos = start + tl.arange(0, BLOCK_N)
+    in_ctx = pos < seqlen
+    if MASK:
+        block = tl.load(bt + pos // BLOCK_SIZE, mask=in_ctx, other=0)
+    else:
+        block = tl.load(bt + pos // BLOCK_SIZE)
+    row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+    k_ptrs = k_base + row[:, None] + offs_h[None, :]
+    v_ptrs = v_base + row[:, None] + offs_h[None, :]
+    if MASK:
+        k0 = tl.load(k_ptrs, mask=in_ctx[:, None], other=0.0)
+        k1 = tl.load(k_ptrs + HALF, mask=in_ctx[:, None], other=0.0)
+    else:
+        k0 = tl.load(k_ptrs)
+        k1 = tl.load(k_ptrs + HALF)
+    s = tl.dot(q1, tl.trans(k1.to(DT)), acc=tl.dot(q0, tl.trans(k0.to(DT)))) * qk_scale
+    if MASK:
+        s = tl.where(in_ctx[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(DT)
+    if MASK:
+        v0 = tl.load(v_ptrs, mask=in_ctx[:, None], other=0.0)
+        v1 = tl.load(v_ptrs + HALF, mask=in_ctx[:, None], other=0.0)
+    else:
+        v0 = tl.load(v_ptrs)
+        v1 = tl.load(v_ptrs + HALF)
+    acc0 = tl.dot(p, v0.to(DT), acc=acc0 * alpha[:, None])
+    acc1 = tl.dot(p, v1.to(DT), acc=acc1 * alpha[:, None])
+    return acc0, acc1, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_halves_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
+                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr):
+    """The halves variant: the qk kernel with every [N, D] tile handled as two [N, D/2] ones."""
+    HALF: tl.constexpr = D // 2
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seqlen = tl.load(seqlens_ptr + seq)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_h = tl.arange(0, HALF)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_h[None, :]
+    q0 = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(DT)
+    q1 = tl.load(q_ptrs + HALF, mask=g_mask[:, None], other=0.0).to(DT)
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_kh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    full_hi = seqlen // BLOCK_N * BLOCK_N
+    for start in range(0, full_hi, BLOCK_N):
+        acc0, acc1, m_i, l_i = _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen,
+                                            qk_scale, stride_kb, stride_kt, offs_h, BLOCK_SIZE, BLOCK_N, False, DT,
+                                            HALF)
+    for start in range(full_hi, seqlen, BLOCK_N):
+        acc0, acc1, m_i, l_i = _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen,
+                                            qk_scale, stride_kb, stride_kt, offs_h, BLOCK_SIZE, BLOCK_N, True, DT,
+                                            HALF)
+    v_scale = tl.load(v_scale_ptr + kv_head) if FP8 else 1.0
+    o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_h[None, :]
+    tl.store(o_ptrs, (acc0 * v_scale / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+    tl.store(o_ptrs + HALF, (acc1 * v_scale / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 def main() -> None:
@@ -170,7 +288,10 @@ def main() -> None:
     group = hq // hkv
     dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     shapes = [(2, 40)] if args.tiny else SHAPES
-    configs = [(16, 4, 1)] if args.tiny else list(itertools.product(args.block_n, args.warps, args.stages))
+    if args.shapes:
+        shapes = [tuple(int(x) for x in pair.split(":")) for pair in args.shapes]
+    configs = [(16, 4, 1, 0)] if args.tiny else list(itertools.product(args.block_n, args.warps, args.stages,
+                                                                          args.maxnreg))
     variants = [tuple(v.split("/")) for v in args.variants]
     rows = []
     print(f"device: {bench.device_name}; heads {hq}/{hkv}, D {d}, block {bk.BLOCK_SIZE}")
@@ -178,24 +299,31 @@ def main() -> None:
     for num_seqs, context in shapes:
         q, k_cache, v_cache, meta = bench.paged_batch([1] * num_seqs, [context] * num_seqs)
         k8, v8, scales = bench.fp8_pool(k_cache, v_cache)
-        ref = reference(torch, q, k8, v8, scales, meta, d ** -0.5)
+        ref = None if args.ncu else reference(torch, q, k8, v8, scales, meta, d ** -0.5)
         pools = {"bf16 pool": (k_cache, v_cache, False), "fp8": (k8, v8, True)}
-        for (mode, dt, pool_name), (block_n, warps, stages) in itertools.product(
+        for (mode, dt, pool_name), (block_n, warps, stages, maxnreg) in itertools.product(
                 [("qk", "bf16", "bf16 pool")] + [(m, t, "fp8") for m, t in variants], configs):
+            cap = {"maxnreg": maxnreg} if maxnreg else {}
             kc, vc, fp8 = pools[pool_name]
             out = torch.empty_like(q)
             block_g = group if mode == "fma" else max(16, group)
             grid = (hkv, num_seqs)
 
+            launch = _decode_halves_kernel if mode == "halves" else kernel
+
             def run():
-                kernel[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
+                return launch[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
                              scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
                              GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
-                             MODE={"qk": 0, "swap": 1, "fma": 2}[mode], DT=dtypes[dt], FP8=fp8,
-                             num_warps=warps, num_stages=stages)
+                             MODE={"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0}[mode], DT=dtypes[dt], FP8=fp8,
+                             num_warps=warps, num_stages=stages, **cap)
             try:
-                run()
+                compiled = run()
+                if args.ncu:
+                    print(f"launched {mode}/{dt} over {pool_name}, config {(block_n, warps, stages, maxnreg)}: "
+                          f"{getattr(compiled, 'n_regs', -1)} registers")
+                    continue
             except Exception as exc:  # a config that does not compile (shared memory, registers) is reported
                 print(f"{num_seqs:>5} {context:>6} {mode + '/' + dt:>10} {block_n:>4} {warps:>2} {stages:>2} "
                       f"failed: {type(exc).__name__}: {str(exc)[:80]}")
@@ -206,10 +334,12 @@ def main() -> None:
             nbytes = 2 * num_seqs * context * hkv * d * kc.element_size()
             name = ("bf16 " if not fp8 else "") + mode + "/" + dt
             row = {"num_seqs": num_seqs, "context": context, "variant": name, "block_n": block_n, "warps": warps,
-                   "stages": stages, "us": us, "tb_per_s": nbytes / us / 1e6, "rel_err": err}
+                   "stages": stages, "maxnreg": maxnreg, "us": us, "tb_per_s": nbytes / us / 1e6, "rel_err": err,
+                   "regs": getattr(compiled, "n_regs", -1), "spills": getattr(compiled, "n_spills", -1),
+                   "shared": getattr(getattr(compiled, "metadata", None), "shared", -1)}
             rows.append(row)
-            print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2} {us:>8.1f} "
-                  f"{row['tb_per_s']:>6.2f} {err:>8.1e}")
+            print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2}{'/' + str(maxnreg) if maxnreg else ''} {us:>8.1f} "
+                  f"{row['tb_per_s']:>6.2f} {err:>8.1e} {row['regs']:>4} {row['spills']:>5} {row['shared']:>6}")
         del q, k_cache, v_cache, k8, v8
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -224,7 +354,7 @@ def main() -> None:
         for name, r in sorted(best.items(), key=lambda kv: kv[1]["us"]):
             speedup = base["us"] / r["us"] if base else float("nan")
             print(f"{num_seqs:>5} {context:>6} {name:>14} N={r['block_n']} w={r['warps']} s={r['stages']}: "
-                  f"{r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s {speedup:5.2f}x err {r['rel_err']:.1e}")
+                  f"cap={r['maxnreg'] or '-'}: {r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s {speedup:5.2f}x err {r['rel_err']:.1e}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": bench.device_name, "rows": rows}, indent=2))

@@ -4,8 +4,9 @@ workloads, through the real scheduler and executor processes (one engine launch 
   (a) long prompts, short outputs: prompts U[768, 1536], outputs U[16, 64];
   (b) short prompts, long outputs: prompts U[16, 64], outputs U[512, 1024];
   (c) nano-vLLM's workload (bench/nanovllm_workload.py): prompts and outputs U[100, 1024].
-256 sequences each, ignore_eos, all sent at once; the KV pool holds --pool-fraction (a third) of the blocks
-the whole batch would hold at once, the host pool as many again (swap and auto). Reported per run: output
+256 sequences each, ignore_eos, all sent at once; the KV pool holds a fraction of the blocks the whole batch
+would hold at once (--pool-fraction; by default a third, and 0.15 for (a), whose short outputs free their
+blocks so soon that a third preempts one sequence in 256 and leaves the decision nothing to decide), the host pool as many again (swap and auto). Reported per run: output
 tok/s, p99 end-to-end latency, recomputed tokens, swapped bytes, the decisions and their estimated and
 measured costs, and how many steps a high-priority request sent once the engine is full waits for its first
 token (the batch runs at priority 1, the probe at 0: only the priority policy lets it preempt).
@@ -38,6 +39,7 @@ WORKLOADS = {  # name -> (prompt length range, output length range), before --sc
     "b-long-outputs": ((16, 64), (512, 1024)),
     "c-nanovllm": ((100, 1024), (100, 1024)),
 }
+DEFAULT_POOL_FRACTION = {"a-long-prompts": 0.15, "b-long-outputs": 1 / 3, "c-nanovllm": 1 / 3}
 MIN_LENGTH = 4
 BATCH_PRIORITY, PROBE_PRIORITY = 1, 0
 STATS_POLL_S = 0.02
@@ -194,8 +196,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
     parser.add_argument("--modes", nargs="+", choices=PREEMPTION_MODES, default=list(PREEMPTION_MODES))
     parser.add_argument("--policies", nargs="+", choices=PREEMPTION_POLICIES, default=list(PREEMPTION_POLICIES))
-    parser.add_argument("--pool-fraction", type=float, default=1 / 3,
-                        help="KV pool blocks as a fraction of what the whole batch holds at once")
+    parser.add_argument("--pool-fraction", type=float, default=None,
+                        help="KV pool blocks as a fraction of what the whole batch holds at once (default: "
+                        "per workload, " + ", ".join(f"{k} {v:.2f}" for k, v in DEFAULT_POOL_FRACTION.items()) + ")")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"])
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
@@ -210,7 +213,9 @@ def main() -> None:
     try:
         for name in args.workloads:
             prompts, max_tokens = draws(name, num_seqs, args.scale, args.seed)
-            num_blocks = pool_blocks(prompts, max_tokens, 16, args.pool_fraction)
+            fraction = args.pool_fraction or DEFAULT_POOL_FRACTION[name]
+            num_blocks = pool_blocks(prompts, max_tokens, 16, fraction)
+            print(f"{name}: KV pool {num_blocks} blocks, {fraction:.2f} of the batch's")
             for round_index in range(args.repeat):  # rounds, not runs back to back: drift hits every mode alike
                 for mode in args.modes:
                     for policy in args.policies:
@@ -219,8 +224,9 @@ def main() -> None:
                         print_table(rows[-1:])
     finally:
         tmp.cleanup()
-    print(f"\npreemption: {num_seqs} sequences per workload, {args.model_shape}, KV pool {args.pool_fraction:.2f} "
-          f"of the batch's blocks")
+    print(f"\npreemption: {num_seqs} sequences per workload, {args.model_shape}, KV pool "
+          + ", ".join(f"{k} {args.pool_fraction or DEFAULT_POOL_FRACTION[k]:.2f}" for k in args.workloads)
+          + " of the batch's blocks")
     print_table(rows)
     print_time_table(rows)
     verdicts = auto_verdicts(rows)
