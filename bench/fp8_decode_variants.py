@@ -15,7 +15,8 @@ somewhere between the load and the dots. The variants, each one program per (seq
          the accuracy of a 7-bit-mantissa q. V is converted to DT for p V.
   halves qk, with K and V loaded and converted as two [N, D/2] halves, each into its own dot, so that only
          half a tile's converted values need to be live at once (the fp8 qk kernel needs 248 registers a
-         thread, which leaves 2 programs an SM: ncu, session 10)
+         thread, which leaves 2 programs an SM: ncu, session 10); with --maxnreg 168 it fits 3 programs
+         an SM and is still no faster than qk (bench/RESULTS.md, session 10)
   f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
          nor V is converted.
 DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says

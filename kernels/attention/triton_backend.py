@@ -361,7 +361,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
         DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_fp8, FP16_DOTS=_fp16_dots(kv_fp8, q.dtype),
-        **cfg.launch_options(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, num_seqs)](

@@ -27,13 +27,6 @@ class DecodeConfig:
     block_n: int  # context tokens per loop step; several KV blocks when block_size is small
     num_warps: int
     num_stages: int
-    max_registers: int | None = None  # per thread (ptxas .maxnreg): a lower cap fits more programs per SM
-
-    def launch_options(self) -> dict:
-        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if self.max_registers:
-            options["maxnreg"] = self.max_registers
-        return options
 
 
 def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
