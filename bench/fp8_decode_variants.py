@@ -17,6 +17,10 @@ somewhere between the load and the dots. The variants, each one program per (seq
          half a tile's converted values need to be live at once (the fp8 qk kernel needs 248 registers a
          thread, which leaves 2 programs an SM: ncu, session 10); with --maxnreg 168 it fits 3 programs
          an SM and is still no faster than qk (bench/RESULTS.md, session 10)
+  vreg   qk, with V's conversion behind an opaque copy (inline PTX) so Triton cannot fold it into the
+         shared-memory load of p V's B operand: folded, that operand is read a byte at a time (LDS.U8, 256
+         a tile) and the kernel needs 248 registers; unfolded, V is converted in registers and goes back
+         through shared memory as fp16 (ldmatrix.trans), 149 registers (sm_90 SASS, compiled offline)
   f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
          nor V is converted.
 DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says
@@ -39,7 +43,7 @@ sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HER
 
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
 VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32"),
-            ("f8qk", "fp16"), ("f8dot", "fp16"), ("halves", "fp16")]
+            ("f8qk", "fp16"), ("f8dot", "fp16"), ("halves", "fp16"), ("vreg", "fp16")]
 CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
 
 
@@ -119,9 +123,9 @@ def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, s
         else:
             k = tl.load(k_base + row[:, None] + offs_d[None, :])
             v = tl.load(v_base + row[:, None] + offs_d[None, :])
-        if MODE == 0:  # qk: s [G, N] = q K^T, acc [G, D] += p V
+        if MODE == 0 or MODE == 5:  # qk (and vreg): s [G, N] = q K^T, acc [G, D] += p V
             s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
-        elif MODE >= 3:  # f8qk / f8dot: q = hi + lo, K as stored
+        elif MODE == 3 or MODE == 4:  # f8qk / f8dot: q = hi + lo, K as stored
             kt = tl.trans(k)
             s = tl.dot(q_lo, kt, acc=tl.dot(q, kt)) * qk_scale
         else:  # fma
@@ -134,6 +138,10 @@ def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, s
         l_i = l_i * alpha + tl.sum(p, 1)
         if MODE == 0 or MODE == 3:
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+        elif MODE == 5:  # vreg
+            v = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [v.to(tl.float16)], dtype=tl.float16,
+                                          is_pure=False, pack=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         elif MODE == 4:  # acc in units of 1/256: the kernel divides once at the end
             p_hi, p_lo = _split_e4m3(p * 256.0)
             acc = tl.dot(p_lo, v, acc=tl.dot(p_hi, v, acc=acc * alpha[:, None]))
@@ -169,7 +177,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
     else:
         q = tl.load(q_base + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        if MODE >= 3:  # q scaled so its largest value is 256, then split; the scores are scaled back
+        if MODE == 3 or MODE == 4:  # q scaled so its largest value is 256, then split; the scores are scaled back
             q = q.to(tl.float32)
             q_mult = 256.0 / tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0), 1e-30)
             q, q_lo = _split_e4m3(q * q_mult)
@@ -317,7 +325,7 @@ def main() -> None:
                              scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
                              GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
-                             MODE={"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0}[mode], DT=dtypes[dt], FP8=fp8,
+                             MODE={"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0, "vreg": 5}[mode], DT=dtypes[dt], FP8=fp8,
                              num_warps=warps, num_stages=stages, **cap)
             try:
                 compiled = run()

@@ -1,0 +1,154 @@
+"""What the engine's attention kernels compile to on a Hopper GPU, without one: registers, spills and an
+instruction histogram of each kernel, compiled for sm_90 by Triton's own ptxas on this machine. Not a
+timing (that needs the device: bench/kernels.py, bench/fp8_decode_variants.py), but it shows in seconds what
+a kernel change does to the code, e.g. whether an operand is read from shared memory a byte at a time.
+
+    python bench/kernel_sass.py                              # decode and prefill, bf16 and fp8 pools, 0.6B shape
+    python bench/kernel_sass.py --model-shape qwen3-8b --kv-cache-dtype fp8 --kernels decode
+    python bench/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
+
+The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
+(kernels/attention/triton_tuning.py's configs, bf16 activations), and the arguments are specialised as a
+real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel opts out.
+Programs per SM assume 64K registers and 227 KB of shared memory per SM.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, not for the interpreter
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler.compiler import ASTSource  # noqa: E402
+
+from bench.nanovllm_workload import MODEL_SHAPES  # noqa: E402
+from kernels.attention import triton_backend as tb  # noqa: E402
+from kernels.attention.triton_tuning import decode_config, prefill_config  # noqa: E402
+
+SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS = 65536, 227 * 1024, 64
+# opcodes worth a column: byte-wise shared loads, conversions, tensor-core ops, async copies, barriers
+WATCHED = ["LDS.U8", "LDS.64", "LDS.128", "LDSM", "STS", "F2FP", "HMMA", "HGMMA", "LDGSTS", "BAR", "IMAD.MOV"]
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                   torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def signature(fn, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
+    """Argument types and the divisibility a launch would specialise on (pointers and integer arguments by
+    16, except those the kernel lists in do_not_specialize(_on_alignment), and the float scale)."""
+    opted_out = set(fn.do_not_specialize) | set(getattr(fn, "do_not_specialize_on_alignment", []))
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = pointer_types.get(name, "fp32" if name == "qk_scale" else "i32")
+        if name not in opted_out and name != "qk_scale":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    sig, attrs = signature(fn, pointer_types, constexprs)
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    opcodes = collections.Counter(OPCODE.findall(sass))
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    shared = kernel.metadata.shared
+    programs = min(SM_REGISTERS // (registers * 32 * num_warps), SM_MAX_WARPS // num_warps,
+                   SM_SHARED_BYTES // max(shared, 1))
+    return {"registers": registers, "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "shared_bytes": shared, "programs_per_sm": programs, "instructions": sum(opcodes.values()),
+            "watched": {w: sum(c for op, c in opcodes.items() if op == w or op.startswith(w + ".")) for w in WATCHED},
+            "sass": sass}
+
+
+def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    kv_fp8 = kv_dtype == torch.float8_e4m3fn
+    block_d = tb._block_d(d)
+    cfg = decode_config(block_d, dtype, kv_fp8)
+    act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
+    pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
+                "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "block_tables_ptr": "*i32",
+                "seqlens_k_ptr": "*i32", "order_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constexprs = dict(NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
+                      BLOCK_SIZE=16, D=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT=False, HAS_ORDER=True,
+                      UPCAST=False, DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8,
+                      FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+    return tb._decode_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages, f"BLOCK_N {cfg.block_n}"
+
+
+def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    kv_fp8 = kv_dtype == torch.float8_e4m3fn
+    block_d = tb._block_d(d)
+    cfg = prefill_config(block_d, dtype)
+    act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
+    pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
+                "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constexprs = dict(GROUP=hq // hkv, BLOCK_SIZE=16, D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      UPCAST=False, DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8,
+                      FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+    return (tb._prefill_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages,
+            f"BLOCK_M {cfg.block_m} BLOCK_N {cfg.block_n}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=["auto", "fp8"])
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
+    p.add_argument("--dump-dir", help="write each kernel's SASS here")
+    p.add_argument("--out", default=str(HERE / "results" / "kernel_sass.json"))
+    args = p.parse_args()
+    shape = MODEL_SHAPES[args.model_shape]
+    cases = {"decode": decode_case, "prefill": prefill_case}
+    rows = []
+    print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
+          f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
+    print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6}  "
+          + " ".join(f"{w:>8}" for w in WATCHED))
+    for kernel_name in args.kernels:
+        for kv_name in args.kv_cache_dtype:
+            kv_dtype = torch.float8_e4m3fn if kv_name == "fp8" else torch.bfloat16
+            fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype)
+            result = compile_sm90(fn, pointers, constexprs, warps, stages)
+            tiles = f"{tiles} w{warps} s{stages}"
+            print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
+                  f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6}  "
+                  + " ".join(f"{result['watched'][w]:>8}" for w in WATCHED))
+            if args.dump_dir:
+                Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.dump_dir) / f"{kernel_name}_{kv_name}.sass").write_text(result["sass"])
+            rows.append({"kernel": kernel_name, "kv_cache_dtype": kv_name, "tiles": tiles,
+                         **{k: v for k, v in result.items() if k != "sass"}})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model_shape": args.model_shape, "arch": "sm_90", "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
