@@ -35,7 +35,7 @@ from triton.compiler.compiler import ASTSource  # noqa: E402
 
 from bench.nanovllm_workload import MODEL_SHAPES  # noqa: E402
 from kernels.attention import triton_backend as tb  # noqa: E402
-from kernels.attention.triton_tuning import decode_config, prefill_config  # noqa: E402
+from kernels.attention.triton_tuning import DecodeConfig, PrefillConfig, decode_config, prefill_config  # noqa: E402
 
 SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS = 65536, 227 * 1024, 64
 # opcodes worth a column: byte-wise shared loads, conversions, tensor-core ops, async copies, barriers
@@ -83,11 +83,12 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
             "sass": sass}
 
 
-def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> tuple:
+def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
+                config: DecodeConfig | None = None) -> tuple:
     hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     kv_fp8 = kv_dtype == torch.float8_e4m3fn
     block_d = tb._block_d(d)
-    cfg = decode_config(block_d, dtype, kv_fp8)
+    cfg = config or decode_config(block_d, dtype, kv_fp8)
     act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
     pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
                 "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "block_tables_ptr": "*i32",
@@ -99,11 +100,12 @@ def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.b
     return tb._decode_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages, f"BLOCK_N {cfg.block_n}"
 
 
-def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> tuple:
+def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
+                 config: PrefillConfig | None = None) -> tuple:
     hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     kv_fp8 = kv_dtype == torch.float8_e4m3fn
     block_d = tb._block_d(d)
-    cfg = prefill_config(block_d, dtype)
+    cfg = config or prefill_config(block_d, dtype)
     act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
     pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
                 "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
@@ -120,30 +122,37 @@ def main() -> None:
     p.add_argument("--kernels", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
     p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=["auto", "fp8"])
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
+    p.add_argument("--decode-configs", nargs="+", metavar="N,W,S",
+                   help="decode tiles to compile instead of the engine's: BLOCK_N,warps,stages each")
+    p.add_argument("--prefill-configs", nargs="+", metavar="M,N,W,S",
+                   help="prefill tiles to compile instead of the engine's: BLOCK_M,BLOCK_N,warps,stages each")
     p.add_argument("--dump-dir", help="write each kernel's SASS here")
     p.add_argument("--out", default=str(HERE / "results" / "kernel_sass.json"))
     args = p.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
     cases = {"decode": decode_case, "prefill": prefill_case}
+    configs = {"decode": [DecodeConfig(*map(int, c.split(","))) for c in args.decode_configs or []] or [None],
+               "prefill": [PrefillConfig(*map(int, c.split(","))) for c in args.prefill_configs or []] or [None]}
     rows = []
     print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
           f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
     print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
-    for kernel_name in args.kernels:
-        for kv_name in args.kv_cache_dtype:
-            kv_dtype = torch.float8_e4m3fn if kv_name == "fp8" else torch.bfloat16
-            fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype)
-            result = compile_sm90(fn, pointers, constexprs, warps, stages)
-            tiles = f"{tiles} w{warps} s{stages}"
-            print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
-                  f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6}  "
-                  + " ".join(f"{result['watched'][w]:>8}" for w in WATCHED))
-            if args.dump_dir:
-                Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
-                (Path(args.dump_dir) / f"{kernel_name}_{kv_name}.sass").write_text(result["sass"])
-            rows.append({"kernel": kernel_name, "kv_cache_dtype": kv_name, "tiles": tiles,
-                         **{k: v for k, v in result.items() if k != "sass"}})
+    for kernel_name, kv_name, config in [(k, kv, c) for k in args.kernels for kv in args.kv_cache_dtype
+                                     for c in configs[k]]:
+        kv_dtype = torch.float8_e4m3fn if kv_name == "fp8" else torch.bfloat16
+        fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, config=config)
+        result = compile_sm90(fn, pointers, constexprs, warps, stages)
+        tiles = f"{tiles} w{warps} s{stages}"
+        print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
+              f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6}  "
+              + " ".join(f"{result['watched'][w]:>8}" for w in WATCHED))
+        if args.dump_dir:
+            Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
+            name = f"{kernel_name}_{kv_name}_{tiles.replace(' ', '_')}.sass"
+            (Path(args.dump_dir) / name).write_text(result["sass"])
+        rows.append({"kernel": kernel_name, "kv_cache_dtype": kv_name, "tiles": tiles,
+                     **{k: v for k, v in result.items() if k != "sass"}})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model_shape": args.model_shape, "arch": "sm_90", "rows": rows}, indent=2))
