@@ -44,6 +44,7 @@ sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HER
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
 VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32"),
             ("f8qk", "fp16"), ("f8dot", "fp16"), ("halves", "fp16"), ("vreg", "fp16")]
+MODES = {"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0, "vreg": 5}  # halves: its own kernel
 CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
 
 
@@ -325,7 +326,7 @@ def main() -> None:
                              scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
                              GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
-                             MODE={"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0, "vreg": 5}[mode], DT=dtypes[dt], FP8=fp8,
+                             MODE=MODES[mode], DT=dtypes[dt], FP8=fp8,
                              num_warps=warps, num_stages=stages, **cap)
             try:
                 compiled = run()
@@ -347,7 +348,8 @@ def main() -> None:
                    "regs": getattr(compiled, "n_regs", -1), "spills": getattr(compiled, "n_spills", -1),
                    "shared": getattr(getattr(compiled, "metadata", None), "shared", -1)}
             rows.append(row)
-            print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2}{'/' + str(maxnreg) if maxnreg else ''} {us:>8.1f} "
+            cap_text = f"/{maxnreg}" if maxnreg else ""
+            print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2}{cap_text} {us:>8.1f} "
                   f"{row['tb_per_s']:>6.2f} {err:>8.1e} {row['regs']:>4} {row['spills']:>5} {row['shared']:>6}")
         del q, k_cache, v_cache, k8, v8
         if args.device == "cuda":
@@ -363,7 +365,8 @@ def main() -> None:
         for name, r in sorted(best.items(), key=lambda kv: kv[1]["us"]):
             speedup = base["us"] / r["us"] if base else float("nan")
             print(f"{num_seqs:>5} {context:>6} {name:>14} N={r['block_n']} w={r['warps']} s={r['stages']}: "
-                  f"cap={r['maxnreg'] or '-'}: {r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s {speedup:5.2f}x err {r['rel_err']:.1e}")
+                  f"cap={r['maxnreg'] or '-'}: {r['us']:8.1f} us {r['tb_per_s']:5.2f} TB/s {speedup:5.2f}x "
+                  f"err {r['rel_err']:.1e}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": bench.device_name, "rows": rows}, indent=2))

@@ -62,8 +62,8 @@ def signature(fn, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict
 
 def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     sig, attrs = signature(fn, pointer_types, constexprs)
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

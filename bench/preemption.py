@@ -6,10 +6,11 @@ workloads, through the real scheduler and executor processes (one engine launch 
   (c) nano-vLLM's workload (bench/nanovllm_workload.py): prompts and outputs U[100, 1024].
 256 sequences each, ignore_eos, all sent at once; the KV pool holds a fraction of the blocks the whole batch
 would hold at once (--pool-fraction; by default a third, and 0.15 for (a), whose short outputs free their
-blocks so soon that a third preempts one sequence in 256 and leaves the decision nothing to decide), the host pool as many again (swap and auto). Reported per run: output
-tok/s, p99 end-to-end latency, recomputed tokens, swapped bytes, the decisions and their estimated and
-measured costs, and how many steps a high-priority request sent once the engine is full waits for its first
-token (the batch runs at priority 1, the probe at 0: only the priority policy lets it preempt).
+blocks so soon that a third preempts one sequence in 256 and leaves the decision nothing to decide), the
+host pool as many again (swap and auto). Reported per run: output tok/s, p99 end-to-end latency, recomputed
+tokens, swapped bytes, the decisions and their estimated and measured costs, and how many steps a
+high-priority request sent once the engine is full waits for its first token (the batch runs at priority 1,
+the probe at 0: only the priority policy lets it preempt).
 
     python bench/preemption.py                                 # the GPU run: Qwen3-0.6B shape, random weights
     python bench/preemption.py --scale 0.1 --model-shape tiny  # the CPU run: 26 sequences, lengths x 0.1
@@ -233,7 +234,9 @@ def main() -> None:
     print_verdicts(verdicts)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "model"}, "rows": rows,
+        fractions = {k: args.pool_fraction or DEFAULT_POOL_FRACTION[k] for k in args.workloads}
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "model"}, "pool_fractions": fractions,
+                   "rows": rows,
                    "auto_verdicts": verdicts}, f, indent=2)
 
 
