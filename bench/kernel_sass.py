@@ -10,7 +10,8 @@ a kernel change does to the code, e.g. whether an operand is read from shared me
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
 (kernels/attention/triton_tuning.py's configs, bf16 activations), and the arguments are specialised as a
 real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel opts out.
-Programs per SM assume 64K registers and 227 KB of shared memory per SM.
+Programs per SM assume 64K registers and 227 KB of shared memory per SM. `loop` counts the instructions of
+the full-tile loop, one tile's worth per warp: the cost of a tile to issue.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS = 65536, 227 * 1024, 64
 # opcodes worth a column: byte-wise shared loads, conversions, tensor-core ops, async copies, barriers
 WATCHED = ["LDS.U8", "LDS.64", "LDS.128", "LDSM", "STS", "F2FP", "HMMA", "HGMMA", "LDGSTS", "BAR", "IMAD.MOV"]
 OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
+BACKWARD_BRANCH = re.compile(r"BRA(?:\.U)? (0x[0-9a-f]+)")
 TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                    torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -58,6 +61,17 @@ def signature(fn, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict
         if name not in opted_out and name != "qk_scale":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
+
+
+def first_loop_size(sass: str) -> int:
+    """Instructions in the kernel's first loop (from the first backward branch's target to that branch): the
+    full-tile loop of the attention kernels, whose size per tile is what a tile costs to issue."""
+    for match in INSTRUCTION.finditer(sass):
+        address, text = int(match.group(1), 16), match.group(2)
+        target = BACKWARD_BRANCH.search(text)
+        if target and int(target.group(1), 16) < address:
+            return (address - int(target.group(1), 16)) // 16 + 1  # sm_90 instructions are 16 bytes
+    return 0
 
 
 def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
@@ -79,6 +93,7 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
                    SM_SHARED_BYTES // max(shared, 1))
     return {"registers": registers, "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "shared_bytes": shared, "programs_per_sm": programs, "instructions": sum(opcodes.values()),
+            "loop_instructions": first_loop_size(sass),
             "watched": {w: sum(c for op, c in opcodes.items() if op == w or op.startswith(w + ".")) for w in WATCHED},
             "sass": sass}
 
@@ -136,7 +151,7 @@ def main() -> None:
     rows = []
     print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
           f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
-    print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6}  "
+    print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} {'loop':>5}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
     for kernel_name, kv_name, config in [(k, kv, c) for k in args.kernels for kv in args.kv_cache_dtype
                                      for c in configs[k]]:
@@ -145,7 +160,8 @@ def main() -> None:
         result = compile_sm90(fn, pointers, constexprs, warps, stages)
         tiles = f"{tiles} w{warps} s{stages}"
         print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
-              f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6}  "
+              f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6} "
+              f"{result['loop_instructions']:>5}  "
               + " ".join(f"{result['watched'][w]:>8}" for w in WATCHED))
         if args.dump_dir:
             Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
