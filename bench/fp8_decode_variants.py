@@ -13,10 +13,6 @@ somewhere between the load and the dots. The variants, each one program per (seq
   f8qk   K is never converted: q is split into two e4m3 terms (hi + the rounding left over, scaled into
          e4m3's range once per program), so q K^T is two fp8 tensor-core dots over the pool's own bytes;
          the accuracy of a 7-bit-mantissa q. V is converted to DT for p V.
-  halves qk, with K and V loaded and converted as two [N, D/2] halves, each into its own dot, so that only
-         half a tile's converted values need to be live at once (the fp8 qk kernel needs 248 registers a
-         thread, which leaves 2 programs an SM: ncu, session 10); with --maxnreg 168 it fits 3 programs
-         an SM and is still no faster than qk (bench/RESULTS.md, session 10)
   vreg   qk, with V's conversion behind an opaque copy (inline PTX) so Triton cannot fold it into the
          shared-memory load of p V's B operand: folded, that operand is read a byte at a time (LDS.U8, 256
          a tile) and the kernel needs 248 registers; unfolded, V is converted in registers and goes back
@@ -43,8 +39,8 @@ sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HER
 
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
 VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32"),
-            ("f8qk", "fp16"), ("f8dot", "fp16"), ("halves", "fp16"), ("vreg", "fp16")]
-MODES = {"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "halves": 0, "vreg": 5}  # halves: its own kernel
+            ("f8qk", "fp16"), ("f8dot", "fp16"), ("vreg", "fp16")]
+MODES = {"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "vreg": 5}
 CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
 
 
@@ -208,85 +204,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
                  mask=g_mask[:, None])
 
 
-@triton.jit
-def _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt,
-                 offs_h, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, DT: tl.constexpr,
-                 HALF: tl.constexpr):
-    pos = start + tl.arange(0, BLOCK_N)
-    in_ctx = pos < seqlen
-    if MASK:
-        block = tl.load(bt + pos // BLOCK_SIZE, mask=in_ctx, other=0)
-    else:
-        block = tl.load(bt + pos // BLOCK_SIZE)
-    row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
-    k_ptrs = k_base + row[:, None] + offs_h[None, :]
-    v_ptrs = v_base + row[:, None] + offs_h[None, :]
-    if MASK:
-        k0 = tl.load(k_ptrs, mask=in_ctx[:, None], other=0.0)
-        k1 = tl.load(k_ptrs + HALF, mask=in_ctx[:, None], other=0.0)
-    else:
-        k0 = tl.load(k_ptrs)
-        k1 = tl.load(k_ptrs + HALF)
-    s = tl.dot(q1, tl.trans(k1.to(DT)), acc=tl.dot(q0, tl.trans(k0.to(DT)))) * qk_scale
-    if MASK:
-        s = tl.where(in_ctx[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p = p.to(DT)
-    if MASK:
-        v0 = tl.load(v_ptrs, mask=in_ctx[:, None], other=0.0)
-        v1 = tl.load(v_ptrs + HALF, mask=in_ctx[:, None], other=0.0)
-    else:
-        v0 = tl.load(v_ptrs)
-        v1 = tl.load(v_ptrs + HALF)
-    acc0 = tl.dot(p, v0.to(DT), acc=acc0 * alpha[:, None])
-    acc1 = tl.dot(p, v1.to(DT), acc=acc1 * alpha[:, None])
-    return acc0, acc1, m_new, l_i
-
-
-@triton.jit(do_not_specialize=["stride_bt"])
-def _decode_halves_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
-                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-                          BLOCK_N: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr):
-    """The halves variant: the qk kernel with every [N, D] tile handled as two [N, D/2] ones."""
-    HALF: tl.constexpr = D // 2
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    seqlen = tl.load(seqlens_ptr + seq)
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_h = tl.arange(0, HALF)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_h[None, :]
-    q0 = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0).to(DT)
-    q1 = tl.load(q_ptrs + HALF, mask=g_mask[:, None], other=0.0).to(DT)
-    bt = bt_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_kh
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc0 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    full_hi = seqlen // BLOCK_N * BLOCK_N
-    for start in range(0, full_hi, BLOCK_N):
-        acc0, acc1, m_i, l_i = _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen,
-                                            qk_scale, stride_kb, stride_kt, offs_h, BLOCK_SIZE, BLOCK_N, False, DT,
-                                            HALF)
-    for start in range(full_hi, seqlen, BLOCK_N):
-        acc0, acc1, m_i, l_i = _halves_tile(acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, bt, start, seqlen,
-                                            qk_scale, stride_kb, stride_kt, offs_h, BLOCK_SIZE, BLOCK_N, True, DT,
-                                            HALF)
-    v_scale = tl.load(v_scale_ptr + kv_head) if FP8 else 1.0
-    o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_h[None, :]
-    tl.store(o_ptrs, (acc0 * v_scale / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
-    tl.store(o_ptrs + HALF, (acc1 * v_scale / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
-
-
 def main() -> None:
     args = parse_args()
     import torch
@@ -319,10 +236,8 @@ def main() -> None:
             block_g = group if mode == "fma" else max(16, group)
             grid = (hkv, num_seqs)
 
-            launch = _decode_halves_kernel if mode == "halves" else kernel
-
             def run():
-                return launch[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
+                return kernel[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
                              scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
                              GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
