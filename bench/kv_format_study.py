@@ -8,6 +8,8 @@ Formats, each per token and KV head (its own scale over the head_dim values):
   e4m3      float8_e4m3fn at scale absmax / 448 (3 mantissa bits: a value's error is relative, whatever the scale)
   int8      round(x / s) in [-127, 127], s = absmax / 127 (an error of at most s / 2, the same for every value)
   int8+H    int8 after a normalized Hadamard rotation of head_dim (spreads outlier channels), rotated back
+  e4m3+H    e4m3 after the same rotation: the best e4m3 K the engine could store (its --kv-cache-rotation
+            hadamard, with a scale per token instead of per KV head)
 
     python bench/kv_format_study.py --num-prompts 64 --new-tokens 128     # the issue's size: ~10 min on 2 cores
 """
@@ -40,15 +42,18 @@ def int8(x: torch.Tensor) -> torch.Tensor:
     return (x / s).round().clamp(-127, 127) * s
 
 
-def int8_hadamard(x: torch.Tensor) -> torch.Tensor:
-    h = hadamard_matrix(x.shape[-1], x.dtype, x.device)
-    return int8(x @ h) @ h.T
+def rotated(fmt):
+    """fmt applied to x rotated by the normalized Hadamard matrix, rotated back after."""
+    def rotated_format(x: torch.Tensor) -> torch.Tensor:
+        h = hadamard_matrix(x.shape[-1], x.dtype, x.device)
+        return fmt(x @ h) @ h.T
+    return rotated_format
 
 
-FORMATS = {"e4m3": e4m3, "int8": int8, "int8+H": int8_hadamard, "exact": None}
+FORMATS = {"e4m3": e4m3, "int8": int8, "int8+H": rotated(int8), "e4m3+H": rotated(e4m3), "exact": None}
 # (K, V) pairs: V alone barely moves top-1 (session 7), so K is the question
-PAIRS = [("e4m3", "e4m3"), ("int8", "e4m3"), ("int8+H", "e4m3"), ("int8", "int8"), ("e4m3", "exact"),
-         ("int8", "exact")]
+PAIRS = [("e4m3", "e4m3"), ("e4m3+H", "e4m3"), ("int8", "e4m3"), ("int8+H", "e4m3"), ("int8", "int8"),
+         ("e4m3", "exact"), ("int8", "exact")]
 
 
 def fake_quantized_store(k_format, v_format):
@@ -70,6 +75,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--pairs", nargs="+", metavar="K/V", default=[f"{k}/{v}" for k, v in PAIRS],
+                   help=f"K/V format pairs to score, of {sorted(FORMATS)}")
     p.add_argument("--out", default="bench/results/kv_format_study.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -81,7 +88,7 @@ def main() -> None:
     trajectories = [accuracy.greedy(runner, b, args.new_tokens) for b in batches]
     reference = torch.cat([accuracy.teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
     rows, exact_store = [], TorchAttentionBackend.store_kvcache
-    for k_name, v_name in PAIRS:
+    for k_name, v_name in (pair.split("/") for pair in args.pairs):
         t0 = time.perf_counter()
         TorchAttentionBackend.store_kvcache = fake_quantized_store(FORMATS[k_name], FORMATS[v_name])
         try:
