@@ -98,36 +98,35 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
             "sass": sass}
 
 
-def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
-                config: DecodeConfig | None = None) -> tuple:
+def _shared_arguments(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype) -> tuple[dict, dict]:
+    """The pointer types and launch constants both attention kernels take, as their host functions pass them."""
     hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     kv_fp8 = kv_dtype == torch.float8_e4m3fn
-    block_d = tb._block_d(d)
-    cfg = config or decode_config(block_d, dtype, kv_fp8)
     act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
     pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
-                "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "block_tables_ptr": "*i32",
-                "seqlens_k_ptr": "*i32", "order_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    constexprs = dict(NUM_Q_HEADS=hq, GROUP=hq // hkv, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-                      BLOCK_SIZE=16, D=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n, SPLIT=False, HAS_ORDER=True,
-                      UPCAST=False, DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8,
-                      FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+                "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constexprs = dict(GROUP=hq // hkv, BLOCK_SIZE=16, D=d, BLOCK_D=tb._block_d(d), UPCAST=False,
+                      DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8, FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+    return pointers, constexprs
+
+
+def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
+                config: DecodeConfig | None = None) -> tuple:
+    pointers, constexprs = _shared_arguments(shape, kv_dtype, dtype)
+    cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FP8"])
+    pointers |= {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "order_ptr": "*i32"}
+    group = constexprs["GROUP"]
+    constexprs |= dict(NUM_Q_HEADS=shape["num_attention_heads"], BLOCK_G=max(16, triton.next_power_of_2(group)),
+                       BLOCK_N=cfg.block_n, SPLIT=False, HAS_ORDER=True)
     return tb._decode_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages, f"BLOCK_N {cfg.block_n}"
 
 
 def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
                  config: PrefillConfig | None = None) -> tuple:
-    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    kv_fp8 = kv_dtype == torch.float8_e4m3fn
-    block_d = tb._block_d(d)
-    cfg = config or prefill_config(block_d, dtype)
-    act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
-    pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
-                "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
-                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    constexprs = dict(GROUP=hq // hkv, BLOCK_SIZE=16, D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      UPCAST=False, DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8,
-                      FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+    pointers, constexprs = _shared_arguments(shape, kv_dtype, dtype)
+    cfg = config or prefill_config(constexprs["BLOCK_D"], dtype)
+    pointers |= {"cu_seqlens_q_ptr": "*i32"}
+    constexprs |= dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
     return (tb._prefill_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages,
             f"BLOCK_M {cfg.block_m} BLOCK_N {cfg.block_n}")
 
@@ -151,7 +150,8 @@ def main() -> None:
     rows = []
     print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
           f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
-    print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} {'loop':>5}  "
+    print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} "
+          f"{'loop':>5}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
     for kernel_name, kv_name, config in [(k, kv, c) for k in args.kernels for kv in args.kv_cache_dtype
                                      for c in configs[k]]:

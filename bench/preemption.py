@@ -210,13 +210,13 @@ def main() -> None:
     tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
     args.model = tmp.name
     num_seqs = max(2, round(args.num_seqs * args.scale))
+    fractions = {name: args.pool_fraction or DEFAULT_POOL_FRACTION[name] for name in args.workloads}
     rows = []
     try:
         for name in args.workloads:
             prompts, max_tokens = draws(name, num_seqs, args.scale, args.seed)
-            fraction = args.pool_fraction or DEFAULT_POOL_FRACTION[name]
-            num_blocks = pool_blocks(prompts, max_tokens, 16, fraction)
-            print(f"{name}: KV pool {num_blocks} blocks, {fraction:.2f} of the batch's")
+            num_blocks = pool_blocks(prompts, max_tokens, 16, fractions[name])
+            print(f"{name}: KV pool {num_blocks} blocks, {fractions[name]:.2f} of the batch's")
             for round_index in range(args.repeat):  # rounds, not runs back to back: drift hits every mode alike
                 for mode in args.modes:
                     for policy in args.policies:
@@ -226,7 +226,7 @@ def main() -> None:
     finally:
         tmp.cleanup()
     print(f"\npreemption: {num_seqs} sequences per workload, {args.model_shape}, KV pool "
-          + ", ".join(f"{k} {args.pool_fraction or DEFAULT_POOL_FRACTION[k]:.2f}" for k in args.workloads)
+          + ", ".join(f"{name} {fraction:.2f}" for name, fraction in fractions.items())
           + " of the batch's blocks")
     print_table(rows)
     print_time_table(rows)
@@ -234,10 +234,8 @@ def main() -> None:
     print_verdicts(verdicts)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        fractions = {k: args.pool_fraction or DEFAULT_POOL_FRACTION[k] for k in args.workloads}
         json.dump({"args": {k: v for k, v in vars(args).items() if k != "model"}, "pool_fractions": fractions,
-                   "rows": rows,
-                   "auto_verdicts": verdicts}, f, indent=2)
+                   "rows": rows, "auto_verdicts": verdicts}, f, indent=2)
 
 
 def auto_verdicts(rows: list[dict]) -> list[dict]:
