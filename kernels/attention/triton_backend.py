@@ -60,12 +60,22 @@ def _fp16_for_fp8_dots(q, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _fp16_in_registers(x):
+    """x, fp16, through an opaque copy (one PTX mov a value, which ptxas removes). Triton otherwise folds V's
+    e4m3 -> fp16 conversion into the shared-memory load of p @ V's operand, which this layout (V [tokens, D],
+    the dot's K along tokens) can only read a byte at a time: 256 LDS.U8 a tile and 248 registers a thread in
+    the decode kernel (two programs an SM, ncu). Kept apart, V converts in registers and returns through shared
+    memory as fp16 by ldmatrix.trans: 149 registers (sm_90 SASS, bench/fp8_decode_variants.py's vreg)."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=tl.float16, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, end, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     """One online-softmax step over context positions start .. start+BLOCK_N (end excluded).
 
@@ -89,6 +99,8 @@ def _attend_tile(
     if KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+        if FP16_DOTS:
+            v = _fp16_in_registers(v)
 
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK_N:
@@ -163,12 +175,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
     for start in range(full_hi, hi, BLOCK_N):  # the diagonal: causal and context-end masks
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, KV_FP8)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
 
     if KV_FP8:  # V's dequantization scale, on the sum of p * v
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -229,12 +241,12 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
     for start in range(full_hi, hi, BLOCK_N):  # at most one ragged tile
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION, KV_FP8)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
 
     if KV_FP8:  # V's dequantization scale, on the sum of p * v (partials too: the merge is linear in acc)
         acc = acc * tl.load(v_scale_ptr + kv_head)
