@@ -17,6 +17,11 @@ somewhere between the load and the dots. The variants, each one program per (seq
          shared-memory load of p V's B operand: folded, that operand is read a byte at a time (LDS.U8, 256
          a tile) and the kernel needs 248 registers; unfolded, V is converted in registers and goes back
          through shared memory as fp16 (ldmatrix.trans), 149 registers (sm_90 SASS, compiled offline)
+  vt     qk over a pool whose V is stored transposed inside each block ([H_kv, D, block_size]): p V's B
+         operand then has its K dimension (tokens) contiguous, like K's in q K^T, so both convert on the
+         shared-memory load the way K does (the FA3 layout for fp8 V). Measured slower than vreg (H200,
+         session 11): Triton cannot see that a block's 16 tokens are contiguous (the block id is a loaded
+         value), so V^T is fetched a byte at a time, and the kernel needs 255 registers
   f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
          nor V is converted.
 DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says
@@ -39,8 +44,8 @@ sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HER
 
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
 VARIANTS = [("qk", "bf16"), ("qk", "fp16"), ("swap", "bf16"), ("swap", "fp16"), ("fma", "fp32"),
-            ("f8qk", "fp16"), ("f8dot", "fp16"), ("vreg", "fp16")]
-MODES = {"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "vreg": 5}
+            ("f8qk", "fp16"), ("f8dot", "fp16"), ("vreg", "fp16"), ("vt", "fp16")]
+MODES = {"qk": 0, "swap": 1, "fma": 2, "f8qk": 3, "f8dot": 4, "vreg": 5, "vt": 6}
 CONFIGS = [(n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]  # (BLOCK_N, warps, stages)
 
 
@@ -88,7 +93,7 @@ def _split_e4m3(x):
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt, offs_d,
+def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb, stride_kt, stride_vtb, offs_d,
          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, MODE: tl.constexpr,
          DT: tl.constexpr):
     pos = start + tl.arange(0, BLOCK_N)
@@ -113,6 +118,22 @@ def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, s
         p = tl.math.exp2(s - m_new[None, :])
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha[None, :] + tl.dot(vt.to(DT), p.to(DT))
+    elif MODE == 6:  # vt: V^T [D, N] gathered from [D, block_size] runs, tokens contiguous
+        vt_off = block.to(tl.int64) * stride_vtb + (pos % BLOCK_SIZE)
+        if MASK:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+            vt = tl.load(v_base + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE, mask=in_ctx[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + row[:, None] + offs_d[None, :])
+            vt = tl.load(v_base + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
+        if MASK:
+            s = tl.where(in_ctx[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DT), tl.trans(vt.to(DT)))
     else:
         if MASK:
             k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
@@ -149,6 +170,7 @@ def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, s
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
            stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+           stride_vtb, stride_vth,
            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
            BLOCK_N: tl.constexpr, MODE: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr):
     kv_head = tl.program_id(0)
@@ -163,7 +185,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
     q_base = q_ptr + seq.to(tl.int64) * stride_qt
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * (stride_vth if MODE == 6 else stride_kh)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     if MODE == 1:
@@ -185,10 +207,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seqlens_ptr, qk_scale, k_
     full_hi = seqlen // BLOCK_N * BLOCK_N
     for start in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
-                             stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, False, MODE, DT)
+                             stride_kt, stride_vtb, offs_d, BLOCK_SIZE, BLOCK_N, False, MODE, DT)
     for start in range(full_hi, seqlen, BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, stride_kb,
-                             stride_kt, offs_d, BLOCK_SIZE, BLOCK_N, True, MODE, DT)
+                             stride_kt, stride_vtb, offs_d, BLOCK_SIZE, BLOCK_N, True, MODE, DT)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
     if MODE == 4:
@@ -227,11 +249,14 @@ def main() -> None:
         q, k_cache, v_cache, meta = bench.paged_batch([1] * num_seqs, [context] * num_seqs)
         k8, v8, scales = bench.fp8_pool(k_cache, v_cache)
         ref = None if args.ncu else reference(torch, q, k8, v8, scales, meta, d ** -0.5)
+        v8t = v8.permute(0, 2, 3, 1).contiguous()  # [N, H_kv, D, block_size]: vt's layout
         pools = {"bf16 pool": (k_cache, v_cache, False), "fp8": (k8, v8, True)}
         for (mode, dt, pool_name), (block_n, warps, stages, maxnreg) in itertools.product(
                 [("qk", "bf16", "bf16 pool")] + [(m, t, "fp8") for m, t in variants], configs):
             cap = {"maxnreg": maxnreg} if maxnreg else {}
             kc, vc, fp8 = pools[pool_name]
+            if mode == "vt":
+                vc = v8t
             out = torch.empty_like(q)
             block_g = group if mode == "fma" else max(16, group)
             grid = (hkv, num_seqs)
@@ -240,6 +265,7 @@ def main() -> None:
                 return kernel[grid](q, kc, vc, out, meta.block_tables, meta.seqlens_k, d ** -0.5 * bk_log2e(),
                              scales.k, scales.v, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                              kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
+                             vc.stride(0), vc.stride(1),
                              GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=kc.shape[1], D=d, BLOCK_N=block_n,
                              MODE=MODES[mode], DT=dtypes[dt], FP8=fp8,
                              num_warps=warps, num_stages=stages, **cap)
@@ -266,7 +292,7 @@ def main() -> None:
             cap_text = f"/{maxnreg}" if maxnreg else ""
             print(f"{num_seqs:>5} {context:>6} {name:>10} {block_n:>4} {warps:>2} {stages:>2}{cap_text} {us:>8.1f} "
                   f"{row['tb_per_s']:>6.2f} {err:>8.1e} {row['regs']:>4} {row['spills']:>5} {row['shared']:>6}")
-        del q, k_cache, v_cache, k8, v8
+        del q, k_cache, v_cache, k8, v8, v8t
         if args.device == "cuda":
             torch.cuda.empty_cache()
     print("\nbest config of each variant (us; speedup over the bf16 pool's best)")

@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ragged", action="store_true", help="also time decode over ragged contexts by split count")
     p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="the pool of the --sweep and --ragged runs (the fp8 vs bf16 decode table always runs)")
+    p.add_argument("--ragged-configs", nargs="+", metavar="N,W,S", default=None,
+                   help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -66,7 +68,11 @@ def main() -> None:
     if args.prefill_sweep:
         results["prefill_sweep"] = bench.prefill_sweep()
     if args.ragged:
-        results["decode_ragged"] = bench.decode_ragged()
+        from kernels.attention.triton_tuning import DecodeConfig
+
+        configs = [None] if not args.ragged_configs else [
+            DecodeConfig(*map(int, c.split(","))) for c in args.ragged_configs]
+        results["decode_ragged"] = [row for cfg in configs for row in bench.decode_ragged(cfg)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -104,6 +110,9 @@ class Bench:
             fn()
             return (time.perf_counter() - start) * 1e6
         testing = self.triton.testing
+        # Both timers run fn on a stream of their own that does not wait for this one: the inputs just
+        # made here (block tables, pools, decode order) must be written before fn reads them.
+        self.torch.cuda.synchronize()
         if graph:  # no launch overhead, as decode runs in the server (CUDA graphs); no L2 flush
             return testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
         return testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
@@ -345,7 +354,7 @@ class Bench:
             rows += shape_rows
         return rows
 
-    def decode_ragged(self) -> list[dict]:
+    def decode_ragged(self, config=None) -> list[dict]:
         """The batches the throughput workload decodes at a few points of its run (contexts U[100, 1024]
         plus the tokens generated so far), timed in a graph at each split count: ragged contexts leave a
         tail of long programs that a per-sequence split evens out."""
@@ -356,7 +365,8 @@ class Bench:
         rng = random.Random(0)
         points = [(256, 80), (153, 400), (59, 800), (7, 1000)] if self.device.type == "cuda" else [(3, 8)]
         rows = []
-        print("\ndecode over ragged contexts (graph replay): TB/s by split count")
+        tile = f"({config.block_n}, {config.num_warps}, {config.num_stages})" if config else "the engine's"
+        print(f"\ndecode over ragged contexts (graph replay), tile {tile}: TB/s by split count")
         for num_seqs, generated in points:
             contexts = [rng.randint(100, 1024) + generated for _ in range(num_seqs)]
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, contexts)
@@ -370,8 +380,10 @@ class Bench:
             for longest_first, splits in runs:
                 meta.decode_order = order if longest_first else None
                 us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
-                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, kv_scales=scales), graph=True)
+                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=config, kv_scales=scales),
+                    graph=True)
                 rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
+                             "config": [config.block_n, config.num_warps, config.num_stages] if config else None,
                              "longest_first": longest_first, "us": us, "tb_per_s": kv_bytes / us / 1e6})
                 line.append(f"{'lpt' if longest_first else ''}{splits}:{kv_bytes / us / 1e6:.2f}")
             print(f"  B={num_seqs:<4} ctx~{sum(contexts) // num_seqs:<5} auto={auto:<3} " + " ".join(line))

@@ -47,8 +47,10 @@ def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16, kv_fp8: boo
     if dtype == torch.float32:
         return DecodeConfig(32, 8, 3)
     if kv_fp8 and block_d <= 128:
-        # bench/fp8_decode_variants.py (H200, D=128, fp16 dots): 128 fp8 tokens (the bytes of 64 bf16
-        # ones) per step, 2 stages: 199 us at B=256, C=1024 against 253 for (64, 4, 2), 1.23-1.32x bf16's best
+        # 128 fp8 tokens (the bytes of 64 bf16 ones) per step, 2 stages, V converted in registers
+        # (H200, D=128, fp16 dots): 149 registers and 72 KB shared, 3 programs an SM. bench/kernels.py
+        # --ragged: as fast as (64, 4, 2) at the throughput run's B=256 and faster at B=153 and 59
+        # (2.67 vs 2.45, 2.39 vs 2.17 TB/s); only equal contexts at B=64, one wave at 4 an SM, favour 64.
         return DecodeConfig(128, 4, 2)
     if block_d <= 128:
         # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
