@@ -19,9 +19,12 @@ somewhere between the load and the dots. The variants, each one program per (seq
          through shared memory as fp16 (ldmatrix.trans), 149 registers (sm_90 SASS, compiled offline)
   vt     qk over a pool whose V is stored transposed inside each block ([H_kv, D, block_size]): p V's B
          operand then has its K dimension (tokens) contiguous, like K's in q K^T, so both convert on the
-         shared-memory load the way K does (the FA3 layout for fp8 V). Measured slower than vreg (H200,
-         session 11): Triton cannot see that a block's 16 tokens are contiguous (the block id is a loaded
-         value), so V^T is fetched a byte at a time, and the kernel needs 255 registers
+         shared-memory load the way K does (the FA3 layout for fp8 V), and V never goes back through
+         shared memory as fp16 (ncu: vreg is bound by shared memory, not DRAM). Without a hint Triton cannot
+         see that a block's tokens are contiguous (the block id is a loaded value): V^T came a byte at a
+         time, 255 registers, slower than vreg (H200, session 11). With tl.max_contiguous the full tiles
+         load by 16-byte cp.async (offline SASS: 168 registers at (128, 4, 2), 126 at (64, 4, 2), 40 / 22 KB
+         shared against vreg's 72 / 38); not yet timed
   f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
          nor V is converted.
 DT is bf16 (q's dtype) or fp16 (e4m3 converts to fp16 in one instruction on sm_89+). Each row says
@@ -119,7 +122,9 @@ def _tile(acc, m_i, l_i, q, q_lo, k_base, v_base, bt, start, seqlen, qk_scale, s
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha[None, :] + tl.dot(vt.to(DT), p.to(DT))
     elif MODE == 6:  # vt: V^T [D, N] gathered from [D, block_size] runs, tokens contiguous
-        vt_off = block.to(tl.int64) * stride_vtb + (pos % BLOCK_SIZE)
+        # a block's BLOCK_SIZE tokens are contiguous: say so, since the block id is a loaded value
+        vt_off = tl.max_contiguous(tl.multiple_of(block.to(tl.int64) * stride_vtb + (pos % BLOCK_SIZE), BLOCK_SIZE),
+                                   BLOCK_SIZE)
         if MASK:
             k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
             vt = tl.load(v_base + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE, mask=in_ctx[None, :], other=0.0)
