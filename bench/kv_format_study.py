@@ -10,6 +10,10 @@ Formats, each per token and KV head (its own scale over the head_dim values):
   int8+H    int8 after a normalized Hadamard rotation of head_dim (spreads outlier channels), rotated back
   e4m3+H    e4m3 after the same rotation: the best e4m3 K the engine could store (its --kv-cache-rotation
             hadamard, with a scale per token instead of per KV head)
+Static formats, their scales fixed from the engine's calibration forward (its texts, not the scored prompts):
+  int8chH   int8 with a scale per layer, KV head and channel, the calibrated |max| times the headroom H
+  int8headH the same with a scale per layer and KV head
+  e4m3head  the engine's fp8 cache (calibrated-per-head, 16x headroom)
 
     python bench/kv_format_study.py --num-prompts 64 --new-tokens 128     # the issue's size: ~10 min on 2 cores
 """
@@ -50,10 +54,44 @@ def rotated(fmt):
     return rotated_format
 
 
+class StaticScales:
+    """Scales fixed before serving, as an engine stores them: from the largest |K| (or |V|) its calibration
+    forward (ModelRunner.calibration_amax's texts) stored per layer, KV head and, if per_channel, head_dim
+    channel, times a headroom; values beyond are clamped. The store is called once per layer in order,
+    so the call count modulo the layer count names the layer."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers, self.calls, self.amax = num_layers, 0, {}
+
+    def layer(self) -> int:
+        self.calls += 1
+        return (self.calls - 1) % self.num_layers
+
+    def record(self, x: torch.Tensor) -> None:  # x [T, H_kv, D]
+        layer, seen = self.layer(), x.abs().amax(0).float()
+        self.amax[layer] = torch.maximum(self.amax.get(layer, seen), seen)
+
+    def format(self, qmax: float, per_channel: bool, headroom: float, cast=None):
+        def static_format(x: torch.Tensor) -> torch.Tensor:
+            amax = self.amax[self.layer()]
+            amax = amax if per_channel else amax.amax(-1, keepdim=True)
+            s = (amax * headroom / qmax).clamp_min(1e-30)
+            y = (x / s).clamp(-qmax, qmax)
+            return (y.to(cast).float() if cast is not None else y.round()) * s
+        return static_format
+
+
 FORMATS = {"e4m3": e4m3, "int8": int8, "int8+H": rotated(int8), "e4m3+H": rotated(e4m3), "exact": None}
+# Static scales (calibrated once, as the engine's are): int8 per layer, KV head and channel follows the KIVI
+# observation that K's outliers sit in fixed channels, so one scale per channel fits every token, and it
+# folds into q (q . k = sum_d (q_d s_d) k_d) or, for V, into the output. Name: format, granularity, headroom.
+STATIC = {f"int8ch{h:g}": (127.0, True, h, None) for h in (1.0, 1.25, 1.5, 2.0, 3.0)}
+STATIC |= {f"int8head{h:g}": (127.0, False, h, None) for h in (1.0, 1.5, 2.0)}
+STATIC["e4m3head"] = (FP8_MAX, False, 16.0, FP8_DTYPE)  # the engine's fp8 cache (calibrated-per-head)
 # (K, V) pairs: V alone barely moves top-1 (session 7), so K is the question
 PAIRS = [("e4m3", "e4m3"), ("e4m3+H", "e4m3"), ("int8", "e4m3"), ("int8+H", "e4m3"), ("int8", "int8"),
-         ("e4m3", "exact"), ("int8", "exact")]
+         ("e4m3", "exact"), ("int8", "exact"), ("e4m3head", "e4m3head"), ("int8ch1.5", "e4m3head"),
+         ("int8ch1.5", "int8ch1.5")]
 
 
 def fake_quantized_store(k_format, v_format):
@@ -69,6 +107,26 @@ def fake_quantized_store(k_format, v_format):
     return store_fake
 
 
+def calibrated(runner) -> tuple[StaticScales, StaticScales]:
+    """K's and V's static scales from the engine's own calibration forward (its texts, not the scored prompts)."""
+    k_scales, v_scales = StaticScales(len(runner.kv_pool.layers)), StaticScales(len(runner.kv_pool.layers))
+    exact_store = TorchAttentionBackend.store_kvcache
+
+    def store_recording(self, key, value, k_cache, v_cache, slot_mapping, kv_scales=None):
+        k_scales.record(key)
+        v_scales.record(value)
+        return exact_store(self, key, value, k_cache, v_cache, slot_mapping, kv_scales)
+    TorchAttentionBackend.store_kvcache = store_recording
+    num_blocks = runner.kv_pool.num_blocks
+    try:
+        runner.calibration_amax()  # through a pool of its own, which unbinds the layers' views of ours
+    finally:
+        TorchAttentionBackend.store_kvcache = exact_store
+        runner.kv_pool.allocate(num_blocks)
+    k_scales.calls = v_scales.calls = 0
+    return k_scales, v_scales
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="checkpoint directory (default: the embedded SmolLM2)")
@@ -76,7 +134,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--pairs", nargs="+", metavar="K/V", default=[f"{k}/{v}" for k, v in PAIRS],
-                   help=f"K/V format pairs to score, of {sorted(FORMATS)}")
+                   help=f"K/V format pairs to score, of {sorted(FORMATS) + sorted(STATIC)}")
     p.add_argument("--out", default="bench/results/kv_format_study.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -88,9 +146,12 @@ def main() -> None:
     trajectories = [accuracy.greedy(runner, b, args.new_tokens) for b in batches]
     reference = torch.cat([accuracy.teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
     rows, exact_store = [], TorchAttentionBackend.store_kvcache
+    static = calibrated(runner) if any(name in STATIC for pair in args.pairs for name in pair.split("/")) else None
     for k_name, v_name in (pair.split("/") for pair in args.pairs):
         t0 = time.perf_counter()
-        TorchAttentionBackend.store_kvcache = fake_quantized_store(FORMATS[k_name], FORMATS[v_name])
+        k_format = static[0].format(*STATIC[k_name]) if k_name in STATIC else FORMATS[k_name]
+        v_format = static[1].format(*STATIC[v_name]) if v_name in STATIC else FORMATS[v_name]
+        TorchAttentionBackend.store_kvcache = fake_quantized_store(k_format, v_format)
         try:
             test = torch.cat([accuracy.teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
         finally:
