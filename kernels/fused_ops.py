@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import kv_scale_args, quantize_fp8
-from kernels.kv_quant import KVScales, as_bytes, is_fp8, quantize
+from kernels.kv_quant import KVScales, as_bytes, is_quantized, quantize
 from kernels.triton_runtime import INTERPRET
 
 
@@ -397,8 +397,8 @@ def qk_norm_rope_store_ref(
     slots = slot_mapping[keep]
     heads, dim = k_cache.shape[-2:]
     new_k, new_v = rotated_k[keep], v.reshape(-1, heads, dim)[keep]
-    if is_fp8(k_cache):
-        new_k, new_v = quantize(new_k, kv_scales.k), quantize(new_v, kv_scales.v)
+    if is_quantized(k_cache):
+        new_k, new_v = quantize(new_k, kv_scales.k, k_cache.dtype), quantize(new_v, kv_scales.v, v_cache.dtype)
     as_bytes(k_cache).view(-1, heads, dim)[slots] = as_bytes(new_k.to(k_cache.dtype))
     as_bytes(v_cache).view(-1, heads, dim)[slots] = as_bytes(new_v.to(v_cache.dtype))
     return q, k

@@ -23,7 +23,7 @@ from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
 from kernels.attention.triton_kv_store import check_last_dim_contiguous, kv_scale_args, store_kvcache
-from kernels.kv_quant import KVScales
+from kernels.kv_quant import FP8_DTYPE, KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
@@ -388,7 +388,9 @@ class TritonAttentionBackend:
     """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
 
     name = TRITON
-    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True, fp8_kv_cache=True)
+    # int8 pools: the torch backend only, for now (kernels/kv_quant.py); the Triton kernels take fp8
+    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True,
+                                         quantized_kv_dtypes=(FP8_DTYPE,))
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import KVScales, is_fp8
+from kernels.kv_quant import KVScales, is_fp8, is_int8
 from kernels.triton_runtime import INTERPRET
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +92,8 @@ def check_last_dim_contiguous(*tensors: torch.Tensor) -> None:
 def kv_scale_args(k_cache: torch.Tensor, kv_scales: KVScales | None, unused: torch.Tensor) -> tuple:
     """(k_scale, v_scale, KV_FP8) for a kernel: an fp8 cache's [H_kv] scales; for other caches two
     pointers the kernel never reads."""
+    if is_int8(k_cache):  # the backend's capabilities keep int8 pools away; never read one as unquantized
+        raise ValueError("the Triton kernels do not read an int8 KV cache")
     if not is_fp8(k_cache):
         return unused, unused, False
     if kv_scales is None:
