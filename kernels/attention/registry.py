@@ -6,15 +6,12 @@ may not have.
 from __future__ import annotations
 
 import importlib
-import logging
 
 import torch
 
 from kernels.attention.base import AttentionBackend, AttentionCapabilities
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES, AUTO, FLASH_ATTN, TORCH, TRITON
 from kernels.kv_quant import is_quantized
-
-log = logging.getLogger("nanoserve.kernels")
 
 # name -> (module, class)
 _BACKENDS = {
@@ -38,9 +35,6 @@ def get_backend(name: str, device: torch.device, block_size: int = 16,
         raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKEND_CHOICES}")
     if name == AUTO:
         name = auto_backend_name(device, block_size, kv_cache_dtype)
-        if device.type == "cuda" and name == TORCH:
-            log.warning("no CUDA attention kernel reads a %s KV cache yet: the torch reference backend runs "
-                        "(no CUDA graphs)", str(kv_cache_dtype).removeprefix("torch."))
     cls = backend_class(name)
     if not _reads(cls.capabilities, kv_cache_dtype):
         raise ValueError(f"attention backend {name!r} cannot read a {str(kv_cache_dtype).removeprefix('torch.')} "
@@ -49,8 +43,8 @@ def get_backend(name: str, device: torch.device, block_size: int = 16,
 
 
 def auto_backend_name(device: torch.device, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> str:
-    """On CUDA flash_attn when it imports and takes the block size and the pool's dtype, else triton
-    when it reads the pool's dtype, else the torch reference; on the CPU the torch reference."""
+    """On CUDA flash_attn when it imports and takes the block size and the pool's dtype, else triton;
+    on the CPU the torch reference."""
     if device.type != "cuda":
         return TORCH
     try:
@@ -61,7 +55,7 @@ def auto_backend_name(device: torch.device, block_size: int, kv_cache_dtype: tor
         caps = backend_class(FLASH_ATTN).capabilities
         if caps.supports_block_size(block_size) and _reads(caps, kv_cache_dtype):
             return FLASH_ATTN
-    return TRITON if _reads(backend_class(TRITON).capabilities, kv_cache_dtype) else TORCH
+    return TRITON
 
 
 def _reads(caps: AttentionCapabilities, kv_cache_dtype: torch.dtype | None) -> bool:
