@@ -45,7 +45,7 @@ OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
 BACKWARD_BRANCH = re.compile(r"BRA(?:\.U)? (0x[0-9a-f]+)")
 TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                   torch.float8_e4m3fn: "fp8e4nv"}
+                   torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
 
 
 def signature(fn, pointer_types: dict[str, str], constexprs: dict) -> tuple[dict, dict]:
@@ -101,19 +101,19 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
 def _shared_arguments(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype) -> tuple[dict, dict]:
     """The pointer types and launch constants both attention kernels take, as their host functions pass them."""
     hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    kv_fp8 = kv_dtype == torch.float8_e4m3fn
+    kv_format = {torch.float8_e4m3fn: 1, torch.int8: 2}.get(kv_dtype, 0)  # triton_kv_store.KV_FP8 / KV_INT8
     act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
     pointers = {"q_ptr": f"*{act}", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "o_ptr": f"*{act}",
                 "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     constexprs = dict(GROUP=hq // hkv, BLOCK_SIZE=16, D=d, BLOCK_D=tb._block_d(d), UPCAST=False,
-                      DOT_PRECISION=tb._dot_precision(dtype), KV_FP8=kv_fp8, FP16_DOTS=tb._fp16_dots(kv_fp8, dtype))
+                      DOT_PRECISION=tb._dot_precision(dtype), KV_FORMAT=kv_format, FP16_DOTS=tb._fp16_dots(kv_format, dtype))
     return pointers, constexprs
 
 
 def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
                 config: DecodeConfig | None = None) -> tuple:
     pointers, constexprs = _shared_arguments(shape, kv_dtype, dtype)
-    cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FP8"])
+    cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FORMAT"] != 0)
     pointers |= {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "order_ptr": "*i32"}
     group = constexprs["GROUP"]
     constexprs |= dict(NUM_Q_HEADS=shape["num_attention_heads"], BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -134,7 +134,7 @@ def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
-    p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=["auto", "fp8"])
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8", "int8"], default=["auto", "fp8"])
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     p.add_argument("--decode-configs", nargs="+", metavar="N,W,S",
                    help="decode tiles to compile instead of the engine's: BLOCK_N,warps,stages each")
@@ -155,7 +155,7 @@ def main() -> None:
           + " ".join(f"{w:>8}" for w in WATCHED))
     for kernel_name, kv_name, config in [(k, kv, c) for k in args.kernels for kv in args.kv_cache_dtype
                                      for c in configs[k]]:
-        kv_dtype = torch.float8_e4m3fn if kv_name == "fp8" else torch.bfloat16
+        kv_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv_name, torch.bfloat16)
         fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, config=config)
         result = compile_sm90(fn, pointers, constexprs, warps, stages)
         tiles = f"{tiles} w{warps} s{stages}"

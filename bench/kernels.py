@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-sweep", action="store_true",
                    help="also sweep prefill configs, on the throughput workload's ragged prefill batch too")
     p.add_argument("--ragged", action="store_true", help="also time decode over ragged contexts by split count")
-    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
+    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8", "int8"], default="bf16",
                    help="the pool of the --sweep and --ragged runs (the fp8 vs bf16 decode table always runs)")
     p.add_argument("--ragged-configs", nargs="+", metavar="N,W,S", default=None,
                    help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
@@ -56,7 +56,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
     import torch
 
-    bench = Bench(torch.device(args.device), tiny=args.tiny, kv_fp8=args.kv_cache_dtype == "fp8")
+    bench = Bench(torch.device(args.device), tiny=args.tiny, sweep_pool=args.kv_cache_dtype)
     results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
     print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
     results["decode"] = bench.decode()
@@ -80,7 +80,7 @@ def main() -> None:
 
 
 class Bench:
-    def __init__(self, device, tiny: bool, kv_fp8: bool = False):
+    def __init__(self, device, tiny: bool, sweep_pool: str = "bf16"):
         import torch
         import triton
 
@@ -90,7 +90,7 @@ class Bench:
 
         self.torch, self.triton, self.ta, self.Meta, self.num_sms = torch, triton, ta, AttentionMetadata, num_sms
         self.device = device
-        self.kv_fp8 = kv_fp8  # --sweep and --ragged over an fp8 pool
+        self.sweep_pool = sweep_pool  # --sweep and --ragged over a bf16, fp8 or int8 pool
         self.dtype = torch.bfloat16
         self.heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
         self.decode_shapes, self.prefill_shapes, self.store_tokens = DECODE_SHAPES, PREFILL_SHAPES, STORE_TOKENS
@@ -149,16 +149,23 @@ class Bench:
         )
         return q, k_cache, v_cache, meta
 
-    def fp8_pool(self, k_cache, v_cache):
-        """The pool quantized as the engine stores it, with per-head scales from its amax (kernels/kv_quant.py)."""
-        from kernels.kv_quant import KVScales, quantize, scales_from_amax
+    def quantized_pool(self, k_cache, v_cache, kind: str = "fp8"):
+        """The pool quantized as the engine stores it (kernels/kv_quant.py), with scales from its amax: per KV
+        head for fp8, per head and channel for int8."""
+        from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, KVScales, quantize, scales_from_amax
 
-        scales = KVScales(*(scales_from_amax(c.abs().amax(dim=(0, 1, 3))) for c in (k_cache, v_cache)))
-        return quantize(k_cache, scales.k), quantize(v_cache, scales.v), scales
+        dtype, dims = (FP8_DTYPE, (0, 1, 3)) if kind == "fp8" else (INT8_DTYPE, (0, 1))
+        scales = KVScales(*(scales_from_amax(c.abs().amax(dim=dims), dtype) for c in (k_cache, v_cache)))
+        return quantize(k_cache, scales.k, dtype), quantize(v_cache, scales.v, dtype), scales
+
+    def fp8_pool(self, k_cache, v_cache):
+        return self.quantized_pool(k_cache, v_cache, "fp8")
 
     def pool_for_sweeps(self, k_cache, v_cache):
         """(k_cache, v_cache, kv_scales) of the --kv-cache-dtype the sweeps run on."""
-        return self.fp8_pool(k_cache, v_cache) if self.kv_fp8 else (k_cache, v_cache, None)
+        if self.sweep_pool == "bf16":
+            return k_cache, v_cache, None
+        return self.quantized_pool(k_cache, v_cache, self.sweep_pool)
 
     # -- benchmarks --------------------------------------------------------------------------
 
@@ -211,33 +218,38 @@ class Bench:
         return rows
 
     def decode_fp8(self) -> list[dict]:
-        """Decode over an fp8 pool against the same batch over bf16, both graph-replayed (eager on the CPU)."""
+        """Decode over an fp8 and an int8 pool against the same batch over bf16, graph-replayed (eager on the CPU)."""
         ta = self.ta
         hq, hkv, d = self.heads
         graph = self.device.type == "cuda"
         rows = []
-        print("\ndecode attention, fp8 pool vs bf16 (graph replay; TB/s over each pool's own bytes)")
-        print(f"{'B':>5} {'C':>6} {'bf16 us':>8} {'TB/s':>6} {'fp8 us':>8} {'TB/s':>6} {'Mtok/s bf16':>11}"
-              f" {'fp8':>7} {'speedup':>7} {'rel err':>8}")
+        print("\ndecode attention, fp8 and int8 pools vs bf16 (graph replay; TB/s over each pool's own bytes)")
+        print(f"{'B':>5} {'C':>6} {'bf16 us':>8} {'TB/s':>6} {'fp8 us':>8} {'TB/s':>6} {'int8 us':>8} {'TB/s':>6}"
+              f" {'Mtok/s bf16':>11} {'fp8':>7} {'int8':>7} {'fp8 x':>6} {'int8 x':>6} {'fp8 err':>8} {'int8 err':>8}")
         for num_seqs, context in self.decode_shapes:
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
-            k8, v8, scales = self.fp8_pool(k_cache, v_cache)
             values = 2 * num_seqs * context * hkv * d  # K and V elements read
-            bf16 = lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5)  # noqa: E731
-            fp8 = lambda: ta.paged_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales)  # noqa: E731
-            ref = bf16().float()
-            err = ((fp8().float() - ref).norm() / ref.norm()).item()
-            bf16_us, fp8_us = self.time_us(bf16, graph=graph), self.time_us(fp8, graph=graph)
             tokens = num_seqs * context
-            row = {"num_seqs": num_seqs, "context": context, "bf16_us": bf16_us, "fp8_us": fp8_us,
-                   "bf16_tb_per_s": 2 * values / bf16_us / 1e6, "fp8_tb_per_s": values / fp8_us / 1e6,
-                   "bf16_ctx_tok_per_s": tokens / bf16_us * 1e6, "fp8_ctx_tok_per_s": tokens / fp8_us * 1e6,
-                   "speedup": bf16_us / fp8_us, "rel_err_vs_bf16": err}
+            bf16 = lambda: ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5)  # noqa: E731
+            ref = bf16().float()
+            bf16_us = self.time_us(bf16, graph=graph)
+            row = {"num_seqs": num_seqs, "context": context, "bf16_us": bf16_us,
+                   "bf16_tb_per_s": 2 * values / bf16_us / 1e6, "bf16_ctx_tok_per_s": tokens / bf16_us * 1e6}
+            for kind in ("fp8", "int8"):
+                k8, v8, scales = self.quantized_pool(k_cache, v_cache, kind)
+                run = lambda: ta.paged_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales)  # noqa: E731
+                err = ((run().float() - ref).norm() / ref.norm()).item()
+                us = self.time_us(run, graph=graph)
+                row |= {f"{kind}_us": us, f"{kind}_tb_per_s": values / us / 1e6, f"{kind}_ctx_tok_per_s": tokens / us * 1e6,
+                        f"{kind}_speedup": bf16_us / us, f"{kind}_rel_err_vs_bf16": err}
+                del k8, v8
             rows.append(row)
-            print(f"{num_seqs:>5} {context:>6} {bf16_us:>8.1f} {row['bf16_tb_per_s']:>6.2f} {fp8_us:>8.1f}"
-                  f" {row['fp8_tb_per_s']:>6.2f} {row['bf16_ctx_tok_per_s'] / 1e6:>11.0f}"
-                  f" {row['fp8_ctx_tok_per_s'] / 1e6:>7.0f} {row['speedup']:>6.2f}x {err:>8.1e}")
-            del q, k_cache, v_cache, k8, v8
+            print(f"{num_seqs:>5} {context:>6} {bf16_us:>8.1f} {row['bf16_tb_per_s']:>6.2f} {row['fp8_us']:>8.1f}"
+                  f" {row['fp8_tb_per_s']:>6.2f} {row['int8_us']:>8.1f} {row['int8_tb_per_s']:>6.2f}"
+                  f" {row['bf16_ctx_tok_per_s'] / 1e6:>11.0f} {row['fp8_ctx_tok_per_s'] / 1e6:>7.0f}"
+                  f" {row['int8_ctx_tok_per_s'] / 1e6:>7.0f} {row['fp8_speedup']:>5.2f}x {row['int8_speedup']:>5.2f}x"
+                  f" {row['fp8_rel_err_vs_bf16']:>8.1e} {row['int8_rel_err_vs_bf16']:>8.1e}")
+            del q, k_cache, v_cache
             if self.device.type == "cuda":
                 self.torch.cuda.empty_cache()
         return rows
@@ -327,7 +339,7 @@ class Bench:
         if self.device.type != "cuda":
             configs = configs[:2]
         rows = []
-        print(f"\ndecode sweep ({'fp8' if self.kv_fp8 else 'bf16'} pool): best 5 per shape")
+        print(f"\ndecode sweep ({self.sweep_pool} pool): best 5 per shape")
         for num_seqs, context in shapes:
             q, k_cache, v_cache, meta = self.paged_batch([1] * num_seqs, [context] * num_seqs)
             k_cache, v_cache, scales = self.pool_for_sweeps(k_cache, v_cache)

@@ -1,8 +1,9 @@
-"""Accuracy of the fp8 KV cache on real weights (the embedded SmolLM2 by default), per scale method.
+"""Accuracy of the quantized KV caches (fp8, int8) on real weights (the embedded SmolLM2 by default), per
+scale method.
 
 The reference is the engine with a KV cache of the model's dtype (bf16 on the GPU, fp32 on the CPU):
 its greedy trajectory of N chat prompts x T tokens is teacher-forced through an engine with
---kv-cache-dtype fp8 and each --kv-cache-scales. One prefill over prompt + trajectory gives the
+--kv-cache-dtype fp8 or int8 and each --kv-cache-scales. One prefill over prompt + trajectory gives the
 next-token distribution at every generated position; its K/V are read back from the pool, so fp8
 reads are what it sees, as in decode. Reported per --kv-cache-rotation and method:
 
@@ -19,6 +20,7 @@ Targets (issue 13): top-1 >= 98%, mean KL <= 0.01.
     python bench/kv_fp8_accuracy.py                                   # GPU: 64 prompts x 128 tokens
     python bench/kv_fp8_accuracy.py --device cpu --num-prompts 8 --new-tokens 32
     python bench/kv_fp8_accuracy.py --device cpu --methods calibrated-per-head --rotations none hadamard
+    python bench/kv_fp8_accuracy.py --device cpu --kv-cache-dtypes int8 --methods auto
 """
 from __future__ import annotations
 
@@ -142,8 +144,10 @@ def exact_match(reference: list[list[int]], test: list[list[int]]) -> dict:
 
 
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, methods: list[str],
-            batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,)) -> dict:
-    """Every (rotation, method) row against the reference engine; batches of `batch` prompts at a time."""
+            batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,),
+            kv_dtypes: tuple[str, ...] = ("fp8",)) -> dict:
+    """Every (KV dtype, rotation, method) row against the reference engine (int8 skips static scales, which it
+    refuses); batches of `batch` prompts at a time."""
     prompts = chat_prompts(model_dir, num_prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     num_blocks = batch * -(-(max(len(p) for p in prompts) + new_tokens + 1) // 16)
@@ -153,11 +157,13 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, meth
     ref_logprobs = [teacher_forced_logprobs(ref_runner, b, t) for b, t in zip(batches, trajectories)]
     del ref_runner
     rows = []
-    for rotation, method in [(r, m) for r in rotations for m in methods]:
+    runs = [(d, r, m) for d in kv_dtypes for r in rotations for m in methods if not (d == "int8" and m == "static")]
+    for kv_cache_dtype, rotation, method in runs:
         t0 = time.perf_counter()
-        runner = make_runner(model_dir, device, "fp8", method, num_blocks, kv_cache_rotation=rotation)
+        runner = make_runner(model_dir, device, kv_cache_dtype, method, num_blocks, kv_cache_rotation=rotation)
         test = torch.cat([teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
-        row = {"rotation": rotation, "method": method, **agreement(torch.cat(ref_logprobs), test)}
+        row = {"kv_cache_dtype": kv_cache_dtype, "rotation": rotation, "method": method,
+               **agreement(torch.cat(ref_logprobs), test)}
         if exact_match_len:
             outs = [o for b in batches for o in greedy(runner, b, new_tokens)]
             row |= exact_match([t for ts in trajectories for t in ts], outs)
@@ -169,13 +175,13 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, meth
 
 
 def print_table(result: dict) -> None:
-    print(f"\nfp8 KV cache vs {result['reference_kv_dtype']} KV: {result['model']} on {result['device']}, "
+    print(f"\nquantized KV caches vs {result['reference_kv_dtype']} KV: {result['model']} on {result['device']}, "
           f"{result['num_prompts']} prompts x {result['new_tokens']} tokens (targets: top-1 >= "
           f"{TOP1_TARGET:.0%}, mean KL <= {MEAN_KL_TARGET})")
-    print(f"{'rotation':>9} {'scales':>20} {'top-1':>7} {'ties ok':>7} {'miss gap':>8} {'mean KL':>9} {'p99 KL':>9}"
+    print(f"{'KV':>5} {'rotation':>9} {'scales':>22} {'top-1':>7} {'ties ok':>7} {'miss gap':>8} {'mean KL':>9} {'p99 KL':>9}"
           f" {'match len':>9} {'full':>5} {'s':>6}")
     for r in result["rows"]:
-        print(f"{r.get('rotation', 'none'):>9} {r['method']:>20} {r['top1']:>7.2%} {r['top1_near_ties_excused']:>7.2%} "
+        print(f"{r.get('kv_cache_dtype', 'fp8'):>5} {r.get('rotation', 'none'):>9} {r['method']:>22} {r['top1']:>7.2%} {r['top1_near_ties_excused']:>7.2%} "
               f"{r['miss_ref_gap_median']:>8.3f} {r['mean_kl']:>9.5f} {r['p99_kl']:>9.5f} "
               f"{r.get('mean_match_len', float('nan')):>9.1f} {r.get('full_match', float('nan')):>5.0%} "
               f"{r['seconds']:>6.1f}")
@@ -188,7 +194,9 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=None, help="prompts per forward (default: all on GPU, 4 on CPU)")
-    p.add_argument("--methods", nargs="+", choices=KV_CACHE_SCALES, default=list(KV_CACHE_SCALES))
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"])
+    p.add_argument("--methods", nargs="+", choices=KV_CACHE_SCALES,
+                   default=[m for m in KV_CACHE_SCALES if m != "auto"])
     p.add_argument("--rotations", nargs="+", choices=KV_CACHE_ROTATIONS, default=list(KV_CACHE_ROTATIONS),
                    help="--kv-cache-rotation values to measure, each with every method")
     p.add_argument("--out", default="bench/results/kv_fp8_accuracy.json")
@@ -197,7 +205,7 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens,
-                     args.methods, batch, rotations=tuple(args.rotations))
+                     args.methods, batch, rotations=tuple(args.rotations), kv_dtypes=tuple(args.kv_cache_dtypes))
     print_table(result)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

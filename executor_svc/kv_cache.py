@@ -7,10 +7,11 @@ where a sequence preempted by swap keeps its blocks until the scheduler swaps it
 block-major, [N_host, 2, L, block_size, H_kv_local, D], so each host block is one contiguous range
 and moves by one DMA copy.
 
-With --kv-cache-dtype fp8 both pools are float8_e4m3fn (kernels/kv_quant.py): a block takes half the
-bytes of bf16, so the same memory holds twice the blocks. The pool then also holds each layer's
-dequantization scales, [2, L, H_kv] float32 (K, V), fixed at start-up (executor_svc/kv_calibration.py).
-Copies and swaps move the fp8 bytes unchanged, through uint8 views.
+With --kv-cache-dtype fp8 (or int8) both pools are float8_e4m3fn (int8) (kernels/kv_quant.py): a block
+takes half the bytes of bf16, so the same memory holds twice the blocks. The pool then also holds each
+layer's dequantization scales, [2, L, H_kv] (fp8) or [2, L, H_kv, D] (int8) float32 (K, V), fixed at
+start-up (executor_svc/kv_calibration.py). Copies and swaps move the bytes unchanged (fp8 through uint8
+views).
 
 The scheduler owns every block id, device and host (invariant 1); this file only copies whole blocks,
 every layer, K and V. On CUDA every copy is queued on the current stream, after the previous step's
@@ -43,7 +44,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int  # this rank's
     head_dim: int
-    dtype: torch.dtype  # the pool's: the model's, or float8_e4m3fn
+    dtype: torch.dtype  # the pool's: the model's, float8_e4m3fn or int8
     device: torch.device
 
     @property
@@ -112,7 +113,8 @@ class KVPool:
         self.staging = staging
         self.cache: torch.Tensor | None = None  # [2, L, N, block_size, H_kv, D]
         self.host_cache: torch.Tensor | None = None  # [N_host, 2, L, block_size, H_kv, D]; None: no swap
-        self.scales: torch.Tensor | None = None  # fp8 pools: [2, L, H_kv] float32, stored = value / scale
+        # quantized pools: [2, L, H_kv] (fp8) or [2, L, H_kv, D] (int8) float32, stored = value / scale
+        self.scales: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -130,14 +132,14 @@ class KVPool:
             attn.v_cache = self.cache[1, i]
 
     def set_scales(self, scales: torch.Tensor) -> None:
-        """An fp8 pool's scales [2, L, H_kv]; each layer gets its row, read by its kernels in place
+        """A quantized pool's scales [2, L, H_kv(, D)]; each layer gets its row, read by its kernels in place
         (a CUDA graph captures their addresses)."""
         self.scales = scales.to(device=self.layout.device, dtype=torch.float32).contiguous()
         for i, attn in enumerate(self.layers):
             attn.kv_scales = KVScales(self.scales[0, i], self.scales[1, i])
 
     def set_rotation(self, rotation: torch.Tensor) -> None:
-        """An fp8 pool's rotation of K (and q) [D, D], on the device (kernels/kv_rotation.py); every layer
+        """A quantized pool's rotation of K (and q) [D, D], on the device (kernels/kv_rotation.py); every layer
         shares it."""
         for attn in self.layers:
             attn.kv_rotation = rotation

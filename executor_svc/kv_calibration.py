@@ -1,10 +1,13 @@
-"""The fp8 KV pool's scales, chosen once at start-up (--kv-cache-scales):
+"""A quantized KV pool's scales (fp8 or int8), chosen once at start-up (--kv-cache-scales):
 
-- static: 1.0 everywhere; K and V are stored as they come, clamped to +-448.
+- static (fp8 only): 1.0 everywhere; K and V are stored as they come, clamped to +-448.
 - calibrated: per layer, for K and for V, the largest |value| seen in a calibration forward maps to
-  448 / 16, leaving headroom for larger values later (kernels/kv_quant.scales_from_amax); beyond
-  448 values are clamped.
-- calibrated-per-head: the same per KV head.
+  448 / 16 (fp8) or 127 / 1.5 (int8), leaving headroom for larger values later
+  (kernels/kv_quant.scales_from_amax); beyond that values are clamped.
+- calibrated-per-head: the same per KV head (fp8's default).
+- calibrated-per-channel: the same per KV head and channel (int8's default).
+An fp8 pool keeps a scale per head ([2, L, H_kv]; per channel takes each head's largest); an int8 pool a
+scale per head and channel ([2, L, H_kv, D]; per head or per layer repeats the one over the others).
 
 The calibration forward (ModelRunner.calibration_amax) runs the model over a few short texts when the
 checkpoint has a tokenizer (tokenizer.json), else over random token ids like the profiling forward,
@@ -22,7 +25,7 @@ from executor_svc.input_batch import profiling_chunks
 from executor_svc.kv_cache import KVLayout, KVPool
 from executor_svc.sampling_row import GREEDY_ROW
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from kernels.kv_quant import scales_from_amax
+from kernels.kv_quant import is_int8, scales_from_amax
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -51,24 +54,29 @@ CALIBRATION_TEXTS = (
 
 
 def kv_cache_scales(method: str, layout: KVLayout, amax: torch.Tensor | None) -> torch.Tensor:
-    """The scales [2, L, H_kv] (K, V) of an fp8 pool for --kv-cache-scales `method`, logged; amax is the
-    calibration forward's [2, L, H_kv] (ModelRunner.calibration_amax), None for static scales."""
-    shape = (2, layout.num_layers, layout.num_kv_heads)
+    """The scales (K, V) of a quantized pool for --kv-cache-scales `method` (resolved: not auto), logged:
+    [2, L, H_kv] for fp8, [2, L, H_kv, D] for int8. amax is the calibration forward's [2, L, H_kv, D]
+    (ModelRunner.calibration_amax), None for static scales."""
+    shape = (2, layout.num_layers, layout.num_kv_heads, layout.head_dim)
     if method == "static":
-        scales = torch.ones(shape)
-    else:
-        if method == "calibrated":  # one scale per layer: the largest over its heads
-            amax = amax.amax(dim=2, keepdim=True).expand(shape)
-        scales = scales_from_amax(amax)
-    log.info("KV cache float8_e4m3fn, %s scales (per layer, largest over heads): K [%s] V [%s]", method,
-             _per_layer(scales[0]), _per_layer(scales[1]))
+        amax = None
+    elif method == "calibrated":  # one scale per layer: the largest over its heads and channels
+        amax = amax.amax(dim=(2, 3), keepdim=True).expand(shape)
+    elif method == "calibrated-per-head":
+        amax = amax.amax(dim=3, keepdim=True).expand(shape)
+    if not is_int8(layout.dtype):  # fp8 kernels take a scale per head: a channel's is its head's largest
+        amax = None if amax is None else amax.amax(dim=3)
+        shape = shape[:3]
+    scales = torch.ones(shape) if amax is None else scales_from_amax(amax, layout.dtype)
+    log.info("KV cache %s, %s scales (per layer, largest over heads): K [%s] V [%s]",
+             str(layout.dtype).removeprefix("torch."), method, _per_layer(scales[0]), _per_layer(scales[1]))
     log.debug("KV cache scales per layer and KV head: %s", scales.tolist())
     return scales
 
 
 def pool_amax(pool: KVPool) -> torch.Tensor:
-    """The largest |K| and |V| a pool holds per layer and KV head, [2, L, H_kv] float32 on the host."""
-    return pool.cache.abs().amax(dim=(2, 3, 5)).float().cpu()
+    """The largest |K| and |V| a pool holds per layer, KV head and channel, [2, L, H_kv, D] float32 on the host."""
+    return pool.cache.abs().amax(dim=(2, 3)).float().cpu()
 
 
 def calibration_chunks(model_dir: str, vocab_size: int, block_size: int, max_tokens: int,
@@ -105,4 +113,4 @@ def _tokenizer_file(model_dir: str) -> str | None:
 
 
 def _per_layer(scales: torch.Tensor) -> str:
-    return " ".join(f"{x:.3g}" for x in scales.amax(dim=1).tolist())
+    return " ".join(f"{x:.3g}" for x in scales.flatten(1).amax(dim=1).tolist())

@@ -23,7 +23,7 @@ from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, draw_masks
 from kernels.attention.registry import get_backend
-from kernels.kv_quant import FP8_DTYPE, is_fp8
+from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
 from scheduler_svc.common.config import EngineConfig
 
@@ -50,8 +50,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto keeps the model's dtype; fp8 is float8_e4m3fn (kernels/kv_quant.py)."""
-    return FP8_DTYPE if name == "fp8" else model_dtype
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 is float8_e4m3fn, int8 int8 (kernels/kv_quant.py)."""
+    return {"fp8": FP8_DTYPE, "int8": INT8_DTYPE}.get(name, model_dtype)
 
 
 @dataclass(slots=True)
@@ -99,7 +99,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
-                                   fp8_kv_cache=is_fp8(self.kv_cache_dtype))
+                                   kv_cache_dtype=self.kv_cache_dtype)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
         self.sampler = Sampler()
         self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
@@ -111,10 +111,10 @@ class ModelRunner:
         layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
                           f.head_dim, self.kv_cache_dtype, self.device)
         self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
-        if is_fp8(layout.dtype):  # before sizing: the profiling forward runs on the fp8 pool too
+        if is_quantized(layout.dtype):  # before sizing: the profiling forward runs on the quantized pool too
             if config.kv_cache_rotation == "hadamard":  # before calibrating: the scales are of the rotated K
                 self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, self.dtype, self.device))
-            method = config.kv_cache_scales
+            method = config.kv_scales_method()
             amax = None if method == "static" else self.calibration_amax()
             self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
         self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward))
@@ -160,7 +160,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def calibration_amax(self) -> torch.Tensor:
-        """The largest |K| and |V| per layer and KV head, [2, L, H_kv], over one forward of the
+        """The largest |K| and |V| per layer, KV head and channel, [2, L, H_kv, D], over one forward of the
         calibration tokens (executor_svc/kv_calibration.py) through a temporary pool of the model's dtype."""
         cfg = self.config
         # not bounded by the step budget: the scales must not depend on it, and the pool is not allocated yet

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton_kv_store import kv_scale_args, quantize_fp8
-from kernels.kv_quant import KVScales, as_bytes, is_fp8, quantize
+from kernels.attention.triton_kv_store import kv_scale_args, quantize_fp8, quantize_int8
+from kernels.kv_quant import KVScales, as_bytes, is_quantized, quantize
 from kernels.triton_runtime import INTERPRET
 
 
@@ -254,29 +254,36 @@ def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_pt
 @triton.jit
 def _rotate_store_kv_heads(
     k_base, v_base, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h, num_heads,
-    k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FP8: tl.constexpr,
+    k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT: tl.constexpr,
 ):
     """Rotate k heads h in place as _rotate_heads does, and write them and v's heads to the pool row
-    (`store` false for slot -1; an fp8 pool gets them quantized by their heads' scales); the rotated
-    values go to the pool from registers."""
+    (`store` false for slot -1; a quantized pool gets them quantized by their heads' scales, or int8's by
+    their channels', [H_kv, 2 * half] row-major); the rotated values go to the pool from registers."""
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * k_stride_h + d[None, :]
     o1, o2 = _rope_halves(k_base, offs, mask, half, cos, sin)
     tl.store(k_base + offs, o1, mask=mask)
     tl.store(k_base + offs + half, o2, mask=mask)
     cache_mask = mask & store
-    if KV_FP8:  # the rotated k as rounded to the activation dtype above, over its head's scale
+    scale_offs = h[:, None] * (2 * half) + d[None, :]  # int8's: the first half's channels (+ half: the second's)
+    if KV_FORMAT == 1:  # the rotated k as rounded to the activation dtype above, over its head's scale
         k_scale = tl.load(k_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
         o1, o2 = quantize_fp8(o1, k_scale), quantize_fp8(o2, k_scale)
+    elif KV_FORMAT == 2:
+        o1 = quantize_int8(o1, tl.load(k_scale_ptr + scale_offs, mask=mask, other=1.0))
+        o2 = quantize_int8(o2, tl.load(k_scale_ptr + scale_offs + half, mask=mask, other=1.0))
     k_cache_offs = h[:, None] * kc_stride_h + d[None, :]
     tl.store(k_cache_base + k_cache_offs, o1.to(k_cache_base.dtype.element_ty), mask=cache_mask)
     tl.store(k_cache_base + k_cache_offs + half, o2.to(k_cache_base.dtype.element_ty), mask=cache_mask)
     v_offs = h[:, None] * v_stride_h + d[None, :]
     v1 = tl.load(v_base + v_offs, mask=cache_mask)
     v2 = tl.load(v_base + v_offs + half, mask=cache_mask)
-    if KV_FP8:
+    if KV_FORMAT == 1:
         v_scale = tl.load(v_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
         v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
+    elif KV_FORMAT == 2:
+        v1 = quantize_int8(v1, tl.load(v_scale_ptr + scale_offs, mask=mask, other=1.0))
+        v2 = quantize_int8(v2, tl.load(v_scale_ptr + scale_offs + half, mask=mask, other=1.0))
     v_cache_offs = h[:, None] * vc_stride_h + d[None, :]
     tl.store(v_cache_base + v_cache_offs, v1.to(v_cache_base.dtype.element_ty), mask=cache_mask)
     tl.store(v_cache_base + v_cache_offs + half, v2.to(v_cache_base.dtype.element_ty), mask=cache_mask)
@@ -291,7 +298,7 @@ def _qk_norm_rope_store_kernel(
     kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     NORM_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     # One program per token: all its q and k heads, then its row of the pool. The grid is the only
     # thing sized by the token count, so no argument changes from step to step.
@@ -322,7 +329,7 @@ def _qk_norm_rope_store_kernel(
     for h0 in tl.static_range(0, NUM_KV_HEADS, ROPE_HEADS):
         _rotate_store_kv_heads(
             k_base, v_ptr + t * v_stride_t, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h0 + heads,
-            NUM_KV_HEADS, k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FP8,
+            NUM_KV_HEADS, k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT,
         )
 
 
@@ -365,7 +372,7 @@ def qk_norm_rope_store(
     rope_heads = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 2048 // block_half))
     num_warps = _num_warps(norm_rows * block_d) if has_norm else _num_warps(rope_heads * block_half)
     weights = (q_norm_weight, k_norm_weight) if has_norm else (qv, kv)  # unused without the norm
-    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, slot_mapping)
+    k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, slot_mapping)
     _qk_norm_rope_store_kernel[(num_tokens,)](
         positions, qv, kv, vv, cos, sin, k_cache, v_cache, slot_mapping, *weights, k_scale, v_scale,
         head_dim, half, eps,
@@ -373,7 +380,7 @@ def qk_norm_rope_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
-        NORM_ROWS=norm_rows, BLOCK_D=block_d, ROPE_HEADS=rope_heads, BLOCK_HALF=block_half, KV_FP8=kv_fp8,
+        NORM_ROWS=norm_rows, BLOCK_D=block_d, ROPE_HEADS=rope_heads, BLOCK_HALF=block_half, KV_FORMAT=kv_format,
         num_warps=num_warps,
     )
     return q, k
@@ -397,8 +404,8 @@ def qk_norm_rope_store_ref(
     slots = slot_mapping[keep]
     heads, dim = k_cache.shape[-2:]
     new_k, new_v = rotated_k[keep], v.reshape(-1, heads, dim)[keep]
-    if is_fp8(k_cache):
-        new_k, new_v = quantize(new_k, kv_scales.k), quantize(new_v, kv_scales.v)
+    if is_quantized(k_cache):
+        new_k, new_v = quantize(new_k, kv_scales.k, k_cache.dtype), quantize(new_v, kv_scales.v, v_cache.dtype)
     as_bytes(k_cache).view(-1, heads, dim)[slots] = as_bytes(new_k.to(k_cache.dtype))
     as_bytes(v_cache).view(-1, heads, dim)[slots] = as_bytes(new_v.to(v_cache.dtype))
     return q, k

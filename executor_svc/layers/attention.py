@@ -29,7 +29,7 @@ class Attention(nn.Module):
         # [N, block_size, H_kv, D] views into the pool, set by the KV pool.
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
-        self.kv_scales: KVScales | None = None  # an fp8 pool's scales of this layer, set by the KV pool
+        self.kv_scales: KVScales | None = None  # a quantized pool's scales of this layer, set by the KV pool
         # [D, D] orthogonal, on the device: K and q are rotated before the store and attention
         # (kernels/kv_rotation.py, --kv-cache-rotation); None: stored as they come
         self.kv_rotation: torch.Tensor | None = None

@@ -86,8 +86,8 @@ class AttentionCapabilities:
     cuda_graph_safe: bool
     # its paged cache reads blocks whose token count is a multiple of this
     block_size_multiple: int = 1
-    # it stores and attends over a float8_e4m3fn pool (--kv-cache-dtype fp8)
-    fp8_kv_cache: bool = False
+    # the quantized pools it stores and attends over: torch.float8_e4m3fn (--kv-cache-dtype fp8), torch.int8
+    quantized_kv_dtypes: tuple = ()
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size % self.block_size_multiple == 0

@@ -9,8 +9,9 @@ import importlib
 
 import torch
 
-from kernels.attention.base import AttentionBackend
+from kernels.attention.base import AttentionBackend, AttentionCapabilities
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES, AUTO, FLASH_ATTN, TORCH, TRITON
+from kernels.kv_quant import is_quantized
 
 # name -> (module, class)
 _BACKENDS = {
@@ -26,21 +27,22 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str, device: torch.device, block_size: int = 16, fp8_kv_cache: bool = False) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, block_size: int = 16,
+                kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """The backend called `name`, or for 'auto' the best one for the device, the block size and the
-    pool's dtype (fp8_kv_cache: --kv-cache-dtype fp8)."""
+    pool's dtype (kv_cache_dtype; None or the model's dtype for an unquantized pool)."""
     if name not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKEND_CHOICES}")
     if name == AUTO:
-        name = auto_backend_name(device, block_size, fp8_kv_cache)
+        name = auto_backend_name(device, block_size, kv_cache_dtype)
     cls = backend_class(name)
-    if fp8_kv_cache and not cls.capabilities.fp8_kv_cache:
-        raise ValueError(f"attention backend {name!r} cannot read an fp8 KV cache; use --attention-backend "
-                         "auto or --kv-cache-dtype auto")
+    if not _reads(cls.capabilities, kv_cache_dtype):
+        raise ValueError(f"attention backend {name!r} cannot read a {str(kv_cache_dtype).removeprefix('torch.')} "
+                         "KV cache; use --attention-backend auto or --kv-cache-dtype auto")
     return cls()
 
 
-def auto_backend_name(device: torch.device, block_size: int, fp8_kv_cache: bool = False) -> str:
+def auto_backend_name(device: torch.device, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> str:
     """On CUDA flash_attn when it imports and takes the block size and the pool's dtype, else triton;
     on the CPU the torch reference."""
     if device.type != "cuda":
@@ -48,7 +50,13 @@ def auto_backend_name(device: torch.device, block_size: int, fp8_kv_cache: bool 
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        return TRITON
-    caps = backend_class(FLASH_ATTN).capabilities
-    usable = caps.supports_block_size(block_size) and (caps.fp8_kv_cache or not fp8_kv_cache)
-    return FLASH_ATTN if usable else TRITON
+        pass
+    else:
+        caps = backend_class(FLASH_ATTN).capabilities
+        if caps.supports_block_size(block_size) and _reads(caps, kv_cache_dtype):
+            return FLASH_ATTN
+    return TRITON
+
+
+def _reads(caps: AttentionCapabilities, kv_cache_dtype: torch.dtype | None) -> bool:
+    return not is_quantized(kv_cache_dtype) or kv_cache_dtype in caps.quantized_kv_dtypes

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
 from kernels.attention.names import TORCH
-from kernels.kv_quant import KVScales, as_bytes, dequantize, is_fp8, quantize
+from kernels.kv_quant import QUANTIZED_DTYPES, KVScales, as_bytes, dequantize, is_quantized, quantize
 
 
 class TorchAttentionBackend:
     name = TORCH
     # store_kvcache asks the host whether any slot is -1, a sync no CUDA graph can capture
-    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False, fp8_kv_cache=True)
+    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False, quantized_kv_dtypes=QUANTIZED_DTYPES)
 
     def store_kvcache(
         self,
@@ -34,8 +34,8 @@ class TorchAttentionBackend:
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         heads, dim = k_cache.shape[-2:]
-        if is_fp8(k_cache):
-            key, value = quantize(key, kv_scales.k), quantize(value, kv_scales.v)
+        if is_quantized(k_cache):
+            key, value = quantize(key, kv_scales.k, k_cache.dtype), quantize(value, kv_scales.v, v_cache.dtype)
         # view (not reshape) so that a non-contiguous cache fails loudly instead of writing a copy
         as_bytes(k_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, as_bytes(key.to(k_cache.dtype)))
         as_bytes(v_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, as_bytes(value.to(v_cache.dtype)))
@@ -100,7 +100,7 @@ class TorchAttentionBackend:
     def _gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         kv_scales: KVScales | None, dtype: torch.dtype):
         """Each sequence's K and V, [B, H_kv, max_seqlen_k, D], read through its block table (and
-        dequantized to `dtype` from an fp8 pool).
+        dequantized to `dtype` from a quantized pool).
 
         Positions past a sequence's length hold stale or padding slots, which the mask hides.
         That is exact only if they are finite (0 * NaN is NaN), so the pool must be allocated
@@ -112,7 +112,7 @@ class TorchAttentionBackend:
         shape = (meta.num_seqs, num_blocks * meta.block_size, *k_cache.shape[2:])
         key = as_bytes(k_cache).index_select(0, flat_ids).view(k_cache.dtype).view(shape)[:, : meta.max_seqlen_k]
         value = as_bytes(v_cache).index_select(0, flat_ids).view(v_cache.dtype).view(shape)[:, : meta.max_seqlen_k]
-        if is_fp8(k_cache):
+        if is_quantized(k_cache):
             key, value = dequantize(key, kv_scales.k, dtype), dequantize(value, kv_scales.v, dtype)
         return key.transpose(1, 2), value.transpose(1, 2)
 

@@ -6,10 +6,11 @@ the slot mapping, so paging never copies K/V. The same kernels run on the CPU un
 TRITON_INTERPRET=1 (set before this module is imported). There, loads are upcast to fp32 because the
 interpreter computes bf16 wrongly, and every tl.dot keeps its tiles >= 16 as the GPU requires.
 
-An fp8 pool (kernels/kv_quant.py) is a compile-time branch (KV_FP8), so the other dtypes compile to
-the kernels they always were. The store quantizes on write; attention converts the fp8 values,
-exactly, to q's dtype for its dots and applies the dequantization scales as two multiplies per
-program: K's scale joins the softmax scale, V's scales the accumulated output.
+A quantized pool (kernels/kv_quant.py: fp8, int8) is a compile-time branch (KV_FORMAT), so the other
+dtypes compile to the kernels they always were. The store quantizes on write; attention converts the
+8-bit values, exactly, to q's dtype for its dots and applies the dequantization scales once per program:
+K's scale joins the softmax scale (fp8, per KV head) or multiplies q per channel (int8:
+q . k = sum_d (q_d s_d) k_d), V's scales the accumulated output (per head, or per channel).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from kernels.attention.base import AttentionCapabilities, AttentionMetadata
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
-from kernels.attention.triton_kv_store import check_last_dim_contiguous, kv_scale_args, store_kvcache
-from kernels.kv_quant import KVScales
+from kernels.attention.triton_kv_store import KV_PLAIN, check_last_dim_contiguous, kv_scale_args, store_kvcache
+from kernels.kv_quant import QUANTIZED_DTYPES, KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
@@ -60,6 +61,27 @@ def _fp16_for_fp8_dots(q, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _k_scaled(q, qk_scale, k_scale_ptr, kv_head, offs_d, D: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """(q, qk_scale) with K's dequantization scale in, once per program: fp8's (per KV head) joins the
+    softmax scale, int8's (per channel) multiplies q in fp32, before q is rounded to the dots' dtype."""
+    if KV_FORMAT == 1:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    elif KV_FORMAT == 2:
+        q = q.to(tl.float32) * tl.load(k_scale_ptr + kv_head * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
+    return q, qk_scale
+
+
+@triton.jit
+def _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """The accumulated p V times V's dequantization scale (per KV head for fp8, per channel for int8)."""
+    if KV_FORMAT == 1:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    elif KV_FORMAT == 2:
+        acc = acc * tl.load(v_scale_ptr + kv_head * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
 def _fp16_in_registers(x):
     """x, fp16, through an opaque copy (one PTX mov a value, which ptxas removes). Triton otherwise folds V's
     e4m3 -> fp16 conversion into the shared-memory load of p @ V's operand, which this layout (V [tokens, D],
@@ -75,7 +97,7 @@ def _attend_tile(
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
+    KV_FORMAT: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     """One online-softmax step over context positions start .. start+BLOCK_N (end excluded).
 
@@ -94,9 +116,9 @@ def _attend_tile(
     v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + offs_d[None, :]
     k = _load_rows(k_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
     v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
-    # exact: every e4m3 value is a bf16, fp16 and fp32 value (q is fp16 or fp32 here: _fp16_for_fp8_dots);
-    # the scales come outside the dots
-    if KV_FP8:
+    # exact: every e4m3 and int8 value is a bf16, fp16 and fp32 value (q is fp16 or fp32 here:
+    # _fp16_for_fp8_dots); the scales come outside the dots
+    if KV_FORMAT != 0:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         if FP16_DOTS:
@@ -135,7 +157,7 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
+    KV_FORMAT: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     # The last query tiles see the most keys; launching them first shortens the grid's tail.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -149,8 +171,6 @@ def _prefill_kernel(
     seqlen_k = tl.load(seqlens_k_ptr + seq)
     ctx_off = seqlen_k - seqlen_q  # query i sits at context position ctx_off + i
     kv_head = head // GROUP
-    if KV_FP8:  # K's dequantization scale, once per program, in the softmax scale
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -158,6 +178,7 @@ def _prefill_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = _load_rows(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                    m_mask, offs_d, D, BLOCK_D, True, UPCAST)
+    q, qk_scale = _k_scaled(q, qk_scale, k_scale_ptr, kv_head, offs_d, D, KV_FORMAT)
     q = _fp16_for_fp8_dots(q, FP16_DOTS)
     q_pos = ctx_off + offs_m
 
@@ -175,15 +196,14 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FORMAT, FP16_DOTS)
     for start in range(full_hi, hi, BLOCK_N):  # the diagonal: causal and context-end masks
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, k_base, v_base, block_table_row, start, seqlen_k, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, UPCAST, DOT_PRECISION, KV_FORMAT, FP16_DOTS)
 
-    if KV_FP8:  # V's dequantization scale, on the sum of p * v
-        acc = acc * tl.load(v_scale_ptr + kv_head)
+    acc = _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D, KV_FORMAT)  # on the sum of p * v
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d < D)[None, :])
@@ -203,7 +223,7 @@ def _decode_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOTS: tl.constexpr,
+    KV_FORMAT: tl.constexpr, FP16_DOTS: tl.constexpr,
 ):
     # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0)
@@ -219,8 +239,6 @@ def _decode_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.maximum(tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen_k), lo)
     full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    if KV_FP8:  # K's dequantization scale, once per program, in the softmax scale
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     # All q heads of this kv head share one pass over its K/V: a [GROUP padded to 16, D] tile.
     offs_g = tl.arange(0, BLOCK_G)
@@ -229,6 +247,7 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     q = _load_rows(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                    g_mask, offs_d, D, BLOCK_D, True, UPCAST)
+    q, qk_scale = _k_scaled(q, qk_scale, k_scale_ptr, kv_head, offs_d, D, KV_FORMAT)
     q = _fp16_for_fp8_dots(q, FP16_DOTS)
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -241,15 +260,15 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, UPCAST, DOT_PRECISION, KV_FORMAT, FP16_DOTS)
     for start in range(full_hi, hi, BLOCK_N):  # at most one ragged tile
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, 0, k_base, v_base, block_table_row, start, hi, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d,
-            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION, KV_FP8, FP16_DOTS)
+            D, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, UPCAST, DOT_PRECISION, KV_FORMAT, FP16_DOTS)
 
-    if KV_FP8:  # V's dequantization scale, on the sum of p * v (partials too: the merge is linear in acc)
-        acc = acc * tl.load(v_scale_ptr + kv_head)
+    # V's dequantization scale, on the sum of p * v (partials too: the merge is linear in acc)
+    acc = _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D, KV_FORMAT)
     out_mask = g_mask[:, None] & (offs_d < D)[None, :]
     if SPLIT:
         # Unnormalised partials; an empty split leaves m = -inf, l = 0, acc = 0.
@@ -302,9 +321,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _fp16_dots(kv_fp8: bool, dtype: torch.dtype) -> bool:
-    # fp32 activations keep fp32 dots; so does the interpreter, which upcasts every load
-    return kv_fp8 and dtype != torch.float32 and not INTERPRET
+def _fp16_dots(kv_format: int, dtype: torch.dtype) -> bool:
+    # over a quantized pool; fp32 activations keep fp32 dots, and so does the interpreter, which upcasts
+    # every load
+    return kv_format != KV_PLAIN and dtype != torch.float32 and not INTERPRET
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -320,7 +340,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     cfg = config or prefill_config(block_d, q.dtype)
-    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
+    k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     grid = (triton.cdiv(meta.max_seqlen_q, cfg.block_m), num_q_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seqlens_k, meta.cu_seqlens_q, scale * LOG2E,
@@ -329,7 +349,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=kv_fp8, FP16_DOTS=_fp16_dots(kv_fp8, q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FORMAT=kv_format, FP16_DOTS=_fp16_dots(kv_format, q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -352,8 +373,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
-    k_scale, v_scale, kv_fp8 = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
-    cfg = config or decode_config(block_d, q.dtype, kv_fp8)
+    k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
+    cfg = config or decode_config(block_d, q.dtype, kv_format != KV_PLAIN)  # int8 has fp8's bytes
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if num_splits > 1:
@@ -372,7 +393,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
-        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_fp8, FP16_DOTS=_fp16_dots(kv_fp8, q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FORMAT=kv_format, FP16_DOTS=_fp16_dots(kv_format, q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -388,7 +409,8 @@ class TritonAttentionBackend:
     """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
 
     name = TRITON
-    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True, fp8_kv_cache=True)
+    capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True,
+                                         quantized_kv_dtypes=QUANTIZED_DTYPES)
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:

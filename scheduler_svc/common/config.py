@@ -12,10 +12,12 @@ from scheduler_svc.common.model_paths import default_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-# auto: the KV pool holds the model's dtype; fp8: float8_e4m3fn with float32 scales (executor_svc/kv_calibration.py)
-KV_CACHE_DTYPES = ("auto", "fp8")
-# how an fp8 pool's scales are chosen: 1.0 everywhere, or calibrated at start-up per layer or per KV head
-KV_CACHE_SCALES = ("calibrated", "calibrated-per-head", "static")
+# auto: the KV pool holds the model's dtype; fp8: float8_e4m3fn, int8: int8, both with float32 scales
+# (kernels/kv_quant.py, executor_svc/kv_calibration.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# how a quantized pool's scales are chosen: 1.0 everywhere (fp8), or calibrated at start-up per layer, per KV
+# head or per KV head and channel; auto: per KV head for fp8, per channel for int8
+KV_CACHE_SCALES = ("auto", "calibrated", "calibrated-per-channel", "calibrated-per-head", "static")
 # how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
 # of K and q over head_dim, which attention does not see, or none
 KV_CACHE_ROTATIONS = ("hadamard", "none")
@@ -54,8 +56,8 @@ class EngineConfig:
     cpu_threads: int = 0  # torch threads of a CPU executor; 0: one per core, less one for the other roles
     mask_fill_threads: int = 0  # the scheduler's threads filling structured-output masks; 0: cores - 1, at most 8
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    kv_cache_scales: str = "calibrated-per-head"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8
-    kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8
+    kv_cache_scales: str = "auto"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8 or int8
+    kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8 or int8
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -89,6 +91,8 @@ class EngineConfig:
              f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         need(self.kv_cache_scales in KV_CACHE_SCALES,
              f"--kv-cache-scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
+        need(not (self.kv_cache_dtype == "int8" and self.kv_cache_scales == "static"),
+             "--kv-cache-scales static is for fp8: a scale of 1.0 would round int8's K and V to integers")
         need(self.kv_cache_rotation in KV_CACHE_ROTATIONS,
              f"--kv-cache-rotation must be one of {KV_CACHE_ROTATIONS}, got {self.kv_cache_rotation!r}")
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
@@ -113,6 +117,12 @@ class EngineConfig:
         if device_type == "cuda":
             return "auto"
         return "swap" if (self.swap_space_gb or 0) > 0 or (self.num_host_blocks or 0) > 0 else "recompute"
+
+    def kv_scales_method(self) -> str:
+        """--kv-cache-scales with auto resolved: per KV head for fp8, per KV head and channel for int8."""
+        if self.kv_cache_scales != "auto":
+            return self.kv_cache_scales
+        return "calibrated-per-channel" if self.kv_cache_dtype == "int8" else "calibrated-per-head"
 
     def host_pool_gb(self, device_type: str) -> float:
         """--swap-space-gb, else DEFAULT_SWAP_SPACE_GB (at most a quarter of the machine's memory per rank)
@@ -189,11 +199,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="scheduler threads filling structured-output token masks (0: cores - 1, 1 to 8; "
                         "1 fills them in the step loop's own thread)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d["kv_cache_dtype"].default,
-                   help="fp8: K and V as float8_e4m3fn with float32 scales, about twice the blocks per byte")
+                   help="fp8: K and V as float8_e4m3fn, int8: as int8 (the more accurate), both with float32 "
+                        "scales and about twice the blocks per byte of bf16")
     g.add_argument("--kv-cache-scales", choices=KV_CACHE_SCALES, default=d["kv_cache_scales"].default,
-                   help="fp8 scales: from a calibration forward at start-up, per layer or per KV head, or 1.0")
+                   help="quantized KV scales: from a calibration forward at start-up, per layer, per KV head or "
+                        "per KV head and channel, or 1.0 (fp8); auto: per head for fp8, per channel for int8")
     g.add_argument("--kv-cache-rotation", choices=KV_CACHE_ROTATIONS, default=d["kv_cache_rotation"].default,
-                   help="fp8: rotate K and q by a Hadamard matrix over head_dim before K is quantized "
+                   help="fp8 or int8: rotate K and q by a Hadamard matrix over head_dim before K is quantized "
                         "(attention is unchanged; the quantization error averages over q.k)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")

@@ -1,7 +1,8 @@
-"""The executor's fp8 KV pool (--kv-cache-dtype fp8): it holds more blocks in the same memory, says
-so in the handshake, moves fp8 bytes unchanged through copies and swaps, and fixes its scales at
-start-up as --kv-cache-scales asks, logging them; with --kv-cache-rotation hadamard every layer rotates
-K and q by one shared matrix, and the scales are calibrated on the rotated K."""
+"""The executor's quantized KV pools (--kv-cache-dtype fp8 or int8): they hold more blocks in the same
+memory, say so in the handshake, move their bytes unchanged through copies and swaps, and fix their scales
+at start-up as --kv-cache-scales asks (int8: per KV head and channel), logging them; with
+--kv-cache-rotation hadamard every layer rotates K and q by one shared matrix, and the scales are
+calibrated on the rotated K."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from executor_svc import model_runner
 from executor_svc.executor import handshake
 from executor_svc.kv_calibration import CALIBRATION_TEXTS, calibration_chunks
 from executor_svc.model_runner import ModelRunner
-from kernels.kv_quant import FP8_DTYPE, as_bytes, scales_from_amax
+from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, as_bytes, scales_from_amax
 from kernels.kv_rotation import hadamard_matrix
 from scheduler_svc.common.config import EngineConfig, add_engine_args, engine_config_from_args
 from support.tiny_checkpoints import make_tiny_llama
@@ -51,14 +52,37 @@ def test_the_same_memory_holds_four_times_the_fp32_blocks_and_the_handshake_says
     assert fp8.kv_pool.host_cache.dtype == FP8_DTYPE
 
 
+def test_an_int8_pool_holds_fp8s_blocks_with_a_scale_per_head_and_channel_and_the_handshake_says_int8(
+        tiny_llama, caplog):
+    sizes = dict(num_gpu_blocks=None, cpu_kv_cache_gb=2 ** -10)
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        int8 = make_runner(tiny_llama, kv_cache_dtype="int8", **sizes)
+    fp8 = make_runner(tiny_llama, **sizes)
+    assert int8.kv_pool.cache.dtype == INT8_DTYPE and int8.kv_pool.num_blocks == fp8.kv_pool.num_blocks
+    assert handshake(int8).kv_cache_dtype == "int8" and int8.kv_pool.host_cache.dtype == INT8_DTYPE
+    amax = int8.calibration_amax()
+    torch.testing.assert_close(int8.kv_pool.scales, scales_from_amax(amax, INT8_DTYPE))  # auto: per channel
+    assert int8.kv_pool.scales.shape == (2, 2, 2, 16) and int8.kv_pool.layers[1].kv_scales.k.shape == (2, 16)
+    assert "KV cache int8, calibrated-per-channel scales" in caplog.text
+    per_head = make_runner(tiny_llama, kv_cache_dtype="int8", kv_cache_scales="calibrated-per-head").kv_pool.scales
+    torch.testing.assert_close(per_head, scales_from_amax(amax.amax(3, keepdim=True).expand(2, 2, 2, 16), INT8_DTYPE))
+
+
+def test_int8_refuses_static_scales_which_would_round_k_and_v_to_integers(tiny_llama):
+    with pytest.raises(ValueError, match="static is for fp8"):
+        make_runner(tiny_llama, kv_cache_dtype="int8", kv_cache_scales="static")
+
+
 def random_bytes(pool) -> torch.Tensor:
     """Every byte pattern, NaN codes included, in the device pool; returns a copy of its bytes."""
-    as_bytes(pool.cache).copy_(torch.randint(0, 256, pool.cache.shape, dtype=torch.uint8))
-    return as_bytes(pool.cache).clone()
+    pool.cache.view(torch.uint8).copy_(torch.randint(0, 256, pool.cache.shape, dtype=torch.uint8))
+    return pool.cache.view(torch.uint8).clone()
 
 
-def test_block_copies_and_swaps_move_fp8_bytes_unchanged(runner):
-    pool = runner.kv_pool
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_block_copies_and_swaps_move_the_pools_bytes_unchanged(tiny_llama, kv_cache_dtype):
+    pool = make_runner(tiny_llama, kv_cache_dtype=kv_cache_dtype).kv_pool
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731  (both dtypes, byte for byte)
     before = random_bytes(pool)
     pool.copy_blocks([(2, 9), (5, 0)])
     assert torch.equal(as_bytes(pool.cache)[:, :, 9], before[:, :, 2])
@@ -85,9 +109,10 @@ def test_calibrated_scales_come_from_the_calibration_forward_per_layer_or_per_he
         per_layer = make_runner(tiny_llama, kv_cache_scales="calibrated")
     per_head = make_runner(tiny_llama, kv_cache_scales="calibrated-per-head")
     amax = per_head.calibration_amax()
-    assert (amax > 0).all() and amax.shape == (2, 2, 2)
-    torch.testing.assert_close(per_head.kv_pool.scales, scales_from_amax(amax))
-    torch.testing.assert_close(per_layer.kv_pool.scales, scales_from_amax(amax.amax(2, keepdim=True).expand(2, 2, 2)))
+    assert (amax > 0).all() and amax.shape == (2, 2, 2, 16)  # [K/V, layers, KV heads, channels]
+    torch.testing.assert_close(per_head.kv_pool.scales, scales_from_amax(amax.amax(3)))
+    torch.testing.assert_close(per_layer.kv_pool.scales,
+                               scales_from_amax(amax.amax((2, 3), keepdim=True)[..., 0].expand(2, 2, 2)))
     assert not torch.equal(per_head.kv_pool.scales, per_layer.kv_pool.scales), "heads should differ"
     logged = caplog.text
     assert "calibrated scales" in logged and "random token ids" in logged  # the tiny model has no tokenizer
@@ -131,11 +156,11 @@ def test_rotated_calibration_gives_the_scales_of_the_rotated_keys(tiny_llama, mo
 
     def amax_after_rotating_the_stored_keys(pool):  # the unrotated engine's K, rotated after the fact
         k, v = pool.cache.float()
-        return torch.stack([(k @ h).abs().amax(dim=(1, 2, 4)), v.abs().amax(dim=(1, 2, 4))])
+        return torch.stack([(k @ h).abs().amax(dim=(1, 2)), v.abs().amax(dim=(1, 2))])
 
     monkeypatch.setattr(model_runner, "pool_amax", amax_after_rotating_the_stored_keys)
     amax = plain.calibration_amax()
-    torch.testing.assert_close(rotated.kv_pool.scales, scales_from_amax(amax))
+    torch.testing.assert_close(rotated.kv_pool.scales, scales_from_amax(amax.amax(3)))
     assert not torch.allclose(rotated.kv_pool.scales[0], unrotated_scales[0])
     torch.testing.assert_close(rotated.kv_pool.scales[1], unrotated_scales[1])  # V is stored as it comes
 

@@ -103,16 +103,21 @@ def test_a_backend_that_claims_the_fused_store_has_it():
         assert cls.capabilities.fused_norm_rope_store == hasattr(cls, "norm_rope_store_kvcache"), name
 
 
-def test_an_fp8_kv_cache_goes_only_to_backends_that_declare_they_read_one(monkeypatch):
-    assert backend_class(TORCH).capabilities.fp8_kv_cache and not backend_class(FLASH_ATTN).capabilities.fp8_kv_cache
+def test_a_quantized_kv_cache_goes_only_to_backends_that_declare_they_read_it(monkeypatch):
+    fp8, int8 = torch.float8_e4m3fn, torch.int8
+    assert backend_class(TORCH).capabilities.quantized_kv_dtypes == (fp8, int8)
+    assert backend_class(FLASH_ATTN).capabilities.quantized_kv_dtypes == ()
     if importlib.util.find_spec("triton") is not None:
-        assert backend_class(TRITON).capabilities.fp8_kv_cache
-    with pytest.raises(ValueError, match="cannot read an fp8 KV cache"):
-        get_backend(FLASH_ATTN, torch.device("cuda"), 256, fp8_kv_cache=True)
+        assert backend_class(TRITON).capabilities.quantized_kv_dtypes == (fp8, int8)
+    for dtype, name in ((fp8, "float8_e4m3fn"), (int8, "int8")):
+        with pytest.raises(ValueError, match=f"cannot read a {name} KV cache"):
+            get_backend(FLASH_ATTN, torch.device("cuda"), 256, kv_cache_dtype=dtype)
     monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))  # as if it were installed
     assert auto_backend_name(torch.device("cuda"), 256) == FLASH_ATTN
-    assert auto_backend_name(torch.device("cuda"), 256, fp8_kv_cache=True) == TRITON
-    assert get_backend(AUTO, torch.device("cpu"), fp8_kv_cache=True).name == TORCH
+    assert auto_backend_name(torch.device("cuda"), 256, torch.bfloat16) == FLASH_ATTN  # the model's dtype
+    assert auto_backend_name(torch.device("cuda"), 256, fp8) == TRITON
+    assert auto_backend_name(torch.device("cuda"), 256, int8) == TRITON
+    assert get_backend(AUTO, torch.device("cpu"), kv_cache_dtype=int8).name == TORCH
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash_attn is installed")
