@@ -2,7 +2,8 @@
 then dequantize) on its way into a KV pool of the model's dtype, through the torch backend, so every later
 read sees it; scored as bench/kv_fp8_accuracy.py scores the fp8 cache (teacher-forced top-1 and KL against
 the same engine with an exact pool, the embedded SmolLM2 by default). A study, not a product path: the
-engine's fp8 cache is float8_e4m3fn with a scale per KV head (`kernels/kv_quant.py`).
+engine's caches are fp8 (float8_e4m3fn, a scale per KV head) and int8 (a scale per KV head and channel,
+1.5x headroom: this study's int8ch1.5/int8ch1.5), in `kernels/kv_quant.py`.
 
 Formats, each per token and KV head (its own scale over the head_dim values):
   e4m3      float8_e4m3fn at scale absmax / 448 (3 mantissa bits: a value's error is relative, whatever the scale)
