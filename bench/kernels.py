@@ -240,7 +240,8 @@ class Bench:
                 run = lambda: ta.paged_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales)  # noqa: E731
                 err = ((run().float() - ref).norm() / ref.norm()).item()
                 us = self.time_us(run, graph=graph)
-                row |= {f"{kind}_us": us, f"{kind}_tb_per_s": values / us / 1e6, f"{kind}_ctx_tok_per_s": tokens / us * 1e6,
+                row |= {f"{kind}_us": us, f"{kind}_tb_per_s": values / us / 1e6,
+                        f"{kind}_ctx_tok_per_s": tokens / us * 1e6,
                         f"{kind}_speedup": bf16_us / us, f"{kind}_rel_err_vs_bf16": err}
                 del k8, v8
             rows.append(row)

@@ -18,7 +18,8 @@ from kernels.kv_quant import QUANTIZED_DTYPES, KVScales, as_bytes, dequantize, i
 class TorchAttentionBackend:
     name = TORCH
     # store_kvcache asks the host whether any slot is -1, a sync no CUDA graph can capture
-    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False, quantized_kv_dtypes=QUANTIZED_DTYPES)
+    capabilities = AttentionCapabilities(fused_norm_rope_store=False, cuda_graph_safe=False,
+                                         quantized_kv_dtypes=QUANTIZED_DTYPES)
 
     def store_kvcache(
         self,

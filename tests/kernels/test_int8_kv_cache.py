@@ -49,7 +49,8 @@ def test_calibrated_scales_store_the_calibrated_maximum_at_127_over_the_headroom
 def int8_pool(k_cache, v_cache, gen):
     """A float pool as an int8 one with a scale per head and channel, and the float64 values it holds."""
     heads, dim = k_cache.shape[-2:]
-    scales = KVScales(0.01 + 0.2 * torch.rand(heads, dim, generator=gen), 0.005 + 0.05 * torch.rand(heads, dim, generator=gen))
+    scales = KVScales(0.01 + 0.2 * torch.rand(heads, dim, generator=gen),
+                      0.005 + 0.05 * torch.rand(heads, dim, generator=gen))
     k8, v8 = quantize(k_cache, scales.k, INT8_DTYPE), quantize(v_cache, scales.v, INT8_DTYPE)
     return k8, v8, scales, dequantize(k8, scales.k, torch.float64), dequantize(v8, scales.v, torch.float64)
 
@@ -63,7 +64,8 @@ def test_torch_backend_stores_quantized_rows_at_their_slots_and_skips_minus_one(
     key, value = torch.randn(tokens, heads, dim, generator=gen) * 4, torch.randn(tokens, heads, dim, generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[[0, 5]] = -1
-    scales = KVScales(0.01 + torch.rand(heads, dim, generator=gen) * 0.05, 0.01 + torch.rand(heads, dim, generator=gen) * 0.02)
+    scales = KVScales(0.01 + torch.rand(heads, dim, generator=gen) * 0.05,
+                      0.01 + torch.rand(heads, dim, generator=gen) * 0.02)
 
     TorchAttentionBackend().store_kvcache(key, value, k_cache, v_cache, slots, scales)
 
@@ -85,7 +87,7 @@ def test_torch_backend_attends_over_the_dequantized_int8_pool_like_float64(seqle
     assert out.dtype == q.dtype
     assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-5
     # the per-channel scales matter: the same bytes read with each head's mean scale give another result
-    flat = KVScales(scales.k.mean(1, keepdim=True).expand_as(scales.k), scales.v.mean(1, keepdim=True).expand_as(scales.v))
+    flat = KVScales(*(s.mean(1, keepdim=True).expand_as(s) for s in (scales.k, scales.v)))
     assert rel_error(TorchAttentionBackend().forward(q, k8, v8, meta, 0.25, flat),
                      reference_attention(q, k64, v64, meta, 0.25)) > 1e-2
 

@@ -136,17 +136,16 @@ def test_mixed_step_over_an_fp8_pool_and_a_missing_scale_is_refused():
         backend.forward(q, k8, v8, meta, 0.25)
 
 
-def fp8_prologue(device, dtype, norm, tokens, hq, hkv, d, seed):
-    """The fused prologue, the unfused chain and eager torch over one fp8 pool; returns their pools."""
+def prologue_pools(device, dtype, norm, tokens, hq, hkv, d, seed, scales, cache_dtype):
+    """The fused prologue, the unfused chain and eager torch over one quantized pool (`cache_dtype`, its
+    layer's `scales`); returns their pools."""
     inputs = prologue_inputs(tokens, hq, hkv, d, gen=torch.Generator().manual_seed(seed), dtype=dtype, device=device)
     inputs["qkv"] *= 30
-    gen = torch.Generator().manual_seed(seed + 1)  # small K scales: some rotated k beyond 448 * scale, clamped
-    scales = KVScales((0.001 + 0.004 * torch.rand(hkv, generator=gen)).to(device),
-                      (0.01 + torch.rand(hkv, generator=gen)).to(device))
     pools = {}
     for name in ("fused", "chain", "eager"):
         x = {n: t.clone() for n, t in inputs.items()}
-        x["k_cache"], x["v_cache"] = x["k_cache"].to(FP8_DTYPE), x["v_cache"].to(FP8_DTYPE)
+        x["k_cache"], x["v_cache"] = (torch.zeros_like(x["k_cache"]).to(cache_dtype),
+                                      torch.zeros_like(x["v_cache"]).to(cache_dtype))
         q, k, v = split_heads(x["qkv"], hq, hkv, d)
         w = (x["q_norm_weight"], x["k_norm_weight"]) if norm else (None, None)
         args = (x["positions"], q, k, v, x["cos"], x["sin"], x["k_cache"], x["v_cache"], x["slot_mapping"])
@@ -160,7 +159,39 @@ def fp8_prologue(device, dtype, norm, tokens, hq, hkv, d, seed):
         else:
             fo.qk_norm_rope_store_ref(*args, *w, EPS, scales)
         pools[name] = (x["k_cache"], x["v_cache"])
-    return pools, scales
+    return pools
+
+
+def fp8_prologue(device, dtype, norm, tokens, hq, hkv, d, seed):
+    """prologue_pools over an fp8 pool with small K scales: some rotated k beyond 448 * scale, clamped."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    scales = KVScales((0.001 + 0.004 * torch.rand(hkv, generator=gen)).to(device),
+                      (0.01 + torch.rand(hkv, generator=gen)).to(device))
+    return prologue_pools(device, dtype, norm, tokens, hq, hkv, d, seed, scales, FP8_DTYPE), scales
+
+
+def check_fused_prologue_on_gpu(pools, scales):
+    """The compiled fused prologue writes the unfused chain's bytes, and eager torch's values within rounding."""
+    for got, want in zip(pools["fused"], pools["chain"]):
+        assert torch.equal(as_bytes(got), as_bytes(want))
+    for got, want, scale in zip(pools["fused"], pools["eager"], (scales.k, scales.v)):
+        assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 2e-2
+
+
+def check_attention_on_gpu(quantized_batch, heads):
+    """Compiled prefill and decode (any split count) over a pool from quantized_batch match float64."""
+    seqlens_q = [1024, 300, 1, 17, 700]
+    seqlens_k = [1024, 2100, 4096, 17, 3000]
+    q, k8, v8, meta, scales, k64, v64 = quantized_batch(seqlens_q, seqlens_k, heads, 16, seed=10,
+                                                        dtype=torch.bfloat16, device="cuda")
+    out = ta.paged_prefill_attention(q, k8, v8, meta, heads[2] ** -0.5, kv_scales=scales)
+    assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+    lens = torch.randint(1, 4097, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    q, k8, v8, meta, scales, k64, v64 = quantized_batch([1] * 40, lens, heads, 16, seed=12, dtype=torch.bfloat16,
+                                                        device="cuda")
+    for num_splits in (None, 1, 4):
+        out = ta.paged_decode_attention(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
+        assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
 
 
 @interpreter
@@ -221,29 +252,14 @@ def test_gpu_store_kvcache_writes_torch_quantized_bytes(dtype):
 @needs_cuda
 @pytest.mark.parametrize("heads", GPU_HEADS)
 def test_gpu_prefill_and_decode_over_an_fp8_pool_match_float64(heads):
-    seqlens_q = [1024, 300, 1, 17, 700]
-    seqlens_k = [1024, 2100, 4096, 17, 3000]
-    q, k8, v8, meta, scales, k64, v64 = fp8_batch(seqlens_q, seqlens_k, heads, 16, seed=10, dtype=torch.bfloat16,
-                                                  device="cuda")
-    out = ta.paged_prefill_attention(q, k8, v8, meta, heads[2] ** -0.5, kv_scales=scales)
-    assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
-    lens = torch.randint(1, 4097, (40,), generator=torch.Generator().manual_seed(11)).tolist()
-    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1] * 40, lens, heads, 16, seed=12, dtype=torch.bfloat16,
-                                                  device="cuda")
-    for num_splits in (None, 1, 4):
-        out = ta.paged_decode_attention(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
-        assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+    check_attention_on_gpu(fp8_batch, heads)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("norm", [False, True])
 def test_gpu_fused_prologue_stores_the_unfused_chains_fp8_bytes(norm):
-    pools, scales = fp8_prologue("cuda", torch.bfloat16, norm, tokens=256, hq=16, hkv=8, d=128, seed=5)
-    for got, want in zip(pools["fused"], pools["chain"]):
-        assert torch.equal(as_bytes(got), as_bytes(want))
-    for got, want, scale in zip(pools["fused"], pools["eager"], (scales.k, scales.v)):
-        assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 2e-2
+    check_fused_prologue_on_gpu(*fp8_prologue("cuda", torch.bfloat16, norm, tokens=256, hq=16, hkv=8, d=128, seed=5))
 
 
 @pytest.mark.gpu

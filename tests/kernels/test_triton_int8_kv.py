@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 from kernels.kv_quant import INT8_DTYPE, KVScales, dequantize, quantize  # noqa: E402
 from support.paged_batches import make_batch, reference_attention, rel_error  # noqa: E402
-from test_fused_ops import EPS, prologue_inputs, split_heads  # noqa: E402
-from test_triton_fp8_kv import random_rows  # noqa: E402
+from test_triton_fp8_kv import (check_attention_on_gpu, check_fused_prologue_on_gpu, prologue_pools,  # noqa: E402
+                                random_rows)
 
 if KERNELS_RUN_HERE:
     from kernels import fused_ops as fo
@@ -54,7 +54,8 @@ def check_store(device, dtype, num_blocks, block_size, heads, dim, tokens, seed)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[::5] = -1
     slots = slots.to(device)
-    scales = KVScales(channel_scales(heads, dim, gen, 0.1, 1.0, device), channel_scales(heads, dim, gen, 0.01, 1.0, device))
+    scales = KVScales(channel_scales(heads, dim, gen, 0.1, 1.0, device),
+                      channel_scales(heads, dim, gen, 0.01, 1.0, device))
 
     ta.store_kvcache(key, value, k_cache, v_cache, slots, scales)
 
@@ -67,30 +68,10 @@ def check_store(device, dtype, num_blocks, block_size, heads, dim, tokens, seed)
 
 
 def int8_prologue(device, dtype, norm, tokens, hq, hkv, d, seed):
-    """The fused prologue, the unfused chain and eager torch over one int8 pool; returns their pools."""
-    inputs = prologue_inputs(tokens, hq, hkv, d, gen=torch.Generator().manual_seed(seed), dtype=dtype, device=device)
-    inputs["qkv"] *= 30
-    gen = torch.Generator().manual_seed(seed + 1)  # small K scales: some rotated k beyond 127 * scale, clamped
+    """prologue_pools over an int8 pool with small K scales: some rotated k beyond 127 * scale, clamped."""
+    gen = torch.Generator().manual_seed(seed + 1)
     scales = KVScales(channel_scales(hkv, d, gen, 0.005, 0.015, device), channel_scales(hkv, d, gen, 0.1, 1.0, device))
-    pools = {}
-    for name in ("fused", "chain", "eager"):
-        x = {n: t.clone() for n, t in inputs.items()}
-        x["k_cache"], x["v_cache"] = (torch.zeros_like(x["k_cache"], dtype=INT8_DTYPE),
-                                      torch.zeros_like(x["v_cache"], dtype=INT8_DTYPE))
-        q, k, v = split_heads(x["qkv"], hq, hkv, d)
-        w = (x["q_norm_weight"], x["k_norm_weight"]) if norm else (None, None)
-        args = (x["positions"], q, k, v, x["cos"], x["sin"], x["k_cache"], x["v_cache"], x["slot_mapping"])
-        if name == "fused":
-            fo.qk_norm_rope_store(*args, *w, EPS, scales)
-        elif name == "chain":
-            if norm:
-                q, k = fo.rms_norm(q, w[0], EPS), fo.rms_norm(k, w[1], EPS)
-            fo.rotary_embedding(x["positions"], q, k, x["cos"], x["sin"])
-            ta.store_kvcache(k, v, x["k_cache"], x["v_cache"], x["slot_mapping"], scales)
-        else:
-            fo.qk_norm_rope_store_ref(*args, *w, EPS, scales)
-        pools[name] = (x["k_cache"], x["v_cache"])
-    return pools, scales
+    return prologue_pools(device, dtype, norm, tokens, hq, hkv, d, seed, scales, INT8_DTYPE), scales
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,26 +161,11 @@ def test_gpu_store_kvcache_writes_torch_quantized_int8_bytes(dtype):
 @needs_cuda
 @pytest.mark.parametrize("heads", GPU_HEADS)
 def test_gpu_prefill_and_decode_over_an_int8_pool_match_float64(heads):
-    seqlens_q = [1024, 300, 1, 17, 700]
-    seqlens_k = [1024, 2100, 4096, 17, 3000]
-    q, k8, v8, meta, scales, k64, v64 = int8_batch(seqlens_q, seqlens_k, heads, 16, seed=10, dtype=torch.bfloat16,
-                                                   device="cuda")
-    out = ta.paged_prefill_attention(q, k8, v8, meta, heads[2] ** -0.5, kv_scales=scales)
-    assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
-    lens = torch.randint(1, 4097, (40,), generator=torch.Generator().manual_seed(11)).tolist()
-    q, k8, v8, meta, scales, k64, v64 = int8_batch([1] * 40, lens, heads, 16, seed=12, dtype=torch.bfloat16,
-                                                   device="cuda")
-    for num_splits in (None, 1, 4):
-        out = ta.paged_decode_attention(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
-        assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+    check_attention_on_gpu(int8_batch, heads)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("norm", [False, True])
 def test_gpu_fused_prologue_stores_the_unfused_chains_int8_bytes(norm):
-    pools, scales = int8_prologue("cuda", torch.bfloat16, norm, tokens=256, hq=16, hkv=8, d=128, seed=5)
-    for got, want in zip(pools["fused"], pools["chain"]):
-        assert torch.equal(got, want)
-    for got, want, scale in zip(pools["fused"], pools["eager"], (scales.k, scales.v)):
-        assert rel_error(dequantize(got, scale, torch.float32), dequantize(want, scale, torch.float64)) < 2e-2
+    check_fused_prologue_on_gpu(*int8_prologue("cuda", torch.bfloat16, norm, tokens=256, hq=16, hkv=8, d=128, seed=5))
