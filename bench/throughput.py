@@ -37,7 +37,7 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert out_tokens == sum(max_tokens), f"generated {out_tokens} tokens, expected {sum(max_tokens)}"
     return {**offline_figures(out_tokens, elapsed, before, after), "kv_cache_dtype": config.kv_cache_dtype,
-            "kv_cache_scales": config.kv_cache_scales}
+            "kv_cache_scales": config.kv_scales_method()}
 
 
 def offline_figures(out_tokens: int, elapsed: float, before, after) -> dict:
