@@ -107,33 +107,52 @@ def test_store_quantization_matches_torch_on_every_e4m3_boundary_and_tie():
     assert torch.equal(as_bytes(v_cache).flatten(), as_bytes(quantize(rows, scales.v)).flatten())
 
 
-@interpreter
-@pytest.mark.parametrize("seqlens_q, seqlens_k", [([5, 17, 1], [5, 17, 1]), ([3, 16, 7], [11, 40, 7])],
-                         ids=["fresh", "prefix"])
-def test_prefill_over_an_fp8_pool_matches_float64_over_the_dequantized_values(seqlens_q, seqlens_k):
-    q, k8, v8, meta, scales, k64, v64 = fp8_batch(seqlens_q, seqlens_k, (4, 2, 24), 4, seed=sum(seqlens_k))
+def check_prefill(quantized_batch, seqlens_q, seqlens_k):
+    """Prefill over a pool from quantized_batch matches float64 over the values it holds."""
+    q, k8, v8, meta, scales, k64, v64 = quantized_batch(seqlens_q, seqlens_k, (4, 2, 24), 4, seed=sum(seqlens_k))
     out = ta.paged_prefill_attention(q, k8, v8, meta, 24 ** -0.5, kv_scales=scales)
     assert out.dtype == q.dtype
     assert rel_error(out, reference_attention(q, k64, v64, meta, 24 ** -0.5)) < 1e-3
 
 
-@interpreter
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_over_an_fp8_pool_matches_float64_for_any_split_count(num_splits):
-    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1, 1, 1], [33, 1, 16], (6, 2, 16), 4, seed=num_splits)
+def check_decode(quantized_batch, num_splits):
+    """Decode over a pool from quantized_batch, split num_splits ways, matches float64."""
+    q, k8, v8, meta, scales, k64, v64 = quantized_batch([1, 1, 1], [33, 1, 16], (6, 2, 16), 4, seed=num_splits)
     out = ta.paged_decode_attention(q, k8, v8, meta, 0.25, num_splits=num_splits, kv_scales=scales)
     assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
 
 
-@interpreter
-def test_mixed_step_over_an_fp8_pool_and_a_missing_scale_is_refused():
-    q, k8, v8, meta, scales, k64, v64 = fp8_batch([1, 1, 4, 7], [5, 23, 10, 7], (4, 2, 16), 4, seed=8)
+def check_mixed_step(quantized_batch):
+    """A mixed step through the backend matches float64; returns what a refusal check needs."""
+    q, k8, v8, meta, scales, k64, v64 = quantized_batch([1, 1, 4, 7], [5, 23, 10, 7], (4, 2, 16), 4, seed=8)
     meta.num_decodes = 2
     backend = ta.TritonAttentionBackend()
     out = backend.forward(q, k8, v8, meta, 0.25, scales)
     assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
+    return backend, (q, k8, v8, meta, 0.25), scales
+
+
+PREFILL_CASES = pytest.mark.parametrize("seqlens_q, seqlens_k", [([5, 17, 1], [5, 17, 1]), ([3, 16, 7], [11, 40, 7])],
+                                        ids=["fresh", "prefix"])
+
+
+@interpreter
+@PREFILL_CASES
+def test_prefill_over_an_fp8_pool_matches_float64_over_the_dequantized_values(seqlens_q, seqlens_k):
+    check_prefill(fp8_batch, seqlens_q, seqlens_k)
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_over_an_fp8_pool_matches_float64_for_any_split_count(num_splits):
+    check_decode(fp8_batch, num_splits)
+
+
+@interpreter
+def test_mixed_step_over_an_fp8_pool_and_a_missing_scale_is_refused():
+    backend, args, _ = check_mixed_step(fp8_batch)
     with pytest.raises(ValueError, match="KVScales"):
-        backend.forward(q, k8, v8, meta, 0.25)
+        backend.forward(*args)
 
 
 def prologue_pools(device, dtype, norm, tokens, hq, hkv, d, seed, scales, cache_dtype):

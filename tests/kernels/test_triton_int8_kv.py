@@ -16,8 +16,9 @@ from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_mo
 pytest.importorskip("triton")
 
 from kernels.kv_quant import INT8_DTYPE, KVScales, dequantize, quantize  # noqa: E402
-from support.paged_batches import make_batch, reference_attention, rel_error  # noqa: E402
-from test_triton_fp8_kv import (check_attention_on_gpu, check_fused_prologue_on_gpu, prologue_pools,  # noqa: E402
+from support.paged_batches import make_batch  # noqa: E402
+from test_triton_fp8_kv import (PREFILL_CASES, check_attention_on_gpu, check_decode,  # noqa: E402
+                                check_fused_prologue_on_gpu, check_mixed_step, check_prefill, prologue_pools,
                                 random_rows)
 
 if KERNELS_RUN_HERE:
@@ -105,32 +106,22 @@ def test_store_rounds_ties_away_from_zero_as_torch_does():
 
 
 @interpreter
-@pytest.mark.parametrize("seqlens_q, seqlens_k", [([5, 17, 1], [5, 17, 1]), ([3, 16, 7], [11, 40, 7])],
-                         ids=["fresh", "prefix"])
+@PREFILL_CASES
 def test_prefill_over_an_int8_pool_matches_float64_over_the_dequantized_values(seqlens_q, seqlens_k):
-    q, k8, v8, meta, scales, k64, v64 = int8_batch(seqlens_q, seqlens_k, (4, 2, 24), 4, seed=sum(seqlens_k))
-    out = ta.paged_prefill_attention(q, k8, v8, meta, 24 ** -0.5, kv_scales=scales)
-    assert out.dtype == q.dtype
-    assert rel_error(out, reference_attention(q, k64, v64, meta, 24 ** -0.5)) < 1e-3
+    check_prefill(int8_batch, seqlens_q, seqlens_k)
 
 
 @interpreter
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_over_an_int8_pool_matches_float64_for_any_split_count(num_splits):
-    q, k8, v8, meta, scales, k64, v64 = int8_batch([1, 1, 1], [33, 1, 16], (6, 2, 16), 4, seed=num_splits)
-    out = ta.paged_decode_attention(q, k8, v8, meta, 0.25, num_splits=num_splits, kv_scales=scales)
-    assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
+    check_decode(int8_batch, num_splits)
 
 
 @interpreter
 def test_a_mixed_step_over_an_int8_pool_matches_float64_and_per_head_scales_are_refused():
-    q, k8, v8, meta, scales, k64, v64 = int8_batch([1, 1, 4, 7], [5, 23, 10, 7], (4, 2, 16), 4, seed=8)
-    meta.num_decodes = 2
-    backend = ta.TritonAttentionBackend()
-    out = backend.forward(q, k8, v8, meta, 0.25, scales)
-    assert rel_error(out, reference_attention(q, k64, v64, meta, 0.25)) < 1e-3
+    backend, args, scales = check_mixed_step(int8_batch)
     with pytest.raises(ValueError, match="per KV head and channel"):
-        backend.forward(q, k8, v8, meta, 0.25, KVScales(scales.k[:, 0], scales.v[:, 0]))
+        backend.forward(*args, KVScales(scales.k[:, 0], scales.v[:, 0]))
 
 
 @interpreter
