@@ -113,7 +113,7 @@ def _shared_arguments(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype) ->
 def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
                 config: DecodeConfig | None = None) -> tuple:
     pointers, constexprs = _shared_arguments(shape, kv_dtype, dtype)
-    cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FORMAT"] != 0)
+    cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FORMAT"])
     pointers |= {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "order_ptr": "*i32"}
     group = constexprs["GROUP"]
     constexprs |= dict(NUM_Q_HEADS=shape["num_attention_heads"], BLOCK_G=max(16, triton.next_power_of_2(group)),

@@ -91,9 +91,11 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
 
 @torch.inference_mode()
 def teacher_forced_logprobs(runner: ModelRunner, prompts: list[list[int]],
-                            trajectories: list[list[int]]) -> torch.Tensor:
+                            trajectories: list[list[int]], fp32_logits: bool = False) -> torch.Tensor:
     """log-softmax [N, T, vocab] (float32, CPU) of the next token at each trajectory position, from one
-    prefill over prompt + trajectory (its last token excluded)."""
+    prefill over prompt + trajectory (its last token excluded). fp32_logits takes the same final hidden
+    states through the lm_head in fp32, not the model's dtype: bf16 logits step by 0.125 at magnitude 16-32,
+    coarser than the near-tie rule's 0.02 nats."""
     tokens = [p + t[:-1] for p, t in zip(prompts, trajectories)]
     seqs = _sequences(tokens, [len(p) for p in prompts], runner.block_size)
     inputs = runner.prepare_inputs([ScheduledChunk(s, 0, len(s.token_ids)) for s in seqs])
@@ -102,7 +104,10 @@ def teacher_forced_logprobs(runner: ModelRunner, prompts: list[list[int]],
     num_new = len(trajectories[0])
     rows = torch.cat([starts[i] + len(p) - 1 + torch.arange(num_new, device=starts.device)
                       for i, p in enumerate(prompts)])
-    logits = runner.model.compute_logits(hidden[rows]).float()
+    if fp32_logits:
+        logits = hidden[rows].float() @ runner.model.lm_head.weight.float().t()
+    else:
+        logits = runner.model.compute_logits(hidden[rows]).float()
     return torch.log_softmax(logits, -1).view(len(prompts), num_new, -1).cpu()
 
 
@@ -145,23 +150,33 @@ def exact_match(reference: list[list[int]], test: list[list[int]]) -> dict:
 
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, methods: list[str],
             batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,),
-            kv_dtypes: tuple[str, ...] = ("fp8",)) -> dict:
+            kv_dtypes: tuple[str, ...] = ("fp8",), noise_floor: bool = False, fp32_logits: bool = False) -> dict:
     """Every (KV dtype, rotation, method) row against the reference engine (int8 skips static scales, which it
-    refuses); batches of `batch` prompts at a time."""
+    refuses); batches of `batch` prompts at a time. noise_floor adds a first row: the reference engine itself
+    over the same trajectories in batches of half the size, whose different GEMM shapes round differently (in
+    bf16 on the GPU): how far the reference dtype disagrees with itself."""
     prompts = chat_prompts(model_dir, num_prompts)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     num_blocks = batch * -(-(max(len(p) for p in prompts) + new_tokens + 1) // 16)
     ref_runner = make_runner(model_dir, device, "auto", "static", num_blocks)
     kv_dtype = str(ref_runner.kv_cache_dtype).removeprefix("torch.")
     trajectories = [greedy(ref_runner, b, new_tokens) for b in batches]
-    ref_logprobs = [teacher_forced_logprobs(ref_runner, b, t) for b, t in zip(batches, trajectories)]
-    del ref_runner
+    ref_logprobs = [teacher_forced_logprobs(ref_runner, b, t, fp32_logits) for b, t in zip(batches, trajectories)]
     rows = []
+    if noise_floor:
+        t0 = time.perf_counter()
+        half = max(1, batch // 2)
+        rebatched = torch.cat([teacher_forced_logprobs(ref_runner, b[i:i + half], t[i:i + half], fp32_logits)
+                               for b, t in zip(batches, trajectories) for i in range(0, len(b), half)])
+        rows.append({"kv_cache_dtype": {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(kv_dtype, kv_dtype),
+                     "rotation": "none", "method": f"rebatched {batch} -> {half}",
+                     **agreement(torch.cat(ref_logprobs), rebatched), "seconds": time.perf_counter() - t0})
+    del ref_runner
     runs = [(d, r, m) for d in kv_dtypes for r in rotations for m in methods if not (d == "int8" and m == "static")]
     for kv_cache_dtype, rotation, method in runs:
         t0 = time.perf_counter()
         runner = make_runner(model_dir, device, kv_cache_dtype, method, num_blocks, kv_cache_rotation=rotation)
-        test = torch.cat([teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
+        test = torch.cat([teacher_forced_logprobs(runner, b, t, fp32_logits) for b, t in zip(batches, trajectories)])
         row = {"kv_cache_dtype": kv_cache_dtype, "rotation": rotation, "method": method,
                **agreement(torch.cat(ref_logprobs), test)}
         if exact_match_len:
@@ -171,12 +186,13 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, meth
         rows.append(row)
         del runner
     return {"model": os.path.basename(model_dir), "device": device, "reference_kv_dtype": kv_dtype,
+            "logits": "fp32" if fp32_logits else "model dtype",
             "num_prompts": num_prompts, "new_tokens": new_tokens, "rows": rows}
 
 
 def print_table(result: dict) -> None:
     print(f"\nquantized KV caches vs {result['reference_kv_dtype']} KV: {result['model']} on {result['device']}, "
-          f"{result['num_prompts']} prompts x {result['new_tokens']} tokens (targets: top-1 >= "
+          f"{result['num_prompts']} prompts x {result['new_tokens']} tokens, logits in {result['logits']} (targets: top-1 >= "
           f"{TOP1_TARGET:.0%}, mean KL <= {MEAN_KL_TARGET})")
     print(f"{'KV':>5} {'rotation':>9} {'scales':>22} {'top-1':>7} {'ties ok':>7} {'miss gap':>8} {'mean KL':>9} {'p99 KL':>9}"
           f" {'match len':>9} {'full':>5} {'s':>6}")
@@ -199,13 +215,18 @@ def main() -> None:
                    default=[m for m in KV_CACHE_SCALES if m != "auto"])
     p.add_argument("--rotations", nargs="+", choices=KV_CACHE_ROTATIONS, default=list(KV_CACHE_ROTATIONS),
                    help="--kv-cache-rotation values to measure, each with every method")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="first, the reference engine against itself with the prompts batched by half")
+    p.add_argument("--fp32-logits", action="store_true",
+                   help="score the same final hidden states through the lm_head in fp32 (finer than bf16 logits)")
     p.add_argument("--out", default="bench/results/kv_fp8_accuracy.json")
     args = p.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens,
-                     args.methods, batch, rotations=tuple(args.rotations), kv_dtypes=tuple(args.kv_cache_dtypes))
+                     args.methods, batch, rotations=tuple(args.rotations), kv_dtypes=tuple(args.kv_cache_dtypes),
+                     noise_floor=args.noise_floor, fp32_logits=args.fp32_logits)
     print_table(result)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

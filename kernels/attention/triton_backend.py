@@ -82,6 +82,24 @@ def _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D: tl.constexpr, KV_FORMAT: tl.
 
 
 @triton.jit
+def _int8_to_fp16(x):
+    """int8 x as fp16, exactly, four values per 32-bit register: x ^ 0x80 is x + 128 as a byte, which PRMT
+    places under 0x64, fp16 1024 + (x + 128), and a packed fp16 subtract of 1152 leaves x. One LOP3, two
+    PRMT and two HSUB2 per four values, where Triton's own conversion extracts and converts each byte."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, c;
+        xor.b32 t, $2, 0x80808080;
+        prmt.b32 $0, t, 0x64646464, 0x4140;
+        prmt.b32 $1, t, 0x64646464, 0x4342;
+        mov.b32 c, 0x64806480;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _fp16_in_registers(x):
     """x, fp16, through an opaque copy (one PTX mov a value, which ptxas removes). Triton otherwise folds V's
     e4m3 -> fp16 conversion into the shared-memory load of p @ V's operand, which this layout (V [tokens, D],
@@ -118,7 +136,10 @@ def _attend_tile(
     v = _load_rows(v_ptrs, in_ctx, offs_d, D, BLOCK_D, MASK_N, UPCAST)
     # exact: every e4m3 and int8 value is a bf16, fp16 and fp32 value (q is fp16 or fp32 here:
     # _fp16_for_fp8_dots); the scales come outside the dots
-    if KV_FORMAT != 0:
+    if KV_FORMAT == 2 and FP16_DOTS:  # int8 -> fp16 four values at a time (inline PTX), not one chain each
+        k = _int8_to_fp16(k)
+        v = _fp16_in_registers(_int8_to_fp16(v))
+    elif KV_FORMAT != 0:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         if FP16_DOTS:
@@ -374,7 +395,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
-    cfg = config or decode_config(block_d, q.dtype, kv_format != KV_PLAIN)  # int8 has fp8's bytes
+    cfg = config or decode_config(block_d, q.dtype, kv_format)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if num_splits > 1:

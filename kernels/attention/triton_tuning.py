@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.attention.triton_kv_store import KV_FP8, KV_INT8, KV_PLAIN
 from kernels.triton_runtime import INTERPRET
 
 MAX_SPLITS = 32
@@ -41,17 +42,22 @@ def prefill_config(block_d: int, dtype: torch.dtype = torch.bfloat16) -> Prefill
     return PrefillConfig(64, 32, 8, 2)  # padded D=256: smaller tiles fit shared memory and registers
 
 
-def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16, kv_fp8: bool = False) -> DecodeConfig:
+def decode_config(block_d: int, dtype: torch.dtype = torch.bfloat16, kv_format: int = KV_PLAIN) -> DecodeConfig:
     if INTERPRET:
         return DecodeConfig(16, 4, 1)
     if dtype == torch.float32:
         return DecodeConfig(32, 8, 3)
-    if kv_fp8 and block_d <= 128:
+    if kv_format == KV_FP8 and block_d <= 128:
         # 128 fp8 tokens (the bytes of 64 bf16 ones) per step, 2 stages, V converted in registers
         # (H200, D=128, fp16 dots): 149 registers and 72 KB shared, 3 programs an SM. bench/kernels.py
         # --ragged: as fast as (64, 4, 2) at the throughput run's B=256 and faster at B=153 and 59
         # (2.67 vs 2.45, 2.39 vs 2.17 TB/s); only equal contexts at B=64, one wave at 4 an SM, favour 64.
         return DecodeConfig(128, 4, 2)
+    if kv_format == KV_INT8 and block_d <= 128:
+        # int8's conversion (four values per PTX sequence) keeps more registers live than fp8's: 64 tokens,
+        # 126 registers, 4 programs an SM. bench/kernels.py --ragged --kv-cache-dtype int8 (H200): 2.66 /
+        # 2.47 / 2.20 TB/s at B=256 / 153 / 59 against 2.17 / 2.27 / 2.21 at (128, 4, 2)
+        return DecodeConfig(64, 4, 2)
     if block_d <= 128:
         # 64 tokens x D=128 x (K+V) bf16 = 32 KB per step, ~4 CTAs per SM (128 registers, 39 KB
         # shared). 3 stages let the pipeliner fetch the next step's block ids ahead of its K/V.
