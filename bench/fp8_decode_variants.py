@@ -324,17 +324,22 @@ def bk_log2e() -> float:
 
 
 def reference(torch, q, k_cache, v_cache, scales, meta, scale):
-    """float64 attention of each query over its paged context, the pool dequantized when scales are given."""
+    """float64 attention of each query over its paged context, the pool dequantized when scales are given (per KV
+    head, [H_kv], or per head and channel, [H_kv, D]); an empty context gives zeros, as the kernels do."""
     blocks = meta.block_tables.long()
     num_seqs, hq, d = q.shape
     hkv = k_cache.shape[2]
     outs = []
     for i in range(num_seqs):
         n = int(meta.seqlens_k[i])
+        if n == 0:
+            outs.append(torch.zeros(hq, d, dtype=torch.float64, device=q.device))
+            continue
         k = k_cache[blocks[i]].flatten(0, 1)[:n].double()
         v = v_cache[blocks[i]].flatten(0, 1)[:n].double()
         if scales is not None:
-            k, v = k * scales.k.double()[:, None], v * scales.v.double()[:, None]
+            s_k, s_v = (x.double() if x.dim() == 2 else x.double()[:, None] for x in (scales.k, scales.v))
+            k, v = k * s_k, v * s_v
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale

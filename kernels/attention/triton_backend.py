@@ -81,22 +81,25 @@ def _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D: tl.constexpr, KV_FORMAT: tl.
     return acc
 
 
+# int8 x as fp16, exactly, four values per 32-bit register: x ^ 0x80 is x + 128 as a byte, which PRMT places
+# under 0x64, fp16 1024 + (x + 128), and a packed fp16 subtract of 1152 leaves x. One LOP3, two PRMT and two
+# HSUB2 per four values, where Triton's own conversion extracts and converts each byte. (Inputs: one register
+# of four int8; outputs: two of fp16 pairs; inline_asm_elementwise(..., "=r,=r,r", pack=4).)
+INT8_TO_FP16_PTX = tl.constexpr("""{
+    .reg .b32 t, c;
+    xor.b32 t, $2, 0x80808080;
+    prmt.b32 $0, t, 0x64646464, 0x4140;
+    prmt.b32 $1, t, 0x64646464, 0x4342;
+    mov.b32 c, 0x64806480;
+    sub.f16x2 $0, $0, c;
+    sub.f16x2 $1, $1, c;
+    }""")
+
+
 @triton.jit
 def _int8_to_fp16(x):
-    """int8 x as fp16, exactly, four values per 32-bit register: x ^ 0x80 is x + 128 as a byte, which PRMT
-    places under 0x64, fp16 1024 + (x + 128), and a packed fp16 subtract of 1152 leaves x. One LOP3, two
-    PRMT and two HSUB2 per four values, where Triton's own conversion extracts and converts each byte."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t, c;
-        xor.b32 t, $2, 0x80808080;
-        prmt.b32 $0, t, 0x64646464, 0x4140;
-        prmt.b32 $1, t, 0x64646464, 0x4342;
-        mov.b32 c, 0x64806480;
-        sub.f16x2 $0, $0, c;
-        sub.f16x2 $1, $1, c;
-        }""",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    """int8 x as fp16, exactly (INT8_TO_FP16_PTX)."""
+    return tl.inline_asm_elementwise(INT8_TO_FP16_PTX, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
