@@ -126,50 +126,71 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def interpreter_check(gk) -> list[dict]:
-    """The kernel's logic against float64 and against the engine's kernel on the same inputs (interpreter)."""
+# (heads q/kv, context lengths, split counts, longest first, pool): GQA groups 2, 3 and 4, empty and partly
+# filled blocks, more splits than a context has blocks
+CHECK_CASES = [((4, 2), [37, 16, 5], [1, 2, 3], False, "fp8"), ((9, 3), [1, 33, 64, 17], [1, 4], True, "fp8"),
+               ((32, 8), [100, 0, 48], [1, 3], False, "fp8"), ((16, 8), [15, 16, 17, 31, 32, 33], [1, 2], True, "fp8"),
+               ((4, 2), [37, 16, 5], [1, 3], False, "int8"), ((16, 8), [15, 0, 33, 64], [1, 2], True, "int8")]
+
+
+def check_case(gk, heads, seqlens, splits_list, longest_first, kind, seed, device="cpu") -> list[dict]:
+    """The Gluon kernel and the engine's kernel on one fresh random batch over an fp8 or int8 pool (shuffled
+    blocks), each against float64: a row per split count, with both relative errors."""
     from kernels.attention.base import AttentionMetadata
     from kernels.attention.triton_backend import paged_decode_attention
     from kernels.kv_quant import KVScales
 
-    cases = [(4, 2, [37, 16, 5], [1, 2, 3], False, "fp8"), (9, 3, [1, 33, 64, 17], [1, 4], True, "fp8"),
-             (32, 8, [100, 0, 48], [1, 3], False, "fp8"), (16, 8, [15, 16, 17, 31, 32, 33], [1, 2], True, "fp8"),
-             (4, 2, [37, 16, 5], [1, 3], False, "int8"), (16, 8, [15, 0, 33, 64], [1, 2], True, "int8")]
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(seed)
+    d, bs = 128, 16
+    per_seq = [max(1, triton.cdiv(n, bs)) for n in seqlens]
+    num_blocks = sum(per_seq) + 3
+    if kind == "fp8":
+        k8, v8 = ((torch.randn(num_blocks, bs, hkv, d, generator=gen) * 2).to(torch.float8_e4m3fn) for _ in "kv")
+        scales = KVScales(torch.rand(hkv, generator=gen) + 0.5, torch.rand(hkv, generator=gen) + 0.5)
+    else:  # int8 with a scale per KV head and channel
+        k8, v8 = (torch.randint(-127, 128, (num_blocks, bs, hkv, d), generator=gen, dtype=torch.int8) for _ in "kv")
+        scales = KVScales((torch.rand(hkv, d, generator=gen) + 0.5) / 64, (torch.rand(hkv, d, generator=gen) + 0.5) / 64)
+    shuffled = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seqlens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = shuffled[used:used + n]
+        used += n
+    q = torch.randn(len(seqlens), hq, d, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    q, k8, v8, tables, lens = (t.to(device) for t in (q, k8, v8, tables, lens))
+    scales = KVScales(scales.k.to(device), scales.v.to(device))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(seqlens), dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.arange(len(seqlens) + 1, dtype=torch.int32, device=device), seqlens_k=lens,
+        block_tables=tables, max_seqlen_q=1, max_seqlen_k=max(seqlens), block_size=bs,
+        decode_order=torch.argsort(lens, descending=True).to(torch.int32) if longest_first else None)
+    ref = reference(q, k8, v8, scales, meta, d ** -0.5)
+    engine_err = rel_err(paged_decode_attention(q, k8, v8, meta, d ** -0.5, num_splits=1, kv_scales=scales), ref)
     rows = []
-    for seed, (hq, hkv, seqlens, splits_list, longest_first, kind) in enumerate(cases):
-        gen = torch.Generator().manual_seed(seed)
-        d, bs = 128, 16
-        per_seq = [max(1, triton.cdiv(n, bs)) for n in seqlens]
-        num_blocks = sum(per_seq) + 3
-        if kind == "fp8":
-            k8, v8 = ((torch.randn(num_blocks, bs, hkv, d, generator=gen) * 2).to(torch.float8_e4m3fn) for _ in "kv")
-            scales = KVScales(torch.rand(hkv, generator=gen) + 0.5, torch.rand(hkv, generator=gen) + 0.5)
-        else:  # int8 with a scale per KV head and channel
-            k8, v8 = (torch.randint(-127, 128, (num_blocks, bs, hkv, d), generator=gen, dtype=torch.int8) for _ in "kv")
-            scales = KVScales((torch.rand(hkv, d, generator=gen) + 0.5) / 64, (torch.rand(hkv, d, generator=gen) + 0.5) / 64)
-        shuffled = torch.randperm(num_blocks, generator=gen)
-        tables = torch.zeros(len(seqlens), max(per_seq), dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(per_seq):
-            tables[i, :n] = shuffled[used:used + n]
-            used += n
-        q = torch.randn(len(seqlens), hq, d, generator=gen).to(torch.bfloat16)
-        lens = torch.tensor(seqlens, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(len(seqlens), dtype=torch.int64),
-            cu_seqlens_q=torch.arange(len(seqlens) + 1, dtype=torch.int32), seqlens_k=lens, block_tables=tables,
-            max_seqlen_q=1, max_seqlen_k=max(seqlens), block_size=bs,
-            decode_order=torch.argsort(lens, descending=True).to(torch.int32) if longest_first else None)
-        ref = reference(q, k8, v8, scales, meta, d ** -0.5)
-        engine_err = rel_err(paged_decode_attention(q, k8, v8, meta, d ** -0.5, num_splits=1, kv_scales=scales), ref)
-        for splits in splits_list:
-            out = gk.gluon_decode(q, k8, v8, meta, d ** -0.5, scales, num_splits=splits)
-            row = {"kv": kind, "heads": [hq, hkv], "seqlens": seqlens, "splits": splits, "longest_first": longest_first,
-                   "rel_err": rel_err(out, ref), "engine_rel_err": engine_err, "finite": bool(torch.isfinite(out).all())}
+    for splits in splits_list:
+        out = gk.gluon_decode(q, k8, v8, meta, d ** -0.5, scales, num_splits=splits)
+        rows.append({"kv": kind, "heads": list(heads), "seqlens": seqlens, "splits": splits,
+                     "longest_first": longest_first, "rel_err": rel_err(out, ref), "engine_rel_err": engine_err,
+                     "finite": bool(torch.isfinite(out).all())})
+    return rows
+
+
+def close_to_engine(row: dict) -> bool:
+    """As close to float64 as the engine's kernel, up to a rounding's worth (both round the output to bf16)."""
+    return row["finite"] and row["rel_err"] < 2 * row["engine_rel_err"] + 1e-3
+
+
+def interpreter_check(gk) -> list[dict]:
+    """The kernel's logic against float64 and against the engine's kernel on the same inputs (interpreter)."""
+    rows = []
+    for seed, case in enumerate(CHECK_CASES):
+        for row in check_case(gk, *case, seed=seed):
             rows.append(row)
-            print(f"{kind:>4} heads {hq:>2}/{hkv}  seqlens {str(seqlens):<26} splits {splits}: rel err {row['rel_err']:.2e} "
-                  f"(the engine's kernel {engine_err:.2e})")
-            assert row["finite"] and row["rel_err"] < 2 * engine_err + 1e-3, row
+            print(f"{row['kv']:>4} heads {row['heads'][0]:>2}/{row['heads'][1]}  seqlens {str(row['seqlens']):<26} "
+                  f"splits {row['splits']}: rel err {row['rel_err']:.2e} (the engine's kernel {row['engine_rel_err']:.2e})")
+            assert close_to_engine(row), row
     print("the Gluon kernel's logic matches float64 as closely as the engine's kernel does")
     return rows
 
