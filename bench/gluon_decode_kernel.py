@@ -32,7 +32,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.attention.triton_backend import INT8_TO_FP16_PTX
+from kernels.attention.triton_backend import INT8_TO_FP16_PTX, LOG2E, _decode_reduce_kernel
+from kernels.kv_quant import is_fp8
+from kernels.triton_runtime import INTERPRET, num_sms
 
 BLOCK_T = 16  # tokens per tile: one KV block of the engine's block size
 D_HEAD = 128
@@ -194,10 +196,9 @@ def gluon_decode_kernel(
     heads = kv_head * GROUP + offs_g
     out_mask = (offs_g < GROUP)[None, :]
     l_out = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
-    m_out = gl.convert_layout(m_i, gl.SliceLayout(0, MMA))
     if SPLIT:  # unnormalised partials in the engine's layout, for its _decode_reduce_kernel
         part = (seq * NUM_Q_HEADS + heads) * num_splits + split
-        gl.store(part_m_ptr + part, m_out, mask=offs_g < GROUP)
+        gl.store(part_m_ptr + part, gl.convert_layout(m_i, gl.SliceLayout(0, MMA)), mask=offs_g < GROUP)
         gl.store(part_l_ptr + part, l_out, mask=offs_g < GROUP)
         gl.store(part_acc_ptr + part[None, :] * 128 + chan[:, None], acc, mask=out_mask)
     else:
@@ -219,11 +220,6 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_scales, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The engine's paged_decode_attention over an fp8 or int8 pool (block size 16, head_dim 128, GQA group <= 8);
     num_splits None takes gluon_num_splits."""
-    from kernels.kv_quant import is_fp8
-    from kernels.triton_runtime import INTERPRET
-
-    from kernels.attention.triton_backend import LOG2E, _decode_reduce_kernel
-
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -231,7 +227,6 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert k_cache.stride() == v_cache.stride()
     out = torch.empty_like(q) if out is None else out
     if num_splits is None:
-        from kernels.triton_runtime import num_sms
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
     if num_splits > 1:
         n = num_seqs * num_q_heads * num_splits
