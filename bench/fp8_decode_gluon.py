@@ -84,9 +84,11 @@ class _GluonOnTriton:
         return getattr(tl, name)
 
 
+@functools.cache
 def load_kernel_module(interpreted: bool) -> types.ModuleType:
     """bench/gluon_decode_kernel.py, or under the interpreter the same source with Gluon mapped onto triton.language
-    (triton.jit reads each function's source from its file, so the rewritten module is written to a temp file)."""
+    (triton.jit reads each function's source from its file, so the rewritten module is written to a temp file);
+    loaded once per process, so the kernels are decorated and the temp file written once."""
     if not interpreted:
         spec = importlib.util.spec_from_file_location("gluon_decode_kernel", KERNEL_FILE)
         module = importlib.util.module_from_spec(spec)
