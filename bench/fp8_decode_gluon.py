@@ -1,16 +1,16 @@
-"""The Gluon decode kernel over 8-bit pools (bench/gluon_decode_kernel.py) against the engine's Triton kernels;
-a benchmark.
+"""The Gluon decode kernel over 8-bit pools (kernels/attention/gluon_decode.py, the engine's decode there) against
+the Triton decode kernel; a benchmark.
 
   python bench/fp8_decode_gluon.py                 # H200: error vs float64, then us and TB/s, uniform and ragged
   python bench/fp8_decode_gluon.py --kv-cache-dtype int8
   python bench/fp8_decode_gluon.py --device cpu    # the kernel's index logic under the Triton interpreter
   python bench/fp8_decode_gluon.py --sass          # sm_90 registers and instruction counts, compiled offline
 
-On the GPU every batch runs the engine's decode kernel over a bf16 pool and over the same pool in fp8 (or
+On the GPU every batch runs the Triton decode kernel over a bf16 pool and over the same pool in fp8 (or
 int8), then the Gluon kernel over the 8-bit pool at its own split count and at 1, 2 and 4 splits (longest
 contexts first, as the engine orders them).
 Rows say microseconds per call (graph replay), TB/s over each pool's own bytes, the relative error against a
-float64 reference that dequantizes the same 8-bit bytes, and the Gluon kernel's speed over the engine's kernel
+float64 reference that dequantizes the same 8-bit bytes, and the Gluon kernel's speed over the Triton kernel
 on the same pool.
 The batches: B in {64, 256} x C in {512, 1024, 4096}, and the throughput run's ragged batches (B = 256, 153,
 59, 7 at steps 80, 400, 800, 1000, as bench/kernels.py --ragged draws them).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
-KERNEL_FILE = HERE / "gluon_decode_kernel.py"
+KERNEL_FILE = HERE.parent / "kernels" / "attention" / "gluon_decode.py"
 RAGGED_POINTS = [(256, 80), (153, 400), (59, 800), (7, 1000)]  # (batch, tokens generated so far)
 UNIFORM = [(b, c) for b in (64, 256) for c in (512, 1024, 4096)]
 
@@ -86,14 +86,11 @@ class _GluonOnTriton:
 
 @functools.cache
 def load_kernel_module(interpreted: bool) -> types.ModuleType:
-    """bench/gluon_decode_kernel.py, or under the interpreter the same source with Gluon mapped onto triton.language
+    """kernels/attention/gluon_decode.py, or under the interpreter the same source with Gluon mapped onto triton.language
     (triton.jit reads each function's source from its file, so the rewritten module is written to a temp file);
     loaded once per process, so the kernels are decorated and the temp file written once."""
     if not interpreted:
-        spec = importlib.util.spec_from_file_location("gluon_decode_kernel", KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return importlib.import_module("kernels.attention.gluon_decode")
     src = KERNEL_FILE.read_text()
     src = re.sub(r"^from triton\.experimental.*$", "", src, flags=re.M)
     src = src.replace("@gluon.jit", "@triton.jit").replace(": gl.constexpr", ": tl.constexpr").replace("MMA.value", "None")
@@ -136,10 +133,10 @@ CHECK_CASES = [((4, 2), [37, 16, 5], [1, 2, 3], False, "fp8"), ((9, 3), [1, 33, 
 
 
 def check_case(gk, heads, seqlens, splits_list, longest_first, kind, seed, device="cpu") -> list[dict]:
-    """The Gluon kernel and the engine's kernel on one fresh random batch over an fp8 or int8 pool (shuffled
+    """The Gluon kernel and the Triton kernel on one fresh random batch over an fp8 or int8 pool (shuffled
     blocks), each against float64: a row per split count, with both relative errors."""
     from kernels.attention.base import AttentionMetadata
-    from kernels.attention.triton_backend import paged_decode_attention
+    from kernels.attention.triton_backend import triton_decode_attention
     from kernels.kv_quant import KVScales
 
     hq, hkv = heads
@@ -169,31 +166,31 @@ def check_case(gk, heads, seqlens, splits_list, longest_first, kind, seed, devic
         block_tables=tables, max_seqlen_q=1, max_seqlen_k=max(seqlens), block_size=bs,
         decode_order=torch.argsort(lens, descending=True).to(torch.int32) if longest_first else None)
     ref = reference(q, k8, v8, scales, meta, d ** -0.5)
-    engine_err = rel_err(paged_decode_attention(q, k8, v8, meta, d ** -0.5, num_splits=1, kv_scales=scales), ref)
+    triton_err = rel_err(triton_decode_attention(q, k8, v8, meta, d ** -0.5, num_splits=1, kv_scales=scales), ref)
     rows = []
     for splits in splits_list:
         out = gk.gluon_decode(q, k8, v8, meta, d ** -0.5, scales, num_splits=splits)
         rows.append({"kv": kind, "heads": list(heads), "seqlens": seqlens, "splits": splits,
-                     "longest_first": longest_first, "rel_err": rel_err(out, ref), "engine_rel_err": engine_err,
+                     "longest_first": longest_first, "rel_err": rel_err(out, ref), "triton_rel_err": triton_err,
                      "finite": bool(torch.isfinite(out).all())})
     return rows
 
 
-def close_to_engine(row: dict) -> bool:
-    """As close to float64 as the engine's kernel, up to a rounding's worth (both round the output to bf16)."""
-    return row["finite"] and row["rel_err"] < 2 * row["engine_rel_err"] + 1e-3
+def close_to_triton(row: dict) -> bool:
+    """As close to float64 as the Triton kernel, up to a rounding's worth (both round the output to bf16)."""
+    return row["finite"] and row["rel_err"] < 2 * row["triton_rel_err"] + 1e-3
 
 
 def interpreter_check(gk) -> list[dict]:
-    """The kernel's logic against float64 and against the engine's kernel on the same inputs (interpreter)."""
+    """The kernel's logic against float64 and against the Triton kernel on the same inputs (interpreter)."""
     rows = []
     for seed, case in enumerate(CHECK_CASES):
         for row in check_case(gk, *case, seed=seed):
             rows.append(row)
             print(f"{row['kv']:>4} heads {row['heads'][0]:>2}/{row['heads'][1]}  seqlens {str(row['seqlens']):<26} "
-                  f"splits {row['splits']}: rel err {row['rel_err']:.2e} (the engine's kernel {row['engine_rel_err']:.2e})")
-            assert close_to_engine(row), row
-    print("the Gluon kernel's logic matches float64 as closely as the engine's kernel does")
+                  f"splits {row['splits']}: rel err {row['rel_err']:.2e} (the Triton kernel {row['triton_rel_err']:.2e})")
+            assert close_to_triton(row), row
+    print("the Gluon kernel's logic matches float64 as closely as the Triton kernel does")
     return rows
 
 
@@ -211,9 +208,9 @@ def load_bench_kernels():
 
 
 def time_batches(gk, splits_list: list[int], kind: str) -> list[dict]:
-    """Each batch: the engine's kernel over bf16 and over the 8-bit pool, then the Gluon kernel at each split
+    """Each batch: the Triton kernel over bf16 and over the 8-bit pool, then the Gluon kernel at each split
     count (0: its own choice)."""
-    from kernels.attention.triton_backend import paged_decode_attention
+    from kernels.attention.triton_backend import triton_decode_attention
 
     bench = load_bench_kernels().Bench(torch.device("cuda"), tiny=False)
     hq, hkv, d = bench.heads
@@ -225,8 +222,8 @@ def time_batches(gk, splits_list: list[int], kind: str) -> list[dict]:
     runs = [(f"{n}", n) for n in splits_list]  # (name, splits)
     print(f"device: {bench.device_name}; heads {hq}/{hkv}, D {d}, block 16, {kind} pool (graph replay; us, and TB/s "
           "over each pool's bytes)")
-    print(f"{'batch':>22} {'bf16':>13} {'engine ' + kind:>13} "
-          + " ".join(f"{'gluon ' + name:>13}" for name, _ in runs) + f" {'best x engine':>13} {'err':>8}")
+    print(f"{'batch':>22} {'bf16':>13} {'triton ' + kind:>13} "
+          + " ".join(f"{'gluon ' + name:>13}" for name, _ in runs) + f" {'best x triton':>13} {'err':>8}")
     rows = []
     for name, contexts in batches:
         q, k_cache, v_cache, meta = bench.paged_batch([1] * len(contexts), contexts)
@@ -236,26 +233,26 @@ def time_batches(gk, splits_list: list[int], kind: str) -> list[dict]:
         tokens = sum(contexts)
         bytes_bf16, bytes_8bit = 2 * tokens * hkv * d * 2, 2 * tokens * hkv * d
         row = {"batch": name, "kv": kind, "num_seqs": len(contexts), "mean_context": tokens / len(contexts)}
-        row["bf16_us"] = bench.time_us(lambda: paged_decode_attention(  # noqa: B023
+        row["bf16_us"] = bench.time_us(lambda: triton_decode_attention(  # noqa: B023
             q, k_cache, v_cache, meta, d ** -0.5), graph=True)
-        row["engine_us"] = bench.time_us(lambda: paged_decode_attention(  # noqa: B023
+        row["triton_us"] = bench.time_us(lambda: triton_decode_attention(  # noqa: B023
             q, k8, v8, meta, d ** -0.5, kv_scales=scales), graph=True)
-        row["engine_rel_err"] = rel_err(paged_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales), ref)
+        row["triton_rel_err"] = rel_err(triton_decode_attention(q, k8, v8, meta, d ** -0.5, kv_scales=scales), ref)
         for run, splits in runs:
             call = lambda: gk.gluon_decode(q, k8, v8, meta, d ** -0.5, scales,  # noqa: E731, B023
                                            num_splits=splits or None)  # noqa: B023
             row[f"gluon{run}_rel_err"] = rel_err(call(), ref)
             row[f"gluon{run}_us"] = bench.time_us(call, graph=True)
         best = min((r for r, _ in runs), key=lambda r: row[f"gluon{r}_us"])
-        row["best"], row["best_over_engine"] = best, row["engine_us"] / row[f"gluon{best}_us"]
+        row["best"], row["best_over_triton"] = best, row["triton_us"] / row[f"gluon{best}_us"]
         rows.append(row)
 
         def cell(us: float, nbytes: int) -> str:
             return f"{us:>7.1f} {nbytes / us / 1e6:>5.2f}"
 
-        print(f"{name:>22} {cell(row['bf16_us'], bytes_bf16)} {cell(row['engine_us'], bytes_8bit)} "
+        print(f"{name:>22} {cell(row['bf16_us'], bytes_bf16)} {cell(row['triton_us'], bytes_8bit)} "
               + " ".join(cell(row[f"gluon{r}_us"], bytes_8bit) for r, _ in runs)
-              + f" {row['best_over_engine']:>8.2f}x {best:>3} {max(row[f'gluon{r}_rel_err'] for r, _ in runs):>8.1e}")
+              + f" {row['best_over_triton']:>8.2f}x {best:>3} {max(row[f'gluon{r}_rel_err'] for r, _ in runs):>8.1e}")
         del q, k_cache, v_cache, k8, v8
         torch.cuda.empty_cache()
     return rows

@@ -16,6 +16,7 @@ same call: bandwidth over the fp8 bytes, and context tokens per second for both.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -350,7 +351,7 @@ class Bench:
             for cfg in configs:
                 for splits in sorted({1, auto, 2 * auto}):
                     try:
-                        us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
+                        us = self.time_us(lambda: ta.triton_decode_attention(  # noqa: B023
                             q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=cfg, kv_scales=scales),
                             graph=True)
                     except Exception as e:  # out of shared memory or registers: skip the config
@@ -379,6 +380,8 @@ class Bench:
         points = [(256, 80), (153, 400), (59, 800), (7, 1000)] if self.device.type == "cuda" else [(3, 8)]
         rows = []
         tile = f"({config.block_n}, {config.num_warps}, {config.num_stages})" if config else "the engine's"
+        # a tile is the Triton kernel's; without one, the engine's choice (the Gluon kernel over an 8-bit pool)
+        decode = functools.partial(ta.triton_decode_attention, config=config) if config else ta.paged_decode_attention
         print(f"\ndecode over ragged contexts (graph replay), tile {tile}: TB/s by split count")
         for num_seqs, generated in points:
             contexts = [rng.randint(100, 1024) + generated for _ in range(num_seqs)]
@@ -392,8 +395,8 @@ class Bench:
             runs = [(True, 1), (True, 2)] + [(False, n) for n in (1, 2, 3, 4, 6, 8, 12, 16)]
             for longest_first, splits in runs:
                 meta.decode_order = order if longest_first else None
-                us = self.time_us(lambda: ta.paged_decode_attention(  # noqa: B023
-                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, config=config, kv_scales=scales),
+                us = self.time_us(lambda: decode(  # noqa: B023
+                    q, k_cache, v_cache, meta, d ** -0.5, num_splits=splits, kv_scales=scales),
                     graph=True)
                 rows.append({"num_seqs": num_seqs, "generated": generated, "splits": splits, "auto": auto,
                              "config": [config.block_n, config.num_warps, config.num_stages] if config else None,

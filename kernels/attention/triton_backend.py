@@ -14,6 +14,9 @@ q . k = sum_d (q_d s_d) k_d), V's scales the accumulated output (per head, or pe
 """
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 import triton
 import triton.language as tl
@@ -379,15 +382,39 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+@functools.cache
+def _gluon_decode() -> types.ModuleType | None:
+    """kernels/attention/gluon_decode, or None where this Triton has no Gluon. Imported on first use: it takes
+    this module's split reduction and int8 conversion."""
+    try:
+        from kernels.attention import gluon_decode
+    except ImportError:
+        return None
+    return gluon_decode
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, config: DecodeConfig | None = None,
-                           kv_scales: KVScales | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (token i belongs to sequence i) over its paged context
-    (an fp8 one dequantized by kv_scales).
+    (an 8-bit one dequantized by kv_scales): over an 8-bit pool the Gluon kernel where it fits (no shared
+    memory; kernels/attention/gluon_decode.py), else the Triton kernel (triton_decode_attention).
 
     num_splits only changes speed; None picks it from the batch size, the context and the SM count.
     """
+    gluon = _gluon_decode()
+    if meta.num_seqs and gluon is not None and gluon.gluon_decode_fits(q, k_cache):
+        return gluon.gluon_decode(q, k_cache, v_cache, meta, scale, kv_scales, num_splits=num_splits, out=out)
+    return triton_decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=num_splits,
+                                   kv_scales=kv_scales)
+
+
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                            num_splits: int | None = None, config: DecodeConfig | None = None,
+                            kv_scales: KVScales | None = None) -> torch.Tensor:
+    """paged_decode_attention by the split-K Triton kernel: any head size, block size and pool; config
+    overrides the tiles."""
     num_seqs = meta.num_seqs
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]

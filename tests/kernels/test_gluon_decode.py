@@ -1,5 +1,5 @@
-"""The Gluon decode kernel over 8-bit pools (bench/gluon_decode_kernel.py, an experiment the engine does not use
-yet) matches float64 attention over the dequantized pool as closely as the engine's Triton kernel does.
+"""The Gluon decode kernel over 8-bit pools (kernels/attention/gluon_decode.py, the engine's decode wherever it
+fits) matches float64 attention over the dequantized pool as closely as the Triton decode kernel does.
 
 On the CPU Gluon cannot run, so its calls are mapped onto triton.language with the layouts dropped
 (bench/fp8_decode_gluon.load_kernel_module) and the kernel runs in Triton's interpreter, in a child process: a
@@ -14,7 +14,7 @@ from support.interpreter_child import (INTERPRETING, assert_module_passes_under_
 
 pytest.importorskip("triton")
 
-from bench.fp8_decode_gluon import CHECK_CASES, check_case, close_to_engine, load_kernel_module  # noqa: E402
+from bench.fp8_decode_gluon import CHECK_CASES, check_case, close_to_triton, load_kernel_module  # noqa: E402
 
 
 def test_the_gluon_kernel_is_checked_under_the_interpreter():
@@ -29,7 +29,7 @@ def test_the_gluon_kernel_is_checked_under_the_interpreter():
 def test_gluon_decode_logic_matches_float64_as_the_engine_kernel_does(case):
     gk = load_kernel_module(interpreted=True)
     for row in check_case(gk, *case, seed=7):
-        assert close_to_engine(row), row
+        assert close_to_triton(row), row
 
 
 @pytest.mark.gpu
@@ -38,4 +38,4 @@ def test_gluon_decode_logic_matches_float64_as_the_engine_kernel_does(case):
 def test_the_compiled_gluon_decode_kernel_matches_float64_on_a_gpu(case):
     gk = load_kernel_module(interpreted=False)
     for row in check_case(gk, *case, seed=11, device="cuda"):
-        assert close_to_engine(row), row
+        assert close_to_triton(row), row

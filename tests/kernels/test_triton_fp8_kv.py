@@ -208,9 +208,12 @@ def check_attention_on_gpu(quantized_batch, heads):
     lens = torch.randint(1, 4097, (40,), generator=torch.Generator().manual_seed(11)).tolist()
     q, k8, v8, meta, scales, k64, v64 = quantized_batch([1] * 40, lens, heads, 16, seed=12, dtype=torch.bfloat16,
                                                         device="cuda")
-    for num_splits in (None, 1, 4):
-        out = ta.paged_decode_attention(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
-        assert rel_error(out, reference_attention(q, k64, v64, meta, heads[2] ** -0.5)) < 1e-2
+    ref = reference_attention(q, k64, v64, meta, heads[2] ** -0.5)
+    # the engine's choice (the Gluon kernel where it fits) and the Triton kernel, which takes every shape
+    for decode in (ta.paged_decode_attention, ta.triton_decode_attention):
+        for num_splits in (None, 1, 4):
+            out = decode(q, k8, v8, meta, heads[2] ** -0.5, num_splits=num_splits, kv_scales=scales)
+            assert rel_error(out, ref) < 1e-2, (decode.__name__, num_splits)
 
 
 @interpreter
@@ -309,3 +312,26 @@ def test_gpu_fp8_decode_replayed_from_a_cuda_graph_follows_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_error(out, reference_attention(q, k64, v64, meta, 128 ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_over_an_8bit_pool_takes_the_gluon_kernel_exactly_where_it_fits():
+    from kernels.attention import gluon_decode as gd
+
+    def decode_batch(heads, block_size):
+        return fp8_batch([1] * 5, [40, 300, 1, 17, 129], heads, block_size, seed=16, dtype=torch.bfloat16,
+                         device="cuda")
+
+    q, k8, v8, meta, scales, _, _ = decode_batch((16, 8, 128), 16)
+    assert gd.gluon_decode_fits(q, k8)
+    assert torch.equal(ta.paged_decode_attention(q, k8, v8, meta, 0.1, kv_scales=scales),
+                       gd.gluon_decode(q, k8, v8, meta, 0.1, scales))
+    assert not gd.gluon_decode_fits(q, k8.to(torch.bfloat16)), "a bf16 pool takes the Triton kernel"
+    assert not gd.gluon_decode_fits(q.float(), k8), "so does an fp32 q"
+    # head_dim 64, block size 32, a GQA group of 16: the Triton kernel
+    for heads, block_size in (((9, 3, 64), 16), ((16, 8, 128), 32), ((16, 1, 128), 16)):
+        q, k8, v8, meta, scales, _, _ = decode_batch(heads, block_size)
+        assert not gd.gluon_decode_fits(q, k8), (heads, block_size)
+        assert torch.equal(ta.paged_decode_attention(q, k8, v8, meta, 0.1, kv_scales=scales),
+                           ta.triton_decode_attention(q, k8, v8, meta, 0.1, kv_scales=scales))

@@ -19,10 +19,10 @@ channel multiply q (in the renumbered order) and the output. Offline sm_90 SASS 
 --sass): 244 instructions per 16-token tile for fp8 (4 KB of K and V), 330 for int8, against the engine's
 Triton kernel's 671 per warp per 8 KB and its shared-memory round trips.
 
-Status (session 12): its index logic matches a float64 reference under the Triton interpreter (`python
-bench/fp8_decode_gluon.py --device cpu`, which maps Gluon's calls onto triton.language); it has never run on
-a GPU, so its layouts are checked only by the compiler: every operand conversion is asserted free (only the
-per-head softmax statistics move between lanes, by shuffles).
+The engine's decode path over an 8-bit pool wherever it fits (gluon_decode_fits: block size 16, head_dim 128,
+GQA group <= 8, sm_80 and up); kernels/attention/triton_backend.paged_decode_attention falls back to its Triton
+kernel elsewhere. H200 (bench/fp8_decode_gluon.py, session 13): 1.13-1.50x the Triton kernel's speed over the
+same fp8 pool, 3.0-3.9 TB/s over its bytes, with the same error against float64.
 """
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.attention.triton_backend import INT8_TO_FP16_PTX, LOG2E, _decode_reduce_kernel
-from kernels.kv_quant import is_fp8
+from kernels.attention.triton_kv_store import kv_scale_args
+from kernels.kv_quant import is_quantized
 from kernels.triton_runtime import INTERPRET, num_sms
 
 BLOCK_T = 16  # tokens per tile: one KV block of the engine's block size
 D_HEAD = 128
+RESIDENT_PER_SM = 14  # one-warp programs an SM holds at once: fp8's 140 registers (int8's 128: 16)
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
@@ -208,23 +210,41 @@ def gluon_decode_kernel(
 
 
 def gluon_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sm_count: int) -> int:
-    """Splits of each context so that the one-warp programs fill an SM (16 fit at 128 registers): none from 8
-    programs an SM up; below, up to ~12 an SM, each split keeping at least 4 blocks."""
+    """Splits of each context: about as many one-warp programs as the SMs hold at once (RESIDENT_PER_SM), and
+    at least two while there are fewer than two such waves, each split keeping at least 4 blocks.
+
+    H200 (bench/fp8_decode_gluon.py --splits 0 1 2 3 4 6 8, session 13): the throughput run's ragged batches of
+    256 and 153 sequences (2,048 and 1,224 programs) ran fastest at 2 splits, 1.1-1.4x faster than at 1, where
+    the longest contexts end the step alone; 59 and 64 sequences at 4 (3 and 5 were 1.1-1.3x slower: a wave
+    and a bit of programs); 7 at ~24."""
+    resident = RESIDENT_PER_SM * sm_count
     programs = num_seqs * num_kv_heads
-    if programs >= 8 * sm_count:
-        return 1
-    return max(1, min(triton.cdiv(12 * sm_count, programs), triton.cdiv(max(max_seqlen_k, 1), BLOCK_T) // 4, 32))
+    splits = max(round(resident / programs), 2 if programs < 2 * resident else 1)
+    return max(1, min(splits, triton.cdiv(max(max_seqlen_k, 1), BLOCK_T) // 4, 32))
+
+
+def gluon_decode_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether gluon_decode runs this layer's decode: an 8-bit pool of 16-token blocks, head_dim 128, a GQA
+    group of at most 8 and a 16-bit q, on a GPU with mma.sync m16n8k16 (sm_80 and up)."""
+    if INTERPRET or not q.is_cuda or not is_quantized(k_cache):
+        return False
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    return (head_dim == D_HEAD and k_cache.shape[1] == BLOCK_T and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= 8 and q.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                  kv_scales, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's paged_decode_attention over an fp8 or int8 pool (block size 16, head_dim 128, GQA group <= 8);
-    num_splits None takes gluon_num_splits."""
+    """Attention of one query token per sequence over its paged context in an fp8 or int8 pool, dequantized by
+    kv_scales, where gluon_decode_fits; num_splits only changes speed (None: gluon_num_splits)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     assert head_dim == D_HEAD and k_cache.shape[1] == BLOCK_T and group <= 8, (head_dim, k_cache.shape, group)
     assert k_cache.stride() == v_cache.stride()
+    k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     out = torch.empty_like(q) if out is None else out
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
@@ -237,11 +257,11 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     order = meta.decode_order
     gluon_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
-        order if order is not None else meta.seqlens_k, scale * LOG2E, kv_scales.k, kv_scales.v,
+        order if order is not None else meta.seqlens_k, scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, SPLIT=num_splits > 1, HAS_ORDER=order is not None,
-        KV_FORMAT=1 if is_fp8(k_cache) else 2, PTX_INT8=not INTERPRET, num_warps=1)
+        KV_FORMAT=kv_format, PTX_INT8=not INTERPRET, num_warps=1)
     if num_splits > 1:
         _decode_reduce_kernel[(num_q_heads, num_seqs)](
             part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
