@@ -402,7 +402,7 @@ class Bench:
                              "config": [config.block_n, config.num_warps, config.num_stages] if config else None,
                              "longest_first": longest_first, "us": us, "tb_per_s": kv_bytes / us / 1e6})
                 line.append(f"{'lpt' if longest_first else ''}{splits}:{kv_bytes / us / 1e6:.2f}")
-            print(f"  B={num_seqs:<4} ctx~{sum(contexts) // num_seqs:<5} auto={auto:<3} " + " ".join(line))
+            print(f"  B={num_seqs:<4} ctx~{sum(contexts) // num_seqs:<5} Triton kernel's own={auto:<3} " + " ".join(line))
             del q, k_cache, v_cache
         return rows
 
