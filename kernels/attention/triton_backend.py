@@ -1,5 +1,6 @@
 """Triton paged attention, the GPU path: varlen causal prefill and split-K decode (the K/V store is
-kernels/attention/triton_kv_store.py).
+kernels/attention/triton_kv_store.py; decode over an 8-bit pool runs kernels/attention/gluon_decode.py
+where it fits).
 
 Every kernel reads or writes the pool [N, block_size, H_kv, D] in place, through the block table or
 the slot mapping, so paging never copies K/V. The same kernels run on the CPU under
