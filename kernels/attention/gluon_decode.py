@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.attention.triton_backend import INT8_TO_FP16_PTX, LOG2E, _decode_reduce_kernel
+from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, merge_splits, split_partials
 from kernels.attention.triton_kv_store import kv_scale_args
 from kernels.kv_quant import is_quantized
 from kernels.triton_runtime import INTERPRET, num_sms
@@ -62,7 +62,7 @@ V_LOADED = gl.constexpr(gl.DistributedLinearLayout(
 @gluon.jit
 def _to_fp16(x, KV_FORMAT: gl.constexpr, PTX_INT8: gl.constexpr):
     """8-bit values to fp16, exactly: e4m3 in one instruction a pair; int8 four at a time by the engine's inline PTX
-    (kernels/attention/triton_backend.INT8_TO_FP16_PTX)."""
+    (kernels/attention/decode_common.INT8_TO_FP16_PTX)."""
     if KV_FORMAT == 2 and PTX_INT8:
         return gl.inline_asm_elementwise(INT8_TO_FP16_PTX, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
     return x.to(gl.float16)
@@ -198,7 +198,7 @@ def gluon_decode_kernel(
     heads = kv_head * GROUP + offs_g
     out_mask = (offs_g < GROUP)[None, :]
     l_out = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
-    if SPLIT:  # unnormalised partials in the engine's layout, for its _decode_reduce_kernel
+    if SPLIT:  # unnormalised partials in the engine's layout, for decode_common.merge_splits
         part = (seq * NUM_Q_HEADS + heads) * num_splits + split
         gl.store(part_m_ptr + part, gl.convert_layout(m_i, gl.SliceLayout(0, MMA)), mask=offs_g < GROUP)
         gl.store(part_l_ptr + part, l_out, mask=offs_g < GROUP)
@@ -248,12 +248,8 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q) if out is None else out
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
-    if num_splits > 1:
-        n = num_seqs * num_q_heads * num_splits
-        workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=q.device)
-        part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
-    else:
-        part_acc = part_m = part_l = out
+    partials = split_partials(num_seqs, num_q_heads, num_splits, head_dim, q.device) if num_splits > 1 else (out,) * 3
+    part_acc, part_m, part_l = partials
     order = meta.decode_order
     gluon_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
@@ -263,8 +259,5 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_Q_HEADS=num_q_heads, GROUP=group, SPLIT=num_splits > 1, HAS_ORDER=order is not None,
         KV_FORMAT=kv_format, PTX_INT8=not INTERPRET, num_warps=1)
     if num_splits > 1:
-        _decode_reduce_kernel[(num_q_heads, num_seqs)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4)
+        merge_splits(partials, out, num_splits, head_dim)
     return out

@@ -15,15 +15,13 @@ q . k = sum_d (q_d s_d) k_d), V's scales the accumulated output (per head, or pe
 """
 from __future__ import annotations
 
-import functools
-import types
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import fused_ops
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
+from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, merge_splits, split_partials
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
@@ -31,7 +29,10 @@ from kernels.attention.triton_kv_store import KV_PLAIN, check_last_dim_contiguou
 from kernels.kv_quant import QUANTIZED_DTYPES, KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
-LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
+try:
+    from kernels.attention import gluon_decode
+except ImportError:  # a Triton without Gluon: every decode takes the Triton kernel
+    gluon_decode = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,21 +84,6 @@ def _v_scaled(acc, v_scale_ptr, kv_head, offs_d, D: tl.constexpr, KV_FORMAT: tl.
     elif KV_FORMAT == 2:
         acc = acc * tl.load(v_scale_ptr + kv_head * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
     return acc
-
-
-# int8 x as fp16, exactly, four values per 32-bit register: x ^ 0x80 is x + 128 as a byte, which PRMT places
-# under 0x64, fp16 1024 + (x + 128), and a packed fp16 subtract of 1152 leaves x. One LOP3, two PRMT and two
-# HSUB2 per four values, where Triton's own conversion extracts and converts each byte. (Inputs: one register
-# of four int8; outputs: two of fp16 pairs; inline_asm_elementwise(..., "=r,=r,r", pack=4).)
-INT8_TO_FP16_PTX = tl.constexpr("""{
-    .reg .b32 t, c;
-    xor.b32 t, $2, 0x80808080;
-    prmt.b32 $0, t, 0x64646464, 0x4140;
-    prmt.b32 $1, t, 0x64646464, 0x4342;
-    mov.b32 c, 0x64806480;
-    sub.f16x2 $0, $0, c;
-    sub.f16x2 $1, $1, c;
-    }""")
 
 
 @triton.jit
@@ -310,31 +296,6 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
-    NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Merge the splits' partial softmaxes: rescale each to the global max, then normalise."""
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    part = (seq * NUM_Q_HEADS + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :],
-                  mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: keep exp2 finite
-    w = tl.math.exp2(m - m_max)
-    l_sum = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
-             mask=offs_d < D)
-
-
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
@@ -383,17 +344,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-@functools.cache
-def _gluon_decode() -> types.ModuleType | None:
-    """kernels/attention/gluon_decode, or None where this Triton has no Gluon. Imported on first use: it takes
-    this module's split reduction and int8 conversion."""
-    try:
-        from kernels.attention import gluon_decode
-    except ImportError:
-        return None
-    return gluon_decode
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                            num_splits: int | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
@@ -403,9 +353,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     num_splits only changes speed; None picks it from the batch size, the context and the SM count.
     """
-    gluon = _gluon_decode()
-    if meta.num_seqs and gluon is not None and gluon.gluon_decode_fits(q, k_cache):
-        return gluon.gluon_decode(q, k_cache, v_cache, meta, scale, kv_scales, num_splits=num_splits, out=out)
+    if meta.num_seqs and gluon_decode is not None and gluon_decode.gluon_decode_fits(q, k_cache):
+        return gluon_decode.gluon_decode(q, k_cache, v_cache, meta, scale, kv_scales, num_splits=num_splits, out=out)
     return triton_decode_attention(q, k_cache, v_cache, meta, scale, out=out, num_splits=num_splits,
                                    kv_scales=kv_scales)
 
@@ -429,13 +378,9 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = config or decode_config(block_d, q.dtype, kv_format)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
-    if num_splits > 1:
-        # One allocation for the partials: acc [B, H_q, splits, D], then max and sum [B, H_q, splits].
-        n = num_seqs * num_q_heads * num_splits
-        workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=q.device)
-        part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
-    else:
-        part_acc = part_m = part_l = out  # not touched when SPLIT is False
+    # the partials, or when SPLIT is False three pointers the kernel never touches
+    partials = split_partials(num_seqs, num_q_heads, num_splits, head_dim, q.device) if num_splits > 1 else (out,) * 3
+    part_acc, part_m, part_l = partials
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
         meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E, k_scale, v_scale,
@@ -449,11 +394,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_q_heads, num_seqs)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+        merge_splits(partials, out, num_splits, block_d)
     return out
 
 
