@@ -51,12 +51,15 @@ def _merge_splits_kernel(
              mask=offs_d < D)
 
 
-def split_partials(num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The splits' unnormalised partials in one allocation: acc [B, H_q, splits, D], then max and sum
-    [B, H_q, splits]."""
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The splits' unnormalised partials for out [B, H_q, D] in one allocation: acc [B, H_q, splits, D], then
+    max and sum [B, H_q, splits]. One split writes out directly: then the three are out, pointers the decode
+    kernels never touch when SPLIT is False."""
+    if num_splits == 1:
+        return out, out, out
+    num_seqs, num_q_heads, head_dim = out.shape
     n = num_seqs * num_q_heads * num_splits
-    workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=device)
+    workspace = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=out.device)
     part_acc, part_m, part_l = workspace.split([n * head_dim, n, n])
     return part_acc, part_m, part_l
 

@@ -248,7 +248,7 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q) if out is None else out
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
-    partials = split_partials(num_seqs, num_q_heads, num_splits, head_dim, q.device) if num_splits > 1 else (out,) * 3
+    partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     order = meta.decode_order
     gluon_decode_kernel[(num_kv_heads, num_seqs, num_splits)](

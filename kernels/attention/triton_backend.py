@@ -378,8 +378,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = config or decode_config(block_d, q.dtype, kv_format)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
-    # the partials, or when SPLIT is False three pointers the kernel never touches
-    partials = split_partials(num_seqs, num_q_heads, num_splits, head_dim, q.device) if num_splits > 1 else (out,) * 3
+    partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
