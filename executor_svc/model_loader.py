@@ -115,7 +115,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     continue  # recomputed from the config
                 if ckpt_name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # the LM head is embed_tokens' weight
-                name, shard_id = _our_name(ckpt_name, packed)
+                name, shard_id = model.checkpoint_param(ckpt_name) or _our_name(ckpt_name, packed)
                 if name not in params:
                     model_name = type(model).__name__
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {model_name}")
@@ -132,7 +132,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     missing = []
     for name, got in loaded.items():
         module_name = name.split(".")[-2] if "." in name else ""
-        if got != expected_shards.get(module_name, {None}):
+        # a parameter that stacks many checkpoint tensors (the experts) lists the sets that complete it
+        complete = getattr(params[name], "expected_shards", None) or [expected_shards.get(module_name, {None})]
+        if got not in complete:
             missing.append(name)
     if missing:
         raise ValueError(f"{len(missing)} parameters not (fully) loaded from {model_dir}: {missing[:8]}")
