@@ -5,7 +5,7 @@ the expert outputs are summed with the router's weights. On a GPU:
 
 1. route: softmax over the router logits and the top-k, renormalised when the model says so (one kernel);
 2. group: the (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
-   BLOCK_M, so that every M tile of the GEMMs belongs to one expert (torch ops of fixed shapes);
+   BLOCK_M, so that every M tile of the GEMMs belongs to one expert (three small kernels);
 3. gate/up GEMM with SiLU-and-mul fused into its epilogue: h[pair] = silu(x W_gate^T) * (x W_up^T);
 4. down GEMM whose epilogue scales each row by the pair's routing weight;
 5. the sum over a token's k rows (torch).
@@ -132,25 +132,65 @@ class ExpertGroups:
     num_pairs: int
 
 
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _plan_tiles_kernel(counts_ptr, cursor_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                       num_pairs, num_experts, capacity, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert,
+    the padded end, and the sorted list filled with the padding id."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, capacity, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sorted_pairs_ptr + offs, num_pairs, mask=offs < capacity)
+    for start in range(0, capacity // BLOCK_M, BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
+        ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < capacity // BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    # the order inside an expert's run is the atomics' order: a row's result does not depend on it
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+    tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
+
+
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
-    """Sort the pairs by expert and pad each expert's run to a multiple of block_m, in fixed shapes:
-    capacity = P + min(E, P) * (block_m - 1) covers the worst padding, rounded up to a tile."""
-    flat = ids.flatten().long()
+    """Sort the pairs by expert and pad each expert's run to a multiple of block_m: a count, a plan and a
+    scatter kernel, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
+    flat = ids.reshape(-1)
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices  # pairs by expert
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_pairs[(padded_end - padded)[sorted_experts] + rank] = order.to(torch.int32)
-    tile_starts = torch.arange(0, capacity, block_m, device=ids.device)
-    # past the last expert's run, the tile is empty; clamp its expert to a valid id anyway
-    block_expert = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts - 1)
-    return ExpertGroups(sorted_pairs, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32), num_pairs)
+    device = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block = 256
+    grid = (max(1, triton.cdiv(num_pairs, block)),)
+    _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    _plan_tiles_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
+                             capacity, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK=block)
+    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
+    return ExpertGroups(sorted_pairs, block_expert, num_padded, num_pairs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +203,7 @@ def _gate_up_silu_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -194,8 +234,8 @@ def _gate_up_silu_kernel(
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -212,7 +252,7 @@ def _down_weighted_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -239,7 +279,7 @@ def _down_weighted_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
@@ -288,6 +328,11 @@ def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k:
     return rows[-1][1], rows[-1][2]
 
 
+def _precision(x: torch.Tensor) -> str:
+    # fp32 models (the equivalence tests) multiply in full fp32, not the tensor cores' tf32
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int, int]:
     return groups.sorted_pairs.numel() // tile.block_m, triton.cdiv(cols, tile.block_n)
 
@@ -300,7 +345,7 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k
         x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
 
 
@@ -313,7 +358,7 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
         h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
-        UPCAST=INTERPRET, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        UPCAST=INTERPRET, PRECISION=_precision(h), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
@@ -323,12 +368,12 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
-    weights, ids = route(router_logits, top_k, renormalize)
     if num_tokens == 0:
         return torch.zeros_like(x)
+    weights, ids = route(router_logits, top_k, renormalize)
     groups = group_by_expert(ids, num_experts, up_tile.block_m)
     h = gate_up_silu(x, w13, groups, top_k, up_tile)
     if down_tile.block_m != up_tile.block_m:
         groups = group_by_expert(ids, num_experts, down_tile.block_m)
     y = down_weighted(h, w2, weights.view(-1), groups, down_tile)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

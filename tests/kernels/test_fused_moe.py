@@ -130,7 +130,7 @@ def test_gate_up_and_down_may_use_different_m_tiles():
 def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
-    rows = slice(0, min(num_tokens, 64))  # the float64 reference is slow: check some rows
+    rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
     assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
 
 
