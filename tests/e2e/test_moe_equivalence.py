@@ -25,7 +25,7 @@ TP_NEW_TOKENS = 40
 
 def moe_prompts() -> list[list[int]]:
     rng = random.Random(29)
-    return [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(12)]
+    return [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(8)]
 
 
 @pytest.fixture(scope="module", params=KINDS)
