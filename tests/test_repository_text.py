@@ -12,8 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A session as a unit of time or authorship: numbered ("session 4", "sessions 1 and 2", "session-4 tree")
-# or pointed at ("this session", "the previous session").
+# A session as a unit of time or authorship: numbered (the word, then a number, with a space, a hyphen or
+# none) or pointed at (the word after this, that, earlier, previous, next, last, same, current); the test
+# below spells out the examples.
 SESSION_AS_TIME = re.compile(
     r"\bsessions? ?\d+|\bsession-\d|\b(?:this|that|earlier|previous|next|last|same|current) sessions?\b",
     re.IGNORECASE)
