@@ -140,26 +140,22 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + expert, 1, mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "capacity"])
-def _plan_tiles_kernel(counts_ptr, cursor_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-                       num_pairs, num_experts, capacity, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert,
-    the padded end, and the sorted list filled with the padding id."""
+@triton.jit(do_not_specialize=["num_tiles"])
+def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert
+    and the padded end."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, capacity, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(sorted_pairs_ptr + offs, num_pairs, mask=offs < capacity)
-    for start in range(0, capacity // BLOCK_M, BLOCK):
+    for start in range(0, num_tiles, BLOCK):
         tile = start + tl.arange(0, BLOCK)
         # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
         ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < capacity // BLOCK_M)
+        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < num_tiles)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -174,21 +170,22 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.
 
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
     """Sort the pairs by expert and pad each expert's run to a multiple of block_m: a count, a plan and a
-    scatter kernel, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
+    scatter kernel after two fills, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     device = ids.device
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)  # padding rows
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block = 256
     grid = (max(1, triton.cdiv(num_pairs, block)),)
     _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
-    _plan_tiles_kernel[(1,)](counts, cursor, sorted_pairs, block_expert, num_padded, num_pairs, num_experts,
-                             capacity, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK=block)
+    block_e = triton.next_power_of_2(num_experts)
+    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, num_experts, capacity // block_m,
+                             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e))
     _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
     return ExpertGroups(sorted_pairs, block_expert, num_padded, num_pairs)
 
