@@ -1,6 +1,7 @@
 """Mixture-of-experts models end to end through the real scheduler and executor processes: greedy tokens
 of tiny random Qwen3-MoE (a dense layer mixed in) and Mixtral checkpoints equal HF transformers (fp32, same
-weights), plainly, under forced preemption (recompute, with chunked prefill; swap), and at -tp 2 on gloo through
+weights), plainly, under forced preemption (recompute, with chunked prefill; swap), with prefix cache hits, and at
+-tp 2 on gloo through
 gRPC. The routers spread the tokens over every expert (checked on HF's own routing), so a wrong expert index
 cannot pass."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from support.grpc_server import wait_serving
 from support.hf_reference import _load, assert_greedy_matches, hf_greedy
 from support.roles import start_serve
 from support.tiny_checkpoints import tiny_checkpoint
+from scheduler_svc.entrypoints.llm import LLM
 from test_engine_equivalence import GREEDY, NEW_TOKENS, run_engine
 
 KINDS = ["qwen3_moe", "mixtral"]
@@ -128,3 +130,16 @@ def test_moe_at_two_tensor_parallel_ranks_through_grpc_equals_transformers(tmp_p
         assert server.stop() == 0, server.log()[-3000:]
     assert_greedy_matches(outs, ref)
     assert preemptions > 0, "the pool was meant to be too small"
+
+
+def test_moe_equals_transformers_with_prefix_cache_hits(tmp_path_factory):
+    path = tiny_checkpoint("qwen3_moe", tmp_path_factory)
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]  # two full blocks of 16 shared
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randint(1, 20))] for _ in range(4)]
+    ref = hf_greedy(path, prompts, NEW_TOKENS)
+    with LLM(path) as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(r.num_cached_tokens == 32 for r in rest), [r.num_cached_tokens for r in rest]
+    assert_greedy_matches([r.outputs[0] for r in first + rest], ref)
