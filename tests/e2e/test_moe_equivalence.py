@@ -1,9 +1,8 @@
 """Mixture-of-experts models end to end through the real scheduler and executor processes: greedy tokens
 of tiny random Qwen3-MoE (a dense layer mixed in) and Mixtral checkpoints equal HF transformers (fp32, same
-weights), plainly, under forced preemption (recompute, with chunked prefill; swap), with prefix cache hits, and at
--tp 2 on gloo through
-gRPC. The routers spread the tokens over every expert (checked on HF's own routing), so a wrong expert index
-cannot pass."""
+weights), plainly, under forced preemption (recompute, with chunked prefill; swap), with prefix cache hits,
+and at -tp 2 on gloo through gRPC. The routers spread the tokens over every expert (checked on HF's own
+routing), so a wrong expert index cannot pass."""
 from __future__ import annotations
 
 import random
