@@ -300,8 +300,20 @@ class MoeTile:
 
 
 # (experts, hidden, intermediate per rank, top_k) -> [(most tokens, gate/up tile, down tile), ...] ascending;
-# a step of more tokens than the last row uses the last row. Filled from the sweep's table.
-MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] = {}
+# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep`
+# (each GEMM timed alone at that token count; H200, 2026-12-03, 42a6317).
+MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] = {
+    (128, 2048, 768, 8): [  # Qwen3-30B-A3B at one rank
+        (1, MoeTile(16, 32, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
+        (16, MoeTile(16, 32, 128, 4, 4), MoeTile(16, 64, 128, 4, 4)),
+        (64, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 128, 128, 4, 3)),
+        (128, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
+        (256, MoeTile(32, 64, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
+        (512, MoeTile(64, 64, 64, 4, 4), MoeTile(64, 128, 64, 8, 4)),
+        (2048, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+        (16384, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+    ],
+}
 
 
 def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTile, MoeTile]:
