@@ -41,6 +41,7 @@ def _inputs(torch, device, shape: dict, num_tokens: int, seed: int):
 def layer_table(bench, tiny: bool) -> list[dict]:
     """The layer at decode batch 1, 16, 64, 256 (graph replay) and a 2k-token prefill."""
     from kernels import fused_moe as fm
+    from kernels import moe_reference
 
     torch = bench.torch
     shape = TINY_SHAPE if tiny else SHAPE
@@ -60,7 +61,7 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         nbytes = hit * 3 * i * h * 2 + 2 * num_tokens * h * 2 + e * h * 2
         flops = 2 * num_tokens * k * 3 * i * h
         us = bench.time_us(run, graph=cuda and num_tokens <= 256)
-        ref_fn = lambda: fm.fused_moe_ref(x, logits, w13, w2, k, True)  # noqa: E731
+        ref_fn = lambda: moe_reference.fused_moe_ref(x, logits, w13, w2, k, True)  # noqa: E731
         ref = ref_fn().float()
         err = ((run().float() - ref).norm() / ref.norm()).item()
         torch_us = bench.time_us(ref_fn)

@@ -19,54 +19,18 @@ Weight layout (stacked at load time from the per-expert checkpoint tensors):
   w2  [E, H, I]:     expert e's down_proj.
 Under tensor parallelism I is this rank's slice of every expert.
 
-Under TRITON_INTERPRET=1 the loads are upcast to fp32 (the interpreter computes bf16 wrongly).
+Under TRITON_INTERPRET=1 the loads are upcast to fp32 (the interpreter computes bf16 wrongly). The torch
+reference of the whole block (the CPU path) is kernels/moe_reference.py, which needs no Triton.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.triton_runtime import INTERPRET
-
-
-# ---------------------------------------------------------------------------------------------
-# torch reference (the CPU path, and what the kernels are tested against)
-# ---------------------------------------------------------------------------------------------
-
-
-def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64): softmax in fp32, top-k, optionally renormalised."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], one expert at a time,
-    rounding where HF's eager experts round (each projection's output and the activation in x's dtype)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w13.shape[1] // 2
-    for e in ids.unique().tolist():
-        token, slot = torch.nonzero(ids == e, as_tuple=True)
-        gate_up = F.linear(x[token], w13[e])
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w2[e])
-        out.index_add_(0, token, y.float() * weights[token, slot, None].float())
-    return out.to(x.dtype)
-
-
-def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                  renormalize: bool) -> torch.Tensor:
-    """The whole block in torch: route, then the experts' weighted sum. [T, H] in x's dtype."""
-    weights, ids = route_ref(router_logits, top_k, renormalize)
-    return experts_ref(x, w13, w2, weights.to(x.dtype), ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ gate/up (column) and down (row) projections are split: each rank computes a part
 token's output from its slice, and one all-reduce after the block completes it. The router is
 replicated, so every rank picks the same experts.
 
-On CUDA the block is kernels/fused_moe.fused_moe; elsewhere its torch reference.
+On CUDA the block is kernels/fused_moe.fused_moe; elsewhere its torch reference, kernels/moe_reference.py.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.layers.parallel import all_reduce, shard_size, tp_rank
+
+from kernels.moe_reference import fused_moe_ref
 
 try:
     from kernels import fused_moe as moe_kernels
@@ -45,15 +47,8 @@ class FusedMoE(nn.Module):
         if moe_kernels is not None and x.is_cuda:
             out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize)
         else:
-            out = experts_forward_ref(x, logits, w13, w2, self.top_k, self.renormalize)
+            out = fused_moe_ref(x, logits, w13, w2, self.top_k, self.renormalize)
         return all_reduce(out)
-
-
-def experts_forward_ref(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
-    """The torch path (kernels.fused_moe's reference, without importing Triton where it is missing)."""
-    if moe_kernels is not None:
-        return moe_kernels.fused_moe_ref(x, logits, w13, w2, top_k, renormalize)
-    raise RuntimeError("the MoE layer needs the kernels package (triton) importable for its torch reference")
 
 
 class Router(nn.Module):
