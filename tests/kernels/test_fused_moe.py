@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernels import moe_reference
 from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
                                        interpreter, needs_cuda)
@@ -81,19 +83,27 @@ def test_routing_matches_softmax_top_k(renormalize):
 
 
 @interpreter
-def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert():
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, 6, (23, 2), generator=gen, dtype=torch.int32)
-    ids[:, 0] = torch.where(ids[:, 0] == 4, 5, ids[:, 0])  # expert 4: rarely, or never, chosen
-    ids[:, 1] = torch.where(ids[:, 1] == 4, 0, ids[:, 1])
-    groups = fm.group_by_expert(ids, 6, 8)
-    pairs = groups.sorted_pairs.tolist()
-    end = int(groups.num_padded)
-    assert end % 8 == 0 and all(p == 46 for p in pairs[end:]), "padding after the last run"
-    real = [(i, p) for i, p in enumerate(pairs) if p < 46]
-    assert sorted(p for _, p in real) == list(range(46)), "each pair exactly once"
+@settings(max_examples=12, deadline=None)
+@given(num_experts=st.integers(1, 12), top_k=st.integers(1, 3), num_tokens=st.integers(1, 40),
+       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed):
+    """Whatever the routing (experts with no token included): every (token, slot) pair sits exactly once in
+    the sorted list, inside a tile of its own expert; each expert's run is padded to the tile; the rows past
+    the padded end, and the padding rows, hold the padding id."""
+    top_k = min(top_k, num_experts)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    ids = torch.where(ids == num_experts // 2, 0, ids).to(torch.int32)  # often leave one expert without a token
+    groups = fm.group_by_expert(ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    assert end == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert len(pairs) >= end and all(p == num_pairs for p in pairs[end:])
+    real = [(i, p) for i, p in enumerate(pairs) if p < num_pairs]
+    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once"
     for i, p in real:
-        assert groups.block_expert[i // 8] == ids.flatten()[p], f"pair {p} in a tile of another expert"
+        assert groups.block_expert[i // block_m] == ids.flatten()[p], f"pair {p} in a tile of another expert"
 
 
 @interpreter
