@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.layers.parallel import all_reduce, shard_size, tp_rank
-
 from kernels.moe_reference import fused_moe_ref
 
 try:
