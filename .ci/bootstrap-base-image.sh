@@ -10,7 +10,8 @@ engine=$1 tag=$2
 
 command -v mmdebstrap >/dev/null || {
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq mmdebstrap >/dev/null
 }
 . /etc/os-release
 suite=${VERSION_CODENAME:?this host names no release codename in /etc/os-release}

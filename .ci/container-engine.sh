@@ -22,7 +22,7 @@ install_podman() {
     local sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq
     # shellcheck disable=SC2086
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $PODMAN_PACKAGES >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $PODMAN_PACKAGES >/dev/null
 }
 
 write_containers_conf() {

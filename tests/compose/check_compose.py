@@ -38,6 +38,7 @@ from support.reflection_client import DynamicClient  # noqa: E402
 from support.streams import ConcurrentStreams  # noqa: E402
 
 PROJECT = "nanoserve-compose-test"
+IMAGE = "nanoserve:latest"  # what `make image` tags and compose.yaml runs by default
 ROLES = ("scheduler", "executor", "frontend")
 ZMQ_PORTS = {5559, 5560}  # compose.yaml's scheduler sockets: never published
 SERVICE = "nanoserve.v1.Generation"
@@ -98,7 +99,10 @@ class Engine:
         self.compose_cmd = shlex.split(compose)
         self.grpc_port, self.metrics_port = free_port(), free_port()
         model = default_model_dir()
-        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT,
+        # The settings are this check's own: none comes from the caller's environment.
+        inherited = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("COMPOSE_", "NANOSERVE_")) and k not in ("GPU", "IMAGE", "BASE_IMAGE")}
+        self.env = {**inherited, "COMPOSE_PROJECT_NAME": PROJECT, "IMAGE": IMAGE,
                     "NANOSERVE_MODELS": os.path.dirname(model), "NANOSERVE_MODEL": os.path.basename(model),
                     "NANOSERVE_ENGINE_ARGS": ENGINE_ARGS, "NANOSERVE_GRPC_PORT": str(self.grpc_port),
                     "NANOSERVE_METRICS_PORT": str(self.metrics_port)}
@@ -232,7 +236,12 @@ def main() -> int:
     with phase("engine"):
         engine = Engine()
     with phase("image"):
-        sh([".ci/build-image.sh"], timeout=1800, env=engine.env)
+        built = sh([".ci/build-image.sh"], timeout=1800, env=engine.env)
+        log("\n".join("   " + line[3:] for line in built.splitlines() if line.startswith("== ")))
+        # The roles run as a non-root user, and a CPU image carries no C compiler.
+        inside = engine.run("run", "--rm", "--entrypoint", "sh", IMAGE, "-c",
+                            "id -u; command -v cc gcc c99 || echo no-compiler").split()
+        assert inside == [inside[0], "no-compiler"] and inside[0] != "0", inside
     failed = True
     try:
         with phase("up"):
