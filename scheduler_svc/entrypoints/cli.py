@@ -146,15 +146,9 @@ def _cmd_scheduler(argv: list[str]) -> int:
 ENGINE_COMMANDS = ("executor", "scheduler", "serve", "generate")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ENGINE_COMMANDS:  # flags on the command line come last: they win
-        argv = [argv[0], *engine_args_from_env(), *argv[1:]]
-    # roles that parse their own flags
-    if argv and argv[0] == "executor":
-        return _cmd_executor(argv[1:])
-    if argv and argv[0] == "scheduler":
-        return _cmd_scheduler(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The `nanoserve` parser with its generate, serve, frontend, client subcommands (the scheduler and the
+    executor parse their own flags); torch-free, so the README's flag tables are checked against it."""
     parser = argparse.ArgumentParser("nanoserve", description="nanoserve: an LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation for prompts")
@@ -184,6 +178,19 @@ def main(argv: list[str] | None = None) -> int:
                                                 "listen or are connected to"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ENGINE_COMMANDS:  # flags on the command line come last: they win
+        argv = [argv[0], *engine_args_from_env(), *argv[1:]]
+    # roles that parse their own flags
+    if argv and argv[0] == "executor":
+        return _cmd_executor(argv[1:])
+    if argv and argv[0] == "scheduler":
+        return _cmd_scheduler(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)
