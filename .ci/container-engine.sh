@@ -65,16 +65,22 @@ pick_engine() {
 pick_compose() {
     if [ "$ENGINE" = docker ] && docker compose version >/dev/null 2>&1; then
         COMPOSE="docker compose"
-    elif [ "$ENGINE" = podman ]; then
+        export COMPOSE
+        return
+    fi
+    if [ "$ENGINE" = docker ]; then  # a docker without the compose plugin: podman and podman-compose instead
+        echo "== docker has no compose plugin (docker compose v2): using podman"
+        command -v podman >/dev/null || install_podman
+        ENGINE=podman
+        pick_engine
+    fi
+    if [ "$ENGINE" = podman ]; then
         local py="${PY:-python3}"
         if ! "$py" -c "import importlib.metadata as m; assert m.version('podman-compose') == '$PODMAN_COMPOSE_VERSION'" 2>/dev/null; then
             echo "== installing podman-compose $PODMAN_COMPOSE_VERSION"
             "$py" -m pip install -q "podman-compose==$PODMAN_COMPOSE_VERSION"
         fi
         COMPOSE="$py -m podman_compose"
-    else
-        echo "docker has no compose plugin (docker compose v2): install docker-compose-plugin" >&2
-        return 1
     fi
     export COMPOSE
 }

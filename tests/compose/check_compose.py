@@ -102,7 +102,7 @@ class Engine:
         # The settings are this check's own: none comes from the caller's environment.
         inherited = {k: v for k, v in os.environ.items()
                      if not k.startswith(("COMPOSE_", "NANOSERVE_")) and k not in ("GPU", "IMAGE", "BASE_IMAGE")}
-        self.env = {**inherited, "COMPOSE_PROJECT_NAME": PROJECT, "IMAGE": IMAGE,
+        self.env = {**inherited, "ENGINE": self.name, "COMPOSE_PROJECT_NAME": PROJECT, "IMAGE": IMAGE,
                     "NANOSERVE_MODELS": os.path.dirname(model), "NANOSERVE_MODEL": os.path.basename(model),
                     "NANOSERVE_ENGINE_ARGS": ENGINE_ARGS, "NANOSERVE_GRPC_PORT": str(self.grpc_port),
                     "NANOSERVE_METRICS_PORT": str(self.metrics_port)}
@@ -119,8 +119,10 @@ class Engine:
 
     def containers(self) -> dict[str, str]:
         """service -> container id, for the project's containers, running or not."""
-        out = self.run("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "--format",
-                       '{{.ID}} {{index .Labels "com.docker.compose.service"}}')
+        ids = self.run("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}").split()
+        if not ids:
+            return {}
+        out = self.run("inspect", "--format", '{{.Id}} {{index .Config.Labels "com.docker.compose.service"}}', *ids)
         return {service: cid for cid, service in (line.split() for line in out.splitlines() if line.strip())}
 
     def state(self, service: str) -> dict:

@@ -302,10 +302,9 @@ def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose,
     # The `models` volume, as the container sees it: /models/<name> holds the model.
     volume = tmp_path / "models"
     volume.mkdir()
-    name = os.path.basename(compose["services"]["executor"]["environment"]["NANOSERVE_MODEL_DIR"])
-    os.symlink(model, volume / name)
-    tr = Translate(compose, str(volume))
     environments = {role: resolved()[role]["environment"] for role in ROLES}
+    os.symlink(model, volume / os.path.basename(environments["executor"]["NANOSERVE_MODEL_DIR"]))
+    tr = Translate(compose, str(volume))
 
     procs, logs = {}, {}
     try:
