@@ -26,12 +26,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
 RUN python3 -m venv /opt/venv
 
 # ------------------------------------------------------------------ torch: one of three stages, by TORCH
+# CPU images drop torch's own tests and its C++ headers (nothing compiles there).
 FROM python AS torch-cpu
 ARG TORCH_VERSION=2.13.0
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
  && rm -rf /opt/venv/lib/python3*/site-packages/torch/test /opt/venv/lib/python3*/site-packages/torch/include
 
-# CPU images drop torch's own tests and its C++ headers (nothing compiles there).
 # The host resolved a CPU wheel for this image's Python (its pip may take it from a local mirror);
 # torch's own dependencies come from PyPI.
 FROM python AS torch-wheel
