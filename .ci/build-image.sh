@@ -22,6 +22,7 @@ else
     . /etc/os-release
     local_base="localhost/nanoserve-base:${VERSION_CODENAME:-local}"
     echo "== $base cannot be pulled: bootstrapping $local_base from this host's apt sources"
+    # Made once per host and kept: remove it to take new packages or certificates.
     "$ENGINE" image inspect "$local_base" >/dev/null 2>&1 || .ci/bootstrap-base-image.sh "$ENGINE" "$local_base"
     base=$local_base
 fi
