@@ -14,9 +14,8 @@ Two GEMMs, chosen per shape by kernels/fp8_gemm_dispatch.py:
   block weights scale each group's partial product (BLOCK_K = group_k) as it joins the accumulator.
 
 Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
-the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run in the
-interpreter (TRITON_INTERPRET=1), which cannot dot fp8 operands: there they are converted to fp32
-after the load (UPCAST), the products are the same.
+the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
+in Triton 3.6's interpreter (TRITON_INTERPRET=1), which dots float8 operands in fp32.
 """
 from __future__ import annotations
 
@@ -78,7 +77,7 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr,
     m, n, k, num_groups, stride_am, stride_wn, stride_cm,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # programs ordered in GROUP_M-row bands, so that neighbours share W's tiles in L2
@@ -102,8 +101,6 @@ def _fp8_gemm_kernel(
         k_mask = ks < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
         if GROUPED:  # one K tile is one scale group
             a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
             w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
@@ -150,7 +147,7 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     _fp8_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else out, out,
         m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
-        GROUPED=grouped, HAS_BIAS=bias is not None, UPCAST=INTERPRET,
+        GROUPED=grouped, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
     )
     return out

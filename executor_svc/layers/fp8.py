@@ -137,9 +137,8 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
                              f"columns; the GEMM needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
-    where = "dequantized on the CPU" if device.type != "cuda" else "FP8 GEMMs"
-    log.info("fp8 weights (%s): %d linear layers, %s%s", quant.describe(), count, where,
-             "" if quant.from_checkpoint else ", quantized at load from the checkpoint's weights")
+    where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
+    log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
     return count
 
 
