@@ -89,7 +89,7 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
     out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.bfloat16, bias.bfloat16())
     assert_close_to_float64(out, ref, rel=1e-2)  # bf16's rounding of the output
     assert_close_to_float64(fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias), ref,
-                            rel=1e-5)
+                            rel=1e-4)  # fp32 out: the accumulation alone
     if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise scales: channel weights
         out = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
         assert_close_to_float64(out, ref, rel=1e-2)
