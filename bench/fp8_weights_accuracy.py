@@ -12,7 +12,9 @@ greedy exact-match length. Variants:
   per token to e4m3 and back before the product;
 - 128x128 blocks (CPU): the weights quantized per 128 x 128 block as an FP8 checkpoint ships them,
   activations per token and 128 columns, emulated;
-- each of those with --kv-cache-dtype fp8 as well (where marked).
+- each of those with --kv-cache-dtype fp8 as well (where marked);
+- --study (CPU): weights rounded through other formats (bf16, int8 per channel, e4m3 per 1 x 32 group) and
+  e4m3 per channel on one layer kind at a time, activations untouched: what limits FP8 weights here.
 
 Targets (issue 30): top-1 >= 97%, mean KL <= 0.02 nats.
 
@@ -69,6 +71,38 @@ def quantize_weights_in_blocks(runner: ModelRunner, block=(128, 128)) -> None:
         layer.weight.data.copy_(dequantize_blocks(q, scale, block))
 
 
+@torch.no_grad()
+def round_weights(runner: ModelRunner, fmt: str, only: str = "") -> None:
+    """Emulated weight formats for the study (--study): each Linear weight (or only those whose name has
+    `only`) rounded through `fmt` and back; activations untouched."""
+    for name, layer in linear_layers(runner.model):
+        if only not in name:
+            continue
+        w = layer.weight.data.float()
+        if fmt == "e4m3-channel":
+            q, scale = quantize_rows_ref(w, w.shape[1])
+            w = q.float() * scale
+        elif fmt == "e4m3-1x32":
+            q, scale = quantize_rows_ref(w, 32)
+            w = q.float() * scale.repeat_interleave(32, 1)[:, : w.shape[1]]
+        elif fmt == "int8-channel":
+            scale = w.abs().amax(1, keepdim=True) / 127
+            w = (w / scale).round().clamp(-127, 127) * scale
+        elif fmt == "bf16":
+            w = w.bfloat16().float()
+        layer.weight.data.copy_(w.to(layer.weight.dtype))
+
+
+STUDY = {  # name -> (format, which layers): what limits FP8 weights on this model
+    "bf16 weights (rounding floor)": ("bf16", ""),
+    "int8 per-channel weights": ("int8-channel", ""),
+    "e4m3 per 1x32 group weights": ("e4m3-1x32", ""),
+    "e4m3 per-channel, qkv_proj only": ("e4m3-channel", "qkv_proj"),
+    "e4m3 per-channel, o_proj only": ("e4m3-channel", "o_proj"),
+    "e4m3 per-channel, gate_up only": ("e4m3-channel", "gate_up_proj"),
+    "e4m3 per-channel, down_proj only": ("e4m3-channel", "down_proj"),
+}
+
 VARIANTS = {  # name -> (--quantization, --kv-cache-dtype, emulation applied to the runner, CPU only)
     "fp8 weights": ("fp8", "auto", None, False),
     "fp8 weights + fp8 KV": ("fp8", "fp8", None, False),
@@ -77,6 +111,9 @@ VARIANTS = {  # name -> (--quantization, --kv-cache-dtype, emulation applied to 
     "128x128 blocks + 1x128 acts": (None, "auto", lambda r: (quantize_weights_in_blocks(r),
                                                              quantize_activations(r, 128)), True),
 }
+VARIANTS |= {name: (None, "auto", lambda r, f=fmt, o=only: round_weights(r, f, o), True)
+             for name, (fmt, only) in STUDY.items()}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in STUDY]
 
 
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, batch: int, variants: list[str],
@@ -128,14 +165,16 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=None, help="prompts per forward (default: all on GPU, 4 on CPU)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    p.add_argument("--study", action="store_true",
+                   help="instead, emulated weight formats and one layer kind at a time (CPU): what limits FP8 here")
     p.add_argument("--out", default="bench/results/fp8_weights_accuracy.json")
     args = p.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens, batch,
-                     args.variants)
+                     list(STUDY) if args.study else args.variants)
     print_table(result)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
