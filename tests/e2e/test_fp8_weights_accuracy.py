@@ -15,8 +15,9 @@ from bench.fp8_weights_accuracy import measure
 pytestmark = pytest.mark.slow
 
 # bench/fp8_weights_accuracy.py --device cpu --num-prompts 8 --new-tokens 16 --batch 8 --variants "fp8 weights"
-FLOOR_SOURCE = {"top1": None, "mean_kl": None}
-TOP1_FLOOR, MEAN_KL_CEILING = None, None
+# measured 2026-12-03 on 2 CPU cores: top-1 117 / 128 (91.41%), mean KL 0.0194 (p99 0.151)
+FLOOR_SOURCE = {"top1": 117 / 128, "mean_kl": 0.0194}
+TOP1_FLOOR, MEAN_KL_CEILING = 114 / 128, 0.025  # three more misses, 30% more KL (another CPU's BLAS rounds otherwise)
 
 
 def test_fp8_weights_keep_top1_and_kl_against_fp32_weights_within_the_measured_floor(embedded_model):
