@@ -24,7 +24,6 @@ Targets (issue 30): top-1 >= 97%, mean KL <= 0.02 nats.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.kv_fp8_accuracy import agreement, chat_prompts, exact_match, greedy, teacher_forced_logprobs  # noqa: E402
+from bench.kv_fp8_accuracy import (add_accuracy_args, agreement, chat_prompts, greedy,  # noqa: E402
+                                   greedy_match, prompts_per_forward, teacher_forced_logprobs, write_result)
 from executor_svc.layers.fp8 import linear_layers  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
 from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_rows_ref  # noqa: E402
@@ -138,8 +138,7 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, batc
         test = torch.cat([teacher_forced_logprobs(runner, b, t) for b, t in zip(batches, trajectories)])
         row = {"variant": name, "weight_format": runner.facts.weight_format, **agreement(ref, test)}
         if exact_match_len:
-            outs = [o for b in batches for o in greedy(runner, b, new_tokens)]
-            row |= exact_match([t for ts in trajectories for t in ts], outs)
+            row |= greedy_match(runner, batches, trajectories, new_tokens)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         del runner
@@ -160,26 +159,17 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="checkpoint directory (default: the embedded SmolLM2)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=None, help="prompts per forward (default: all on GPU, 4 on CPU)")
+    add_accuracy_args(p)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     p.add_argument("--study", action="store_true",
                    help="instead, emulated weight formats and one layer kind at a time (CPU): what limits FP8 here")
     p.add_argument("--out", default="bench/results/fp8_weights_accuracy.json")
     args = p.parse_args()
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
+    batch = prompts_per_forward(args)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens, batch,
                      list(STUDY) if args.study else args.variants)
     print_table(result)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
+from executor_svc.layers.parallel import tp_rank, tp_size
 from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel
 from kernels.kv_quant import FP8_DTYPE
 from scheduler_svc.common.weight_quantization import WeightQuantization
@@ -30,8 +32,6 @@ MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
-
     return [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
@@ -58,9 +58,6 @@ def prepare_checkpoint_layers(model: nn.Module, quant: WeightQuantization) -> in
 
 
 def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
-    from executor_svc.layers.linear import RowParallelLinear
-    from executor_svc.layers.parallel import tp_rank, tp_size
-
     n, k = layer.weight.shape
     row_parallel = isinstance(layer, RowParallelLinear)
     device = layer.weight.device
@@ -103,8 +100,6 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
 
 def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
     """The checkpoint rows of one piece of a (fused) column-parallel layer, over all ranks."""
-    from executor_svc.layers.parallel import tp_size
-
     if not shard_id:
         return layer.weight.shape[0] * tp_size()
     sid = shard_id[0]
@@ -141,9 +136,3 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
     return count
 
-
-def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T (+ bias) through the FP8 GEMM."""
-    from kernels.fp8_gemm import fp8_linear
-
-    return fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias)

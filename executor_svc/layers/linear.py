@@ -8,15 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.layers.fp8 import fp8_forward
 from executor_svc.layers.parallel import all_reduce, shard_size, tp_rank, tp_size
 from kernels.kv_quant import FP8_DTYPE
+
+try:
+    from kernels import fp8_gemm
+except ImportError:  # no Triton: FP8 weights are dequantized at load (CPU)
+    fp8_gemm = None
 
 
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias; an FP8 weight (executor_svc/layers/fp8.py) goes through the FP8 GEMM."""
     if layer.weight.dtype == FP8_DTYPE:
-        return fp8_forward(layer, x, bias)
+        return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias)
     return F.linear(x, layer.weight, bias)
 
 

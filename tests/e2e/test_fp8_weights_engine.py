@@ -11,10 +11,9 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from support.fp8_checkpoints import write_fp8_checkpoints
+from support.fp8_checkpoints import tiny_fp8_checkpoints
 from support.grpc_server import start_server
 from support.hf_reference import assert_greedy_matches, hf_greedy
-from support.tiny_checkpoints import make_tiny_llama
 
 from protos import generation_pb2 as pb
 from scheduler_svc.entrypoints.llm import LLM
@@ -25,12 +24,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("fp8_engine")
-    make_tiny_llama(str(root / "plain"), hidden_size=192, intermediate_size=320, num_attention_heads=4,
-                    num_key_value_heads=2)
-    for scheme in ("block", "channel"):
-        write_fp8_checkpoints(str(root / "plain"), str(root / scheme), str(root / f"{scheme}_dequantized"), scheme)
-    return str(root)
+    return tiny_fp8_checkpoints(str(tmp_path_factory.mktemp("fp8_engine")))
 
 
 @pytest.fixture(scope="module")

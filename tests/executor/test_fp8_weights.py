@@ -14,8 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.fp8_checkpoints import write_fp8_checkpoints
-from support.tiny_checkpoints import make_tiny_llama
+from support.fp8_checkpoints import tiny_fp8_checkpoints
 from torch import nn
 
 from executor_svc.layers import fp8, linear, parallel
@@ -32,12 +31,7 @@ CPU = torch.device("cpu")
 def checkpoints(tmp_path_factory) -> str:
     """A tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows),
     and its FP8 versions (block and channel) with their dequantized twins."""
-    root = tmp_path_factory.mktemp("fp8_weights")
-    make_tiny_llama(str(root / "plain"), hidden_size=192, intermediate_size=320, num_attention_heads=4,
-                    num_key_value_heads=2)
-    for scheme in ("block", "channel"):
-        write_fp8_checkpoints(str(root / "plain"), str(root / scheme), str(root / f"{scheme}_dequantized"), scheme)
-    return str(root)
+    return tiny_fp8_checkpoints(str(tmp_path_factory.mktemp("fp8_weights")))
 
 
 def load(path: str, **kwargs):
@@ -100,7 +94,8 @@ def test_quantization_fp8_quantizes_a_plain_checkpoint_per_output_channel_and_sa
 @contextmanager
 def as_rank(rank: int, size: int):
     with mock.patch.multiple(parallel, tp_rank=lambda: rank, tp_size=lambda: size), \
-         mock.patch.multiple(linear, tp_rank=lambda: rank, tp_size=lambda: size):
+         mock.patch.multiple(linear, tp_rank=lambda: rank, tp_size=lambda: size), \
+         mock.patch.multiple(fp8, tp_rank=lambda: rank, tp_size=lambda: size):
         yield
 
 

@@ -66,6 +66,19 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
         json.dump(config, f, indent=2)
 
 
+def tiny_fp8_checkpoints(root: str) -> str:
+    """Under root: a tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v
+    96 rows) in `plain`, its FP8 versions in `block` and `channel`, and their dequantized twins in
+    `block_dequantized` and `channel_dequantized`. Returns root."""
+    from support.tiny_checkpoints import make_tiny_llama
+
+    plain = os.path.join(root, "plain")
+    make_tiny_llama(plain, hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)
+    for scheme in ("block", "channel"):
+        write_fp8_checkpoints(plain, os.path.join(root, scheme), os.path.join(root, f"{scheme}_dequantized"), scheme)
+    return root
+
+
 def _quantization_config(scheme: str) -> dict:
     if scheme == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
