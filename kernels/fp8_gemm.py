@@ -23,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton_kv_store import quantize_fp8
+from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
 from kernels.fp8_quant import MIN_SCALE
-from kernels.kv_quant import FP8_DTYPE, FP8_MAX
+from kernels.kv_quant import FP8_DTYPE
 from kernels.triton_runtime import INTERPRET
+
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 # ---------------------------------------------------------------------------------------------
 # Activation quantization: a scale per row (token) and group of columns
@@ -44,7 +46,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_group
         mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, _MIN_SCALE)
     tl.store(scale_ptr + row * num_groups + g, scale)
     for off in range(0, group, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
