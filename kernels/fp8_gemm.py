@@ -12,6 +12,9 @@ Two GEMMs, chosen per shape by kernels/fp8_gemm_dispatch.py:
 - `torch._scaled_mm` with row-wise scales (per token x per channel; channel weights only);
 - `_fp8_gemm_kernel`, Triton: channel weights accumulate over all of K and scale once in the epilogue;
   block weights scale each group's partial product (BLOCK_K = group_k) as it joins the accumulator.
+  Either way the fp32 accumulator takes each K tile's product (at most 128 deep) in an fp32 add: Hopper's
+  fp8 tensor cores accumulate with fewer bits (Triton's default there lets a whole K run so, which cost up
+  to 2.5e-3 of max |y| at K = 2048 on the H200), DeepSeek-V3's promotion interval.
 
 Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
 the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
@@ -108,7 +111,7 @@ def _fp8_gemm_kernel(
             w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
         else:
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # fp32 adds every K tile (Hopper)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not GROUPED:
