@@ -6,13 +6,14 @@ dispatch table of kernels/fp8_gemm.py.
   or the Triton kernel, whichever bench/kernels.py --fp8-gemm measured faster at that shape and M.
 
 TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasing M; a shape not in it
-takes DEFAULT. The rows are the H200 measurements of bench/kernels.py --fp8-gemm on the Qwen3-8B shape's
-GEMMs (bench/RESULTS.md names the date and commit).
+takes DEFAULT. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs and prints the rows
+to put here. None are yet: the table is empty and DEFAULT is the vendor GEMM, chosen without a measurement
+(bench/RESULTS.md, 2026-12-03: the kernel table has not run on a GPU).
 """
 from __future__ import annotations
 
 BACKENDS = ("scaled_mm", "triton")
-DEFAULT = "scaled_mm"  # cuBLASLt / CUTLASS row-wise: the faster at every M measured so far
+DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90); not measured against Triton yet
 TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {}
 
 
