@@ -1,9 +1,10 @@
 """FP8 weights through the whole engine on the CPU (real scheduler and executor processes): an FP8
 checkpoint serves the greedy tokens of HF transformers (fp32) on its dequantized weights, with the near-tie
-rule: the fine-grained 128 x 128 block format through gRPC (GetModelInfo names it), compressed-tensors'
-per-channel format through the offline API. The tiny Llama's dimensions are not multiples of 128 (hidden
-192, intermediate 320, k/v 96 rows), so every weight has ragged blocks, and one layer's MLP is listed as
-not converted."""
+rule: the fine-grained 128 x 128 block format through gRPC on two tensor-parallel ranks (gloo; GetModelInfo
+names the format), compressed-tensors' per-channel format through the offline API. The tiny Llama's
+dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows), so every weight has ragged
+blocks, and one layer's MLP is listed as not converted. At -tp 2 the shard boundaries fall inside blocks:
+q's rows split at 96, gate's and up's at 160, and down_proj's columns at 160 (K groups of 32 there)."""
 from __future__ import annotations
 
 import os
@@ -40,14 +41,14 @@ def as_outputs(completions) -> list[SimpleNamespace]:
                                       for lp in c.logprobs]) for c in completions]
 
 
-def test_a_block_fp8_checkpoint_served_over_grpc_equals_transformers_on_its_dequantized_weights(
+def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
         checkpoints, prompts, tmp_path):
     ref = hf_greedy(os.path.join(checkpoints, "block_dequantized"), prompts, NEW_TOKENS)
     server = start_server(tmp_path, "--model", os.path.join(checkpoints, "block"), "--max-model-len", "128",
-                          "--num-gpu-blocks", "64")
+                          "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
     try:
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        assert info.weight_format == "fp8_e4m3fn, 128x128 block scales"
+        assert info.weight_format == "fp8_e4m3fn, 128x128 block scales" and info.tensor_parallel_size == 2
         sampling = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
         outs = [server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p), sampling=sampling),
                                      timeout=120).outputs[0] for p in prompts]
