@@ -434,5 +434,8 @@ class EngineCore:
         return self.results.pop(step_id)
 
     def _emit(self, updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]) -> None:
+        # the blocks this step hashed go out before its outputs: a router that sees a request end already
+        # knows where its prefix is cached, and routes the next one sharing it there
+        self.publish_kv_events()
         for identity, outputs in request_outputs.step_outputs(updates, sampled).items():
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=outputs))

@@ -1,0 +1,211 @@
+"""SMG (the pinned `smg` from PyPI) in front of two `nanoserve serve` replicas on the embedded model, speaking
+vLLM's worker protocol to them: the OpenAI API through SMG answers what nanoserve.v1 answers, cache-aware
+routing keeps a shared prefix on one replica, loads follow the work, a dropped stream frees its blocks and a
+killed replica leaves SMG serving through the other.
+
+One module-scoped gateway: CI pays the start-up once. The replica-killing test runs last.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import jsonschema
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as vllm
+from smg_grpc_proto import vllm_engine_pb2_grpc
+
+from protos import generation_pb2 as pb
+from support.grpc_server import start_server, wait_serving
+from support.smg_gateway import start_gateway
+
+MODEL = "SmolLM2-135M-Instruct"
+REPLICA_FLAGS = ["--num-gpu-blocks", "256"]  # 4,096 tokens each: two replicas stay small
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SYSTEM_PROMPT = ("You are a meticulous assistant for a public library. " * 3 + "Answer questions about opening hours, "
+                 "membership, borrowing rules, late fees, room bookings, events for children and adults, printing "
+                 "and scanning, accessibility, donations and the catalogue. Be brief, friendly and exact; when you do "
+                 "not know, say so and suggest asking at the front desk. ") * 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("gateway")
+    replicas = []
+    try:
+        replicas = [start_server(log_dir, *REPLICA_FLAGS, wait=False) for _ in range(2)]
+        for replica in replicas:
+            wait_serving(replica, 180)
+        gateway = start_gateway(log_dir, [r.addr for r in replicas], MODEL, "--policy", "cache_aware")
+        try:
+            yield gateway, replicas
+        finally:
+            gateway.stop()
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def stats(replica) -> pb.Stats:
+    return replica.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def vllm_stub(replica) -> vllm_engine_pb2_grpc.VllmEngineStub:
+    return vllm_engine_pb2_grpc.VllmEngineStub(replica.channel)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def nanoserve_chat(replica, messages, max_tokens: int) -> str:
+    response = replica.stub.Generate(pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens)), timeout=120)
+    return response.outputs[0].text
+
+
+def test_chat_completions_with_and_without_streaming_match_nanoserve_generate(cluster):
+    gateway, replicas = cluster
+    expected = nanoserve_chat(replicas[0], QUESTION, 24)
+    assert "Paris" in expected
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24}
+    answer = gateway.post("/v1/chat/completions", body)
+    assert answer["choices"][0]["message"]["content"] == expected
+    assert answer["choices"][0]["finish_reason"] == "stop"  # the model's EOS, which SMG never sent
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+
+    chunks = gateway.stream("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    streamed_usage = [c["usage"] for c in chunks if c.get("usage")][-1]
+    assert streamed_usage["completion_tokens"] == usage["completion_tokens"]
+    # the same prompt again, on a replica that has it cached: SMG reports nanoserve's cached tokens
+    assert streamed_usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_completions_endpoint_matches_nanoserve_generate(cluster):
+    gateway, replicas = cluster
+    prompt = "The three primary colours are"
+    expected = replicas[1].stub.Generate(pb.GenerateRequest(
+        prompt=prompt, sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)), timeout=120)
+    answer = gateway.post("/v1/completions", {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 12,
+                                              "ignore_eos": True})
+    choice = answer["choices"][0]
+    assert choice["text"] == expected.outputs[0].text
+    assert choice["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 12
+
+
+def test_response_format_json_schema_returns_json_that_validates(cluster):
+    gateway, _ = cluster
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = gateway.post("/v1/chat/completions", {
+        "model": MODEL, "temperature": 0, "max_tokens": 60,
+        "messages": [{"role": "user", "content": "Make up a person. Reply with their name and age as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}})
+    jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), schema)
+
+
+def test_requests_sharing_a_long_system_prompt_concentrate_on_one_replica(cluster):
+    gateway, replicas = cluster
+    before = [stats(r) for r in replicas]
+    questions = ["When do you open on Sundays?", "How do I renew a book?", "Can I print in colour?",
+                 "Is there a reading group for teens?", "How much is a late fee?", "Can I book a meeting room?"]
+    chats = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
+    prompts = [list(replicas[0].stub.Tokenize(pb.TokenizeRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(**m) for m in chat])), timeout=30).token_ids) for chat in chats]
+    shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)
+    shared_blocks = shared // 16  # what a request finds cached where another one ran
+    assert shared_blocks >= 8
+    for chat in chats:
+        gateway.post("/v1/chat/completions", {"model": MODEL, "temperature": 0, "max_tokens": 1, "messages": chat})
+    after = [stats(r) for r in replicas]
+    hits = [a.prefix_cache_hit_tokens - b.prefix_cache_hit_tokens for a, b in zip(after, before)]
+    served = [a.num_finished - b.num_finished for a, b in zip(after, before)]
+    favourite = max(range(2), key=lambda i: hits[i])
+    # every request after the first finds the system prompt's blocks cached where the first one ran
+    assert served[favourite] == len(questions) and served[1 - favourite] == 0, (served, hits)
+    assert hits == [0, 0][:favourite] + [(len(questions) - 1) * shared_blocks * 16] + [0, 0][favourite + 1:], hits
+
+
+def test_get_loads_follows_the_load(cluster):
+    _, replicas = cluster
+    stub = vllm_stub(replicas[0])
+    idle = stub.GetLoads(vllm.GetLoadsRequest(include=["core"]), timeout=10).loads[0]
+    calls, first_tokens = [], threading.Barrier(4, timeout=120)
+
+    def run(i: int) -> None:
+        call = stub.Generate(vllm.GenerateRequest(
+            request_id=f"loads-{i}", tokenized=vllm.TokenizedInput(input_ids=[1 + i] * 40 + list(range(50, 90))),
+            sampling_params=vllm.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), stream=True))
+        calls.append(call)
+        next(call)
+        first_tokens.wait()
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.CANCELLED
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    first_tokens.wait()
+    busy = stub.GetLoads(vllm.GetLoadsRequest(include=["core"]), timeout=10).loads[0]
+    assert busy.num_running_reqs == idle.num_running_reqs + 3
+    assert busy.token_usage > idle.token_usage and busy.num_used_tokens >= 3 * 80
+    for call in calls:
+        call.cancel()
+    for t in threads:
+        t.join(60)
+    quiet = wait_for(lambda: (lambda l: l if l.num_running_reqs == 0 and l.num_used_tokens == 0 else None)(
+        stub.GetLoads(vllm.GetLoadsRequest(), timeout=10).loads[0]), 30, "the load going back to idle")
+    assert quiet.token_usage == 0.0 and quiet.max_total_num_tokens == 256 * 16
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(cluster):
+    gateway, replicas = cluster
+    before = [stats(r) for r in replicas]
+    conn, events = gateway.open_stream("/v1/chat/completions", {
+        "model": MODEL, "temperature": 0, "max_tokens": 400, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]})
+    for _ in range(4):
+        next(events)
+    running = [stats(r).num_running for r in replicas]
+    assert sum(running) == 1, running
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    serving = running.index(1)
+    after = wait_for(lambda: (lambda s: s if s.num_running == 0 else None)(stats(replicas[serving])), 30,
+                     "SMG's Abort reaching the replica")
+    assert after.num_aborted == before[serving].num_aborted + 1
+    assert after.free_kv_blocks == after.total_kv_blocks  # every block back in the pool (cached ones count free)
+
+
+def test_killing_a_replica_leaves_smg_serving_through_the_other(cluster):
+    gateway, replicas = cluster
+    victim, survivor = replicas
+    victim.proc.kill()  # SIGKILL: serve's scheduler and executor die with it (PR_SET_PDEATHSIG)
+    victim.proc.wait(30)
+    served_before = stats(survivor).num_finished
+    failures, outcomes = 0, []
+    for i in range(8):
+        status, _ = gateway.request("POST", "/v1/completions", {
+            "model": MODEL, "prompt": f"Count to {i + 3}:", "temperature": 0, "max_tokens": 4}, timeout=120)
+        outcomes.append(status)
+        failures += status != 200
+    assert failures <= 2, outcomes  # SMG retries a failed connection on the other worker within the request
+    assert outcomes[-4:] == [200] * 4, outcomes
+    assert stats(survivor).num_finished >= served_before + 8 - failures
