@@ -8,6 +8,7 @@ One module-scoped gateway: CI pays the start-up once. The replica-killing test r
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -18,11 +19,14 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from protos import generation_pb2 as pb
-from support.grpc_server import start_server, wait_serving
+from support.grpc_server import REPO, smol_dir, start_server, wait_serving
 from support.smg_gateway import start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
-REPLICA_FLAGS = ["--num-gpu-blocks", "256"]  # 4,096 tokens each: two replicas stay small
+# 4,096 tokens each: two replicas stay small. The model by a path relative to the repository, where the
+# replicas run: SMG, running elsewhere, cannot find it and takes the tokenizer from GetTokenizer's stream,
+# as it does in compose (no copy of the model beside SMG).
+REPLICA_FLAGS = ["--num-gpu-blocks", "256", "--model", os.path.relpath(smol_dir(), REPO)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SYSTEM_PROMPT = ("You are a meticulous assistant for a public library. " * 3 + "Answer questions about opening hours, "
                  "membership, borrowing rules, late fees, room bookings, events for children and adults, printing "
@@ -75,6 +79,7 @@ def nanoserve_chat(replica, messages, max_tokens: int) -> str:
 
 def test_chat_completions_with_and_without_streaming_match_nanoserve_generate(cluster):
     gateway, replicas = cluster
+    assert "Fetching tokenizer from worker" in gateway.log()  # GetTokenizer: SMG has no copy of the model
     expected = nanoserve_chat(replicas[0], QUESTION, 24)
     assert "Paris" in expected
     body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24}

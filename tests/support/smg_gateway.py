@@ -89,8 +89,10 @@ class Gateway:
 
 
 def start_gateway(log_dir, worker_addrs: list[str], model: str, *flags: str, timeout: float = 120.0) -> Gateway:
-    """SMG on free ports in front of these gRPC workers, routing deterministically (no warm-up diversions), its
-    tokenizer from the workers (GetModelInfo's local path here). Waits until a completion goes through."""
+    """SMG on free ports in front of these gRPC workers, routing deterministically (no warm-up diversions), with
+    no tokenizer of its own: it takes the workers' (GetModelInfo's path where it finds it, else GetTokenizer's
+    stream). It runs 16 directories deep in log_dir, where a worker's relative path leads nowhere. Waits until a
+    completion goes through."""
     port, metrics_port = free_port(), free_port()
     log_path = os.path.join(str(log_dir), f"smg-{port}.log")
     argv = [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
@@ -98,8 +100,11 @@ def start_gateway(log_dir, worker_addrs: list[str], model: str, *flags: str, tim
             "--worker-urls", *[f"grpc://{a}" for a in worker_addrs],
             "--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0",
             "--shutdown-grace-period-secs", "1", "--worker-startup-check-interval", "1", "--log-json", *flags]
+    workdir = os.path.join(str(log_dir), f"smg-{port}", *["d"] * 16)
+    os.makedirs(workdir)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     gateway = Gateway(proc, port, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
