@@ -214,3 +214,30 @@ def test_killing_a_replica_leaves_smg_serving_through_the_other(cluster):
     assert failures <= 2, outcomes  # SMG retries a failed connection on the other worker within the request
     assert outcomes[-4:] == [200] * 4, outcomes
     assert stats(survivor).num_finished >= served_before + 8 - failures
+
+
+def test_the_compose_gateway_profile_puts_smg_in_front_of_two_replicas():
+    from test_deployment import COMPOSE_FILE, run_compose  # Compose v2's own parser (tests/e2e)
+
+    plain = run_compose(COMPOSE_FILE, "config", "--services")
+    assert plain.returncode == 0, plain.stderr
+    assert not {"gateway", "replica-1", "replica-2"} & set(plain.stdout.split())  # only with the profile
+    result = run_compose(COMPOSE_FILE, "--profile", "gateway", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    gateway = services["gateway"]
+    assert [(p["target"], str(p["published"])) for p in gateway["ports"]] == [(30000, "30000")]
+    command = gateway["command"]
+    assert command[:1] == ["launch"] and command[command.index("--policy") + 1] == "cache_aware"
+    urls = command[command.index("--worker-urls") + 1:command.index("--worker-urls") + 3]
+    assert urls == ["grpc://replica-1:50051", "grpc://replica-2:50051"]
+    for name in ("replica-1", "replica-2"):
+        assert services[name]["command"][:1] == ["serve"] and "50051" in services[name]["command"]
+        assert gateway["depends_on"][name]["condition"] == "service_healthy"
+    # SMG's version comes from the one pin, pyproject.toml's gateway extra, which the tests run too
+    assert "['optional-dependencies']['gateway']" in gateway["build"]["dockerfile_inline"]
+    import importlib.metadata
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        pin = tomllib.load(f)["project"]["optional-dependencies"]["gateway"]
+    assert pin == [f"smg=={importlib.metadata.version('smg')}"]
