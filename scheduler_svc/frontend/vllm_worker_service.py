@@ -144,8 +144,11 @@ class VllmWorkerService(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(self, request, context):
         ready = await self._ready(context)
         m, config = ready.model, self.hf_config
+        # a directory without a tokenizer is no use to SMG (it would fail to load it): name none, and it takes
+        # its own --tokenizer-path
+        path = str(self.model_dir) if self.generation.tokenizer is not None else ""
         return vllm.GetModelInfoResponse(
-            model_path=str(self.model_dir), served_model_name=m.model_name, tokenizer_path=str(self.model_dir),
+            model_path=path, served_model_name=m.model_name, tokenizer_path=path,
             is_generation=True, max_context_length=ready.max_model_len, vocab_size=m.vocab_size,
             model_type=config.get("model_type", ""), architectures=[m.architecture], eos_token_ids=m.eos_token_ids,
             pad_token_id=_token_id(config.get("pad_token_id")), bos_token_id=_token_id(config.get("bos_token_id")),
