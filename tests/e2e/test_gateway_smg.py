@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import grpc
 import jsonschema
@@ -19,7 +18,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from protos import generation_pb2 as pb
-from support.grpc_server import REPO, smol_dir, start_server, wait_serving
+from support.grpc_server import REPO, smol_dir, start_server, wait_for, wait_serving
 from support.smg_gateway import start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -58,16 +57,6 @@ def stats(replica) -> pb.Stats:
 
 def vllm_stub(replica) -> vllm_engine_pb2_grpc.VllmEngineStub:
     return vllm_engine_pb2_grpc.VllmEngineStub(replica.channel)
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
 def nanoserve_chat(replica, messages, max_tokens: int) -> str:
