@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import grpc
 import jsonschema
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2 as smg_common
 
 from protos import generation_pb2 as pb
 from support.grpc_server import REPO, smol_dir, start_server, wait_for, wait_serving
@@ -186,6 +188,50 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(cluster):
                      "SMG's Abort reaching the replica")
     assert after.num_aborted == before[serving].num_aborted + 1
     assert after.free_kv_blocks == after.total_kv_blocks  # every block back in the pool (cached ones count free)
+
+
+def test_the_kv_event_stream_answers_at_once_beats_every_second_and_chains_16_token_blocks(cluster):
+    _, replicas = cluster
+    stub = vllm_stub(replicas[1])
+    stream = stub.SubscribeKvEvents(smg_common.SubscribeKvEventsRequest(load_records_before_first_batch=True),
+                                    timeout=60)
+    started = time.monotonic()
+    first = next(stream)
+    assert time.monotonic() - started < 1.0 and first.sequence_number == 0 and first.load.load_only
+    snapshot = next(stream)  # the replica's whole index, as a new subscriber's first events
+    assert snapshot.sequence_number == 1 and snapshot.events[0].WhichOneof("data") == "cleared"
+    prompt = [7 + i % 50 for i in range(3 * 16 + 5)]  # three full blocks, never sent before
+    list(stub.Generate(vllm.GenerateRequest(request_id="kv-events", tokenized=vllm.TokenizedInput(input_ids=prompt),
+                                            sampling_params=vllm.SamplingParams(temperature=0, max_tokens=2))))
+    beats, blocks, parent = [], [], None
+    while len(beats) < 2:
+        batch = next(stream)
+        if batch.load.load_only and not batch.events:
+            beats.append(time.monotonic())
+        for event in batch.events:
+            if event.WhichOneof("data") == "stored" and list(event.stored.blocks[0].token_ids) == prompt[:16]:
+                parent = event.stored.parent_block_hash if event.stored.HasField("parent_block_hash") else None
+                blocks = list(event.stored.blocks)
+    stream.cancel()
+    assert parent is None and [list(b.token_ids) for b in blocks[:3]] == [prompt[:16], prompt[16:32], prompt[32:48]]
+    assert all(b.block_size == 16 for b in blocks) and len({b.block_hash for b in blocks}) == len(blocks)
+    assert 0.5 < beats[1] - beats[0] < 2.0  # a heartbeat about every second: SMG drops a stream silent for 2 s
+
+
+def test_a_field_nanoserve_cannot_honour_is_invalid_argument_naming_it(cluster):
+    _, replicas = cluster
+    stub = vllm_stub(replicas[1])
+    for sampling, name in ((vllm.SamplingParams(logit_bias={5: 1.0}), "logit_bias"),
+                           (vllm.SamplingParams(top_p=1.5), "top_p"),
+                           (vllm.SamplingParams(structural_tag="{}"), "structural_tag")):
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(vllm.GenerateRequest(request_id="bad", tokenized=vllm.TokenizedInput(input_ids=[1, 2]),
+                                                    sampling_params=sampling)))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in error.value.details()
+    info = stub.GetModelInfo(vllm.GetModelInfoRequest(), timeout=10)
+    assert info.served_model_name == MODEL and list(info.eos_token_ids) == [2] and info.max_context_length == 512
+    assert stub.GetServerInfo(vllm.GetServerInfoRequest(), timeout=10).block_size == 16
+    assert stub.HealthCheck(vllm.HealthCheckRequest(), timeout=10).healthy
 
 
 def test_killing_a_replica_leaves_smg_serving_through_the_other(cluster):
