@@ -100,18 +100,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise StreamStalled(f"the client read nothing for {timeout_s:g}s (--stream-stall-timeout-s)") from None
 
     async def _generate(self, request: generation_pb2.GenerateRequest, context, send, respond=None,
-                        text: bool = True) -> None:
+                        text: bool = True, describe=str) -> None:
         """Pass send() one message per engine output: the delta of one completion, as respond(rid, index,
         delta, tracker, usage) writes it (usage: the whole request's, with the last delta only; by default a
         nanoserve.v1 GenerateResponse). text=False: the client detokenizes itself (SMG), so only stop strings
-        need text here."""
+        need text here. describe(InvalidArgument) words a refusal in the client's field names."""
         respond = respond or _v1_response
         ready = await self._admit(context)
         try:
             check_input_size(request, self.config.limits.max_prompt_bytes)
             valid = await self.tokenizing.run(validate_generate, request, self.tokenizer, ready, self.config.limits)
         except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(exc))
         except Overloaded as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         await self._admit(context)  # again: draining may have begun, or the engine gone, while it tokenized

@@ -26,7 +26,7 @@ from scheduler_svc.frontend import tokenizer_archive
 from scheduler_svc.frontend.generation_service import GenerationService
 from scheduler_svc.frontend.kv_event_relay import KvEventRelay, Overrun
 from scheduler_svc.frontend.validation import InvalidArgument
-from scheduler_svc.frontend.vllm_messages import CompletionAnswer, to_generation_request
+from scheduler_svc.frontend.vllm_messages import CompletionAnswer, as_vllm_error, to_generation_request
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 HEARTBEAT_S = 1.0  # SMG drops a KV-event stream silent for 2 s from routing
@@ -121,7 +121,7 @@ class VllmWorkerService(vllm_engine_pb2_grpc.VllmEngineServicer):
             for message in messages:
                 await self.generation._write(context, message)
 
-        await self.generation._generate(mapped.request, context, send, respond, text=False)
+        await self.generation._generate(mapped.request, context, send, respond, text=False, describe=as_vllm_error)
 
     async def Abort(self, request, context):
         """By SMG's request ids (GenerateRequest.request_id), wherever they run on this scheduler."""

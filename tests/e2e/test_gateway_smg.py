@@ -222,7 +222,7 @@ def test_a_field_nanoserve_cannot_honour_is_invalid_argument_naming_it(cluster):
     _, replicas = cluster
     stub = vllm_stub(replicas[1])
     for sampling, name in ((vllm.SamplingParams(logit_bias={5: 1.0}), "logit_bias"),
-                           (vllm.SamplingParams(top_p=1.5), "top_p"),
+                           (vllm.SamplingParams(top_p=1.5), "sampling_params.top_p"),
                            (vllm.SamplingParams(structural_tag="{}"), "structural_tag")):
         with pytest.raises(grpc.RpcError) as error:
             list(stub.Generate(vllm.GenerateRequest(request_id="bad", tokenized=vllm.TokenizedInput(input_ids=[1, 2]),

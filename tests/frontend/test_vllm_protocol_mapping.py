@@ -17,7 +17,7 @@ from scheduler_svc.frontend import tokenizer_archive
 from scheduler_svc.frontend.kv_event_relay import KvEventRelay, Overrun, signed64
 from scheduler_svc.frontend.server_config import RequestLimits
 from scheduler_svc.frontend.validation import InvalidArgument, validate_generate
-from scheduler_svc.frontend.vllm_messages import CompletionAnswer, to_generation_request
+from scheduler_svc.frontend.vllm_messages import CompletionAnswer, as_vllm_error, to_generation_request
 from scheduler_svc.text.output_tracker import Delta, OutputTracker
 
 READY = engine_pb2.EngineReady(model=engine_pb2.ExecutorHandshake(vocab_size=100, num_blocks=64, block_size=16),
@@ -85,9 +85,10 @@ def test_a_field_nanoserve_cannot_honour_is_refused_by_name(field, make):
         to_generation_request(make())
 
 
-def test_out_of_range_values_are_refused_by_nanoserves_validation():
-    with pytest.raises(InvalidArgument, match="top_p"):
+def test_out_of_range_values_are_refused_by_nanoserves_validation_in_vllms_field_names():
+    with pytest.raises(InvalidArgument, match="top_p") as error:
         validate_generate(to_generation_request(request(top_p=1.5)).request, None, READY, RequestLimits())
+    assert as_vllm_error(error.value).startswith("sampling_params.top_p must be in (0, 1]")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones():
