@@ -143,7 +143,9 @@ def test_every_role_gets_the_same_environment_so_engine_flags_are_set_once():
 
 def test_the_roles_are_the_three_services_and_prometheus_is_only_in_the_monitoring_profile(compose):
     services = compose["services"]
-    assert set(services) == {*ROLES, "prometheus"}
+    assert {name for name, service in services.items() if "profiles" not in service} == set(ROLES)
+    # the other profiles' services: prometheus (monitoring) and the gateway's (test_gateway_smg.py checks them)
+    assert set(services) == {*ROLES, "prometheus", "gateway", "replica-1", "replica-2"}
     for role in ROLES:
         assert "profiles" not in services[role]
         assert command_of(compose, role)[0] == role
