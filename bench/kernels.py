@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
                    help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
     p.add_argument("--moe-sweep", action="store_true", help="also sweep the fused MoE GEMM tiles (bench/moe_kernels.py)")
     p.add_argument("--moe-only", action="store_true", help="only the fused MoE layer (and its sweep), no attention")
+    p.add_argument("--fp8-gemm", action="store_true",
+                   help="only the FP8 GEMM table (bench/fp8_gemm_table.py: Qwen3-8B's GEMMs, fp8 vs bf16)")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -63,6 +65,14 @@ def main() -> None:
     import torch
 
     bench = Bench(torch.device(args.device), tiny=args.tiny, sweep_pool=args.kv_cache_dtype)
+    if args.fp8_gemm:
+        from bench.fp8_gemm_table import fp8_gemm_rows, print_fp8_gemm_table
+
+        results = {"device": bench.device_name, "fp8_gemm": fp8_gemm_rows(bench.time_us, bench.device)}
+        print_fp8_gemm_table(results["fp8_gemm"])
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
     print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
     if args.moe_sweep:  # first: the layer table below then runs on the tiles it found (when pasted in)

@@ -148,6 +148,12 @@ def exact_match(reference: list[list[int]], test: list[list[int]]) -> dict:
             "full_match": sum(n == len(r) for n, r in zip(lengths, reference)) / len(lengths)}
 
 
+def greedy_match(runner: ModelRunner, batches: list, trajectories: list, new_tokens: int) -> dict:
+    """The runner decoding greedily on its own: how long it stays on the reference trajectories."""
+    outs = [o for b in batches for o in greedy(runner, b, new_tokens)]
+    return exact_match([t for ts in trajectories for t in ts], outs)
+
+
 def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, methods: list[str],
             batch: int, exact_match_len: bool = True, rotations: tuple[str, ...] = (DEFAULT_ROTATION,),
             kv_dtypes: tuple[str, ...] = ("fp8",), noise_floor: bool = False, fp32_logits: bool = False) -> dict:
@@ -180,8 +186,7 @@ def measure(model_dir: str, device: str, num_prompts: int, new_tokens: int, meth
         row = {"kv_cache_dtype": kv_cache_dtype, "rotation": rotation, "method": method,
                **agreement(torch.cat(ref_logprobs), test)}
         if exact_match_len:
-            outs = [o for b in batches for o in greedy(runner, b, new_tokens)]
-            row |= exact_match([t for ts in trajectories for t in ts], outs)
+            row |= greedy_match(runner, batches, trajectories, new_tokens)
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         del runner
@@ -203,13 +208,32 @@ def print_table(result: dict) -> None:
               f"{r['seconds']:>6.1f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_accuracy_args(p: argparse.ArgumentParser) -> None:
+    """The flags every accuracy bench takes: the model, the device, the prompts and tokens, the batch."""
     p.add_argument("--model", default="", help="checkpoint directory (default: the embedded SmolLM2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=None, help="prompts per forward (default: all on GPU, 4 on CPU)")
+
+
+def prompts_per_forward(args: argparse.Namespace) -> int:
+    """--batch, else all prompts on the GPU and 4 on the CPU (where torch then takes every core but one)."""
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    return args.batch or (args.num_prompts if args.device == "cuda" else 4)
+
+
+def write_result(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_accuracy_args(p)
     p.add_argument("--kv-cache-dtypes", nargs="+", choices=["fp8", "int8"], default=["fp8", "int8"])
     p.add_argument("--methods", nargs="+", choices=KV_CACHE_SCALES,
                    default=[m for m in KV_CACHE_SCALES if m != "auto"])
@@ -221,17 +245,12 @@ def main() -> None:
                    help="score the same final hidden states through the lm_head in fp32 (finer than bf16 logits)")
     p.add_argument("--out", default="bench/results/kv_fp8_accuracy.json")
     args = p.parse_args()
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    batch = args.batch or (args.num_prompts if args.device == "cuda" else 4)
+    batch = prompts_per_forward(args)
     result = measure(args.model or default_model_dir(), args.device, args.num_prompts, args.new_tokens,
                      args.methods, batch, rotations=tuple(args.rotations), kv_dtypes=tuple(args.kv_cache_dtypes),
                      noise_floor=args.noise_floor, fp32_logits=args.fp32_logits)
     print_table(result)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

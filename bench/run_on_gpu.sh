@@ -14,6 +14,9 @@
 #   serving      bench/serving.py on throughput's workload and engine flags over gRPC: the offline figure,
 #                then 5 waves on one launched server from 2 client processes, and the ratios
 #                (SERVING_ARGS adds flags, e.g. --scale-check for a wave at 4 client processes)
+#   gateway      bench/gateway.py: nano-vLLM's workload through SMG's /v1/completions (streaming) against gRPC straight,
+#                alternating waves on one server (GATEWAY_ARGS adds flags); SMG and its dependencies not in the
+#                image (smg, smg-grpc-proto, setproctitle wheels) are carried in .whl-gateway
 #   sweep        bench/serving.py latency under load: Poisson arrivals at rates up to saturation on the
 #                nanovllm draws (SWEEP_ARGS adds flags), goodput at TTFT <= 500 ms and TPOT <= 50 ms, PNG
 #   streams1024  1,024 concurrent streams at once (nanovllm draws, outputs <= 256): all must complete
@@ -89,6 +92,14 @@ for step in "$@"; do
         --server-log "$LOGS/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1
       grep -v " INFO " "$OUT/serving.log" | tail -n 16
       summary+=("serving ${SERVING_ARGS:-}: $(grep -E '^gRPC / offline' "$OUT/serving.log" | tail -n 1)") ;;
+    gateway)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-gateway \
+        .whl-gateway/*.whl || exit 1
+      PYTHONPATH=$PYTHONPATH:/tmp/site-gateway python3 bench/gateway.py --out "$OUT/gateway.json" --log-dir "$LOGS" \
+        ${GATEWAY_ARGS:-} > "$OUT/gateway.log" 2>&1
+      cp "$LOGS"/gateway-*.log "$OUT/" 2>/dev/null
+      grep -v " INFO " "$OUT/gateway.log" | tail -n 12
+      summary+=("gateway ${GATEWAY_ARGS:-}: $(grep -E '^SMG / direct' "$OUT/gateway.log" | tail -n 1)") ;;
     sweep)
       python3 bench/serving.py --dataset nanovllm --launch --num-prompts 128 --request-rates 4 8 16 32 inf \
         --goodput ttft:500 tpot:50 --client-procs 2 --server-log "$LOGS/sweep_server.log" --out "$OUT/sweep.json" \

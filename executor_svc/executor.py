@@ -104,6 +104,7 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
         host_link_bytes_per_s=runner.calibration.host_link_bytes_per_s,
         copy_fixed_seconds=runner.calibration.copy_fixed_seconds,
         prefill_tokens_per_s=runner.calibration.prefill_tokens_per_s,
+        weight_format=f.weight_format,
     )
 
 

@@ -14,9 +14,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from executor_svc.layers import fp8
+from executor_svc.layers.fused_moe import refuse_quantized_experts
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
+from scheduler_svc.common.weight_quantization import WeightQuantization, weight_quantization
 
 
 @dataclass
@@ -32,6 +35,7 @@ class ModelFacts:
     max_position_embeddings: int
     eos_token_ids: list[int]
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+    weight_format: str = ""  # how the Linear weights are served: the dtype, or an FP8 format
 
 
 def read_model_facts(model_dir: str) -> ModelFacts:
@@ -62,11 +66,16 @@ def _facts(model_dir: str, config) -> ModelFacts:
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, load_format: str = "auto"
+    model_dir: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, load_format: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelFacts]:
     """The model on `device` in `dtype`, weights loaded (this rank's shard), attention on `backend`.
 
-    load_format "dummy" draws random weights from config.json alone (benchmarks, no checkpoint)."""
+    load_format "dummy" draws random weights from config.json alone (benchmarks, no checkpoint).
+    FP8 checkpoints, and `quantization` "fp8" for plain ones, give FP8 Linear weights (layers/fp8.py)."""
+    quant = weight_quantization(model_dir, quantization)  # refuses an unsupported quant_method first
+    if quant is not None and quant.from_checkpoint and load_format == "dummy":
+        quant = WeightQuantization("channel", from_checkpoint=False, scale_name="weight_scale")  # random weights
     config = AutoConfig.from_pretrained(model_dir)
     facts = _facts(model_dir, config)
     model_cls = MODEL_REGISTRY.get(facts.architecture)
@@ -76,11 +85,19 @@ def load_model(
         )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
+    if quant is not None:
+        refuse_quantized_experts(model)
+    if quant is not None and quant.from_checkpoint:
+        fp8.prepare_checkpoint_layers(model, quant)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         load_weights(model, model_dir)
     model.requires_grad_(False)
+    facts.weight_format = str(dtype).removeprefix("torch.")
+    if quant is not None:
+        fp8.finish_loading(model, quant, dtype, device)
+        facts.weight_format = quant.describe()
     for attn in model.attention_layers():
         attn.backend = backend
     return model, facts

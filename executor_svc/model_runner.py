@@ -100,7 +100,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.backend = get_backend(config.attention_backend, self.device, config.block_size,
                                    kv_cache_dtype=self.kv_cache_dtype)
-        self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format)
+        self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format,
+                                              config.quantization)
         self.sampler = Sampler()
         self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
         self.staging = PinnedStaging(self.device)

@@ -125,6 +125,14 @@ def refuse_unsupported(config, refused: dict) -> None:
                              "nanoserve's MoE layer (softmax router, top-k, SwiGLU experts, no shared experts)")
 
 
+def refuse_quantized_experts(model: nn.Module) -> None:
+    """FP8 weights cover the Linear layers only: the experts, most of an MoE model's weights, would stay in the
+    model's dtype (or, from an FP8 checkpoint, lose their scales). Refused rather than half done."""
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        raise ValueError("FP8 weights (quantization_config, or --quantization fp8) are not supported for "
+                         "mixture-of-experts layers yet")
+
+
 def _nonzero(value) -> bool:
     return bool(value)
 

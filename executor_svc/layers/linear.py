@@ -9,6 +9,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.layers.parallel import all_reduce, shard_size, tp_rank, tp_size
+from kernels.kv_quant import FP8_DTYPE
+
+try:
+    from kernels import fp8_gemm
+except ImportError:  # no Triton: FP8 weights are dequantized at load (CPU)
+    fp8_gemm = None
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + bias; an FP8 weight (executor_svc/layers/fp8.py) goes through the FP8 GEMM."""
+    if layer.weight.dtype == FP8_DTYPE:
+        return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias)
+    return F.linear(x, layer.weight, bias)
 
 
 def _copy_rows(param: nn.Parameter, loaded: torch.Tensor, offset: int, rows: int) -> None:
@@ -31,7 +44,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_rows(param, loaded, 0, param.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -90,4 +103,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(_matmul(self, x, bias))

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass
 
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
 from scheduler_svc.common.model_paths import default_model_dir
+from scheduler_svc.common.weight_quantization import QUANTIZATION_CHOICES, weight_quantization
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -58,6 +60,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     kv_cache_scales: str = "auto"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8 or int8
     kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8 or int8
+    quantization: str | None = None  # "fp8": quantize a plain checkpoint's Linear weights at load
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -95,6 +98,7 @@ class EngineConfig:
              "--kv-cache-scales static is for fp8: a scale of 1.0 would round int8's K and V to integers")
         need(self.kv_cache_rotation in KV_CACHE_ROTATIONS,
              f"--kv-cache-rotation must be one of {KV_CACHE_ROTATIONS}, got {self.kv_cache_rotation!r}")
+        weight_quantization(self.model, self.quantization)  # an unsupported checkpoint format fails here
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
              "--executor-timeout-s, --frontend-timeout-s and --beam-group-timeout-s must be positive")
@@ -148,6 +152,15 @@ class EngineConfig:
             elif value is not None:
                 argv += [flag, str(value)]
         return argv
+
+
+ENGINE_ARGS_ENV = "NANOSERVE_ENGINE_ARGS"
+
+
+def engine_args_from_env() -> list[str]:
+    """Engine flags in $NANOSERVE_ENGINE_ARGS (shell syntax): a deployment sets the flags that the scheduler
+    and every executor must agree on once, in the environment that all of them share."""
+    return shlex.split(os.environ.get(ENGINE_ARGS_ENV, ""))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -207,6 +220,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-rotation", choices=KV_CACHE_ROTATIONS, default=d["kv_cache_rotation"].default,
                    help="fp8 or int8: rotate K and q by a Hadamard matrix over head_dim before K is quantized "
                         "(attention is unchanged; the quantization error averages over q.k)")
+    g.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="fp8: quantize the Linear weights to float8_e4m3fn at load (a scale per output channel, "
+                        "activations per token); FP8 checkpoints are detected without it")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
 

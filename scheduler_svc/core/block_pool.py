@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(eq=False)
@@ -21,6 +22,14 @@ class Block:
         self.block_hash, self.parent_hash, self.token_ids = None, None, ()
 
 
+class IndexListener(Protocol):
+    """Told of every change of the hash index (kv_events.KvEventLog: the router's view of the cache)."""
+
+    def stored(self, block: Block) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -29,6 +38,7 @@ class BlockPool:
         # Head = evicted next. Cached blocks are freed to the tail (LRU order), blank ones to the head.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.listener: IndexListener | None = None  # set while someone follows the index (KV events)
 
     @property
     def num_blocks(self) -> int:
@@ -54,6 +64,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if self.is_cached(block):
             del self.hash_to_block[block.block_hash]
+            if self.listener is not None:
+                self.listener.removed(block.block_hash)
         block.reset_hash()
         block.ref_count = 1
         return block_id
@@ -85,6 +97,8 @@ class BlockPool:
         if block.block_hash is not None and block.block_hash not in self.hash_to_block:
             # A duplicate of a block since evicted: it can carry the cache entry now.
             self.hash_to_block[block.block_hash] = block_id
+            if self.listener is not None:
+                self.listener.stored(block)
         self.free_queue[block_id] = None
         if not self.is_cached(block):
             self.free_queue.move_to_end(block_id, last=False)  # no cache value: reuse first
@@ -99,4 +113,6 @@ class BlockPool:
         if block_hash in self.hash_to_block:
             return self.hash_to_block[block_hash] == block_id
         self.hash_to_block[block_hash] = block_id
+        if self.listener is not None:
+            self.listener.stored(block)
         return True

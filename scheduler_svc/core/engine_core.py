@@ -27,7 +27,8 @@ from scheduler_svc.common.config import EngineConfig
 from scheduler_svc.common.profiling import PythonProfileWindow
 from scheduler_svc.core.executor_registry import EngineLostError, ExecutorRegistry, ExecutorReplaced
 from scheduler_svc.core.message_checks import BadMessage, check_handshake, check_heartbeat, check_step_result
-from scheduler_svc.core import frontend_requests, request_outputs
+from scheduler_svc.core import frontend_requests, kv_events, request_outputs
+from scheduler_svc.core.kv_events import KvEventLog
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import scheduler_config
 from scheduler_svc.core.scheduler_output import SchedulerOutput, StepUpdate
@@ -91,6 +92,8 @@ class EngineCore:
         self.scheduler: Scheduler | None = None  # made once every rank has shaken hands
         self.ready: engine_pb2.EngineReady | None = None
         self.frontends: dict[bytes, float] = {}  # identity -> when it was last heard from (monotonic)
+        self.kv_subscribers: set[bytes] = set()  # front ends that follow the prefix index (Hello.kv_events)
+        self.kv_event_log: KvEventLog | None = None  # attached to the block pool while someone subscribes
         self.num_rejected_messages = 0
         self.handshake_refused = ""  # why the last handshake was refused, told to front ends waiting for ready
         self.step_id = 0
@@ -134,6 +137,42 @@ class EngineCore:
             for key, value in self.scheduler.stats().items():
                 setattr(stats, key, value)
         return stats
+
+    # ------------------------------------------------------------------ KV events (kv_events.py)
+
+    def follow_kv_events(self, identity: bytes, wanted: bool) -> None:
+        if wanted == (identity in self.kv_subscribers):
+            return
+        if not wanted:
+            self.kv_subscribers.discard(identity)
+            self._attach_kv_event_log()
+            return
+        self.publish_kv_events()  # those already logged belong to the earlier subscribers only
+        self.kv_subscribers.add(identity)
+        self._attach_kv_event_log()
+        pool = self.scheduler.block_manager.pool if self.scheduler is not None else None
+        events = kv_events.snapshot(pool) if pool is not None else engine_pb2.KvEvents(cleared=True)
+        self.to_frontend(identity, engine_pb2.SchedulerToFrontend(kv_events=events))
+
+    def _attach_kv_event_log(self) -> None:
+        """Log the index's changes while someone subscribes, and only then."""
+        if not self.kv_subscribers:
+            self.kv_event_log = None
+        elif self.kv_event_log is None:
+            self.kv_event_log = KvEventLog()
+        if self.scheduler is not None:
+            self.scheduler.block_manager.pool.listener = self.kv_event_log
+
+    def publish_kv_events(self, cleared: bool = False) -> None:
+        """Send what the index gained and lost since the last time to every subscriber."""
+        events = self.kv_event_log.drain() if self.kv_event_log is not None else None
+        if cleared and self.kv_subscribers:
+            events = events or engine_pb2.KvEvents()
+            del events.events[:]  # the index they described is gone
+            events.cleared = True
+        if events is not None:
+            for identity in self.kv_subscribers:
+                self.to_frontend(identity, engine_pb2.SchedulerToFrontend(kv_events=events))
 
     # ------------------------------------------------------------------ executors
 
@@ -198,6 +237,7 @@ class EngineCore:
         self.ready = self.executors.engine_facts(self.config.max_model_len)
         config = scheduler_config(self.config, self.ready)
         self.scheduler = Scheduler(config)
+        self._attach_kv_event_log()
         facts, costs = self.ready.model, config.preemption_costs
         log.info("serving %s: %d KV blocks, %d host blocks, max_model_len %d; preemption %s, %s", facts.model_name,
                  facts.num_blocks, facts.num_host_blocks, self.ready.max_model_len, config.preemption_mode,
@@ -225,6 +265,7 @@ class EngineCore:
             self.scheduler.close()
         self.scheduler = None
         self.ready = None
+        self.publish_kv_events(cleared=True)
 
     def _shutdown_executors(self, ranks: list[int], reason: str, spare_rank: int | None = None) -> None:
         for rank in ranks:
@@ -251,6 +292,7 @@ class EngineCore:
             self._check_executors()
             self._housekeeping()
             self._advance()
+            self.publish_kv_events()
         except EngineLostError as exc:
             fresh = exc.handshake if isinstance(exc, ExecutorReplaced) else None
             self._engine_lost(str(exc), spare_rank=fresh.rank if fresh else None)
@@ -266,6 +308,7 @@ class EngineCore:
         self.next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
         for identity in [f for f, seen in self.frontends.items() if now - seen > self.config.frontend_timeout_s]:
             del self.frontends[identity]
+            self.follow_kv_events(identity, False)
             mine = [rid for f, rid in self.scheduler.requests if f == identity] if self.scheduler else []
             if mine:
                 log.warning("front end %r silent for %.0fs: aborting its %d requests", identity,
@@ -391,5 +434,8 @@ class EngineCore:
         return self.results.pop(step_id)
 
     def _emit(self, updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]) -> None:
+        # the blocks this step hashed go out before its outputs: a router that sees a request end already
+        # knows where its prefix is cached, and routes the next one sharing it there
+        self.publish_kv_events()
         for identity, outputs in request_outputs.step_outputs(updates, sampled).items():
             self.to_frontend(identity, engine_pb2.SchedulerToFrontend(outputs=outputs))

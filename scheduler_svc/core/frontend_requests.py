@@ -41,6 +41,9 @@ class FrontendHost(Protocol):
     def stats(self, query_id: int) -> engine_pb2.SchedulerStats:
         """The answer to a stats query."""
 
+    def follow_kv_events(self, identity: bytes, wanted: bool) -> None:
+        """Start (with a snapshot) or end a front end's subscription to the prefix index's changes."""
+
 
 def on_frontend(core: FrontendHost, identity: bytes, payload: bytes) -> None:
     try:
@@ -60,6 +63,7 @@ def on_frontend(core: FrontendHost, identity: bytes, payload: bytes) -> None:
                                                           world_size=core.world_size,
                                                           refused=core.handshake_refused))
         core.to_frontend(identity, answer)
+        core.follow_kv_events(identity, msg.hello.kv_events)
     elif kind == "add":
         _add_request(core, identity, msg.add)
     elif kind == "abort":

@@ -3,7 +3,8 @@
 One reader task receives everything the scheduler sends and routes it: RequestOutputs to the
 queue of the stream that owns the request id (a StreamQueue: bounded, and never blocking the reader),
 stats replies to the caller waiting on that query id, and EngineReady / NotReady / EngineLost to the
-`ready` state. A lost engine ends every open stream.
+`ready` state. A lost engine ends every open stream. While `on_kv_events` is set, each Hello subscribes to
+the prefix index's changes (KvEvents, the scheduler publishes them) and the reader hands each one to it.
 
 `num_in_flight` counts the engine requests the engine still runs for us: one leaves it with its terminal
 output or our abort, even while its stream's handler is still writing to a slow client.
@@ -67,6 +68,7 @@ class AsyncEngineClient:
         self.epoch = 0  # the scheduler's incarnation, once it has answered
         self.refused = ""  # why the scheduler refused an executor's handshake, if it did
         self.last_heard = time.monotonic()
+        self.on_kv_events: Callable[[engine_pb2.KvEvents], None] | None = None  # set: subscribed (Hello.kv_events)
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._hello_loop())]
@@ -98,6 +100,11 @@ class AsyncEngineClient:
         self._in_engine.difference_update(request_ids)  # the scheduler frees them on receipt
         if request_ids:
             self._send(engine_pb2.FrontendToScheduler(abort=engine_pb2.AbortRequests(request_ids=request_ids)))
+
+    def follow_kv_events(self, callback: Callable[[engine_pb2.KvEvents], None] | None) -> None:
+        """Subscribe to the prefix index's changes, handed to callback (None: unsubscribe); said at once."""
+        self.on_kv_events = callback
+        self._send_hello()
 
     async def stats(self, timeout_s: float = 5.0) -> engine_pb2.SchedulerStats:
         """Ask the scheduler for its counters; TimeoutError if it does not answer."""
@@ -169,6 +176,9 @@ class AsyncEngineClient:
                         queue.put_nowait(ro)
                     if ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         self._in_engine.discard(ro.request_id)
+            elif kind == "kv_events":
+                if self.on_kv_events is not None:
+                    self.on_kv_events(msg.kv_events)
             elif kind in ("stats", "aborted"):
                 answer = getattr(msg, kind)
                 future = self._waiters.get(answer.query_id)
@@ -193,10 +203,13 @@ class AsyncEngineClient:
                     self.mark_lost(f"the scheduler has {msg.not_ready.num_executors} of "
                                    f"{msg.not_ready.world_size} executors")
 
+    def _send_hello(self) -> None:
+        self._send(engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(
+            frontend_name=self.name, kv_events=self.on_kv_events is not None)))
+
     async def _hello_loop(self) -> None:
-        hello = engine_pb2.FrontendToScheduler(hello=engine_pb2.Hello(frontend_name=self.name))
         while True:
-            self._send(hello)
+            self._send_hello()
             await asyncio.sleep(HELLO_INTERVAL_S)
             silent = time.monotonic() - self.last_heard
             if self.ready is not None and silent > SCHEDULER_TIMEOUT_S:

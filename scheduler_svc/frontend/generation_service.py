@@ -99,14 +99,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except asyncio.TimeoutError:
             raise StreamStalled(f"the client read nothing for {timeout_s:g}s (--stream-stall-timeout-s)") from None
 
-    async def _generate(self, request: generation_pb2.GenerateRequest, context, send) -> None:
-        """Pass send() one GenerateResponse per engine output: the deltas of one completion."""
+    async def _generate(self, request: generation_pb2.GenerateRequest, context, send, respond=None,
+                        text: bool = True, describe=str) -> None:
+        """Pass send() one message per engine output: the delta of one completion, as respond(rid, index,
+        delta, tracker, usage) writes it (usage: the whole request's, with the last delta only; by default a
+        nanoserve.v1 GenerateResponse). text=False: the client detokenizes itself (SMG), so only stop strings
+        need text here. describe(InvalidArgument) words a refusal in the client's field names."""
+        respond = respond or _v1_response
         ready = await self._admit(context)
         try:
             check_input_size(request, self.config.limits.max_prompt_bytes)
             valid = await self.tokenizing.run(validate_generate, request, self.tokenizer, ready, self.config.limits)
         except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(exc))
         except Overloaded as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         await self._admit(context)  # again: draining may have begun, or the engine gone, while it tokenized
@@ -121,7 +126,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         incarnation = next(self._incarnation)
         engine_ids = [f"{rid}#{i}/{incarnation}" for i in range(params.n)]
         index = {eid: i for i, eid in enumerate(engine_ids)}
-        trackers = {eid: OutputTracker(self.tokenizer, valid.prompt_token_ids, params.stop,
+        tokenizer = self.tokenizer if text or params.stop else None
+        trackers = {eid: OutputTracker(tokenizer, valid.prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output) for eid in engine_ids}
         queue = self.engine.open_stream(engine_ids)
         self.requests[rid] = engine_ids
@@ -154,12 +160,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if delta.finished:
                     pending.discard(item.request_id)
                 timer.on_tokens(len(delta.token_ids))
-                response = generation_pb2.GenerateResponse(
-                    request_id=rid, outputs=[api_messages.completion_output(index[item.request_id], delta)])
-                if not pending:
-                    response.usage.CopyFrom(api_messages.usage(len(valid.prompt_token_ids), trackers.values()))
+                usage = None if pending else api_messages.usage(len(valid.prompt_token_ids), trackers.values())
                 try:
-                    await send(response)
+                    await send(respond(rid, index[item.request_id], delta, trackers[item.request_id], usage))
                 except StreamStalled as exc:
                     # Not context.abort: its status would wait behind the unread messages, and with it the
                     # cleanup below. Returning frees everything now; gRPC sends the status when it can.
@@ -245,6 +248,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler did not answer")
         return api_messages.stats(stats)
+
+
+def _v1_response(rid: str, index: int, delta, tracker: OutputTracker,
+                 usage: generation_pb2.Usage | None) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(request_id=rid, outputs=[api_messages.completion_output(index, delta)])
+    if usage is not None:
+        response.usage.CopyFrom(usage)
+    return response
 
 
 # ---------------------------------------------------------------- tokenizer work, run in TokenizerThreads

@@ -16,7 +16,9 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf import message_factory
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import vllm_engine_pb2
 
 from protos import generation_pb2
 from scheduler_svc.frontend.async_engine_client import AsyncEngineClient
@@ -27,6 +29,7 @@ from scheduler_svc.common.model_paths import default_model_dir
 from scheduler_svc.frontend.request_decoding import MalformedRequest, decode_request
 from scheduler_svc.frontend.security import ApiKeyInterceptor, server_credentials
 from scheduler_svc.frontend.server_config import ServerConfig
+from scheduler_svc.frontend.vllm_worker_service import SERVICE_NAME as VLLM_SERVICE, VllmWorkerService
 from scheduler_svc.text.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -66,30 +69,40 @@ def _reject_malformed(handler):
     return streaming
 
 
-def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The service's methods with our own request decoding (request_decoding.py)."""
-    desc = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+def checked_handler(service_desc, servicer) -> grpc.GenericRpcHandler:
+    """A service's methods with our own request decoding (request_decoding.py): a malformed request is
+    INVALID_ARGUMENT naming the field, whichever service it is for."""
     handlers = {}
-    for method in desc.methods:
-        request_cls = getattr(generation_pb2, method.input_type.name)
-        response_cls = getattr(generation_pb2, method.output_type.name)
+    for method in service_desc.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
-            _reject_malformed(getattr(service, method.name)),
+            _reject_malformed(getattr(servicer, method.name)),
             request_deserializer=functools.partial(decode_request, request_cls),
             response_serializer=response_cls.SerializeToString)
-    return grpc.method_handlers_generic_handler(desc.full_name, handlers)
+    return grpc.method_handlers_generic_handler(service_desc.full_name, handlers)
 
 
-def build_server(config: ServerConfig, service: GenerationService, health: Health) -> tuple[grpc.aio.Server, int]:
-    """The server with every service added and its port bound; returns (server, bound port)."""
+def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
+    return checked_handler(generation_pb2.DESCRIPTOR.services_by_name["Generation"], service)
+
+
+def build_server(config: ServerConfig, service: GenerationService, health: Health,
+                 worker: VllmWorkerService | None = None) -> tuple[grpc.aio.Server, int]:
+    """The server with every service added and its port bound; returns (server, bound port). worker: SMG's
+    vLLM worker protocol beside nanoserve.v1 (vllm_worker_service.py)."""
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
     server.add_generic_rpc_handlers([generation_handler(service)])
+    names = [GENERATION_SERVICE]
+    if worker is not None:
+        server.add_generic_rpc_handlers([checked_handler(vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"],
+                                                         worker)])
+        names.append(VLLM_SERVICE)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
-        [GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server)
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert:
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -147,8 +160,9 @@ async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None
     engine = AsyncEngineClient(scheduler_addr, max_buffered_outputs=config.max_stream_buffered_outputs)
     metrics, health = Metrics(), Health()
     service = GenerationService(engine, tokenizer, config, metrics)
+    worker = VllmWorkerService(service, model_dir)
     engine.on_ready_change.append(lambda ready: health.set_serving(ready and not service.draining))
-    server, port = build_server(config, service, health)
+    server, port = build_server(config, service, health, worker)
     metrics_server = metrics.serve(config.host, config.metrics_port) if config.metrics_port else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,7 +170,7 @@ async def run_frontend(config: ServerConfig, scheduler_addr: str, supervise=None
     await health.start()
     await server.start()
     await engine.start()
-    log.info("nanoserve.v1.Generation on %s:%d (%s), scheduler %s", config.host, port,
+    log.info("nanoserve.v1.Generation and %s on %s:%d (%s), scheduler %s", VLLM_SERVICE, config.host, port,
              "TLS" if config.tls_cert else "plaintext", scheduler_addr)
     supervisor = asyncio.create_task(supervise(engine, stop)) if supervise else None
     background = [asyncio.create_task(poll_stats(engine, metrics, config.scheduler_timeout_s))]

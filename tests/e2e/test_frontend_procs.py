@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc
-from support.grpc_server import free_port, wait_serving
+from support.grpc_server import free_port, wait_for, wait_serving
 from support.roles import SERVING, Roles, children_of, cmdline, health_status, start_serve
 from support.tiny_checkpoints import make_tiny_llama
 
@@ -54,16 +53,6 @@ def finished_requests(metrics_port: int) -> float:
 
 def extra_frontends(serve_pid: int) -> list[int]:
     return [pid for pid in children_of(serve_pid) if " frontend " in cmdline(pid)]
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_serve_spreads_connections_over_its_front_ends_and_outlives_the_loss_of_one(tmp_path, model):

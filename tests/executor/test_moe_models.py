@@ -1,5 +1,5 @@
 """Loading mixture-of-experts checkpoints: an MoE variant this code would compute differently is refused at
-start-up with an error naming the config field; transformers' own stacked expert layout loads to the same
+start-up with an error naming the config field (FP8 weights for the experts too); transformers' own stacked expert layout loads to the same
 model as the per-expert tensors of hub checkpoints; a missing expert tensor fails the load."""
 import json
 import os
@@ -64,3 +64,9 @@ def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13"):
         load(path)
+
+
+def test_fp8_weights_for_the_experts_are_refused(tmp_path_factory):
+    path = tiny_checkpoint("mixtral", tmp_path_factory)
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend(), quantization="fp8")

@@ -68,6 +68,17 @@ class RunningServer:
         return self.proc.returncode
 
 
+def wait_for(condition, timeout: float, what: str):
+    """condition()'s first true value, polled every 0.2 s; AssertionError naming what after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def wait_serving(server: RunningServer, timeout: float, metadata=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

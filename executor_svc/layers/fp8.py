@@ -1,0 +1,138 @@
+"""FP8 Linear weights: load an FP8 checkpoint's weights and scales into the tensor-parallel linear layers
+(each through its own weight_loader, so they shard like the plain weights), or quantize plain weights
+at load, then run the layers' products through the FP8 GEMM (kernels/fp8_gemm.py) on CUDA.
+
+After loading, an FP8 layer holds `weight` float8_e4m3fn [N, K] (this rank's shard), `weight_scale`
+float32 [N, G] and `fp8_group_k`: G = 1 is a scale per output row; else one per row and group of
+fp8_group_k input columns. A checkpoint's 128 x 128 block scales are repeated over their rows at load,
+so any row shard (a fused q/k/v or gate/up piece, a column-parallel split inside a block) takes its rows'
+scales exactly. A row-parallel split inside a block shrinks the K group to the largest power of two
+dividing both the block and the shard, so that every group still lies in one checkpoint block.
+
+On the CPU the weights are dequantized at load (weight * scale, in float32, then the model dtype) and the
+layers stay plain: the products are exact in the model dtype; activations are not quantized.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
+from executor_svc.layers.parallel import tp_rank, tp_size
+from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel
+from kernels.kv_quant import FP8_DTYPE
+from scheduler_svc.common.weight_quantization import WeightQuantization
+
+log = logging.getLogger("nanoserve.executor")
+
+MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def _checkpoint_names(name: str, packed: dict) -> list[str]:
+    """The checkpoint modules a layer of ours loads: q_proj, k_proj and v_proj for a fused qkv_proj."""
+    head, _, leaf = name.rpartition(".")
+    parts = [ckpt for ckpt, (fused, _) in packed.items() if fused == leaf] or [leaf]
+    return [f"{head}.{p}" if head else p for p in parts]
+
+
+def prepare_checkpoint_layers(model: nn.Module, quant: WeightQuantization) -> int:
+    """Before loading an FP8 checkpoint: give each converted layer an fp8 `weight` and its scale parameter
+    (named as in the checkpoint), both with weight_loaders. Returns the number of layers converted."""
+    converted = 0
+    for name, layer in linear_layers(model):
+        pieces = [quant.converts(ckpt) for ckpt in _checkpoint_names(name, model.packed_modules_mapping)]
+        if not any(pieces):
+            continue
+        if not all(pieces):
+            raise ValueError(f"{name}: the checkpoint converts only some of the modules fused into it")
+        _add_fp8_parameters(layer, quant)
+        converted += 1
+    return converted
+
+
+def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
+    n, k = layer.weight.shape
+    row_parallel = isinstance(layer, RowParallelLinear)
+    device = layer.weight.device
+    weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+    weight.weight_loader = layer.weight_loader  # fp8 bytes shard like any weight
+    layer.weight = weight
+    if quant.scheme == "channel":
+        group, num_groups = k, 1
+    else:
+        block_n, block_k = quant.block
+        group = math.gcd(block_k, k) if row_parallel and tp_size() > 1 else block_k
+        num_groups = -(-k // group)
+    scale = nn.Parameter(torch.empty(n, num_groups, dtype=torch.float32, device=device), requires_grad=False)
+    layer.fp8_group_k = group
+
+    def load_scale(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        loaded = loaded.float()
+        if quant.scheme == "channel":
+            per_row = loaded.reshape(-1, 1)  # [N, 1]
+            if per_row.shape[0] == 1:  # one scale for the whole tensor
+                per_row = per_row.expand(param.shape[0] if row_parallel else _rows_of(layer, shard_id), 1)
+            if row_parallel:
+                param.data.copy_(per_row)
+            else:
+                layer.weight_loader(param, per_row, *shard_id)
+            return
+        # block: [ceil(N/bn), ceil(K/bk)] -> per input column -> this rank's columns -> one per group
+        per_column = loaded.repeat_interleave(block_k, 1)
+        start = tp_rank() * k if row_parallel else 0
+        groups = per_column[:, start : start + k : group]
+        per_row = groups.repeat_interleave(block_n, 0)  # ceil-padded rows: the loaders read only real ones
+        if row_parallel:
+            param.data.copy_(per_row[: param.shape[0]])
+        else:
+            layer.weight_loader(param, per_row, *shard_id)
+
+    scale.weight_loader = load_scale
+    layer.register_parameter(quant.scale_name, scale)
+
+
+def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
+    """The checkpoint rows of one piece of a (fused) column-parallel layer, over all ranks."""
+    if not shard_id:
+        return layer.weight.shape[0] * tp_size()
+    sid = shard_id[0]
+    if hasattr(layer, "output_sizes"):
+        return layer.output_sizes[sid]
+    heads = layer.num_heads if sid == "q" else layer.num_kv_heads
+    return heads * layer.head_dim * tp_size()
+
+
+@torch.no_grad()
+def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dtype, device: torch.device) -> int:
+    """After loading: quantize plain weights (online), give every FP8 layer its `weight_scale`, and on the
+    CPU dequantize them into plain weights of `dtype`. Returns the number of FP8 layers."""
+    count = 0
+    for name, layer in linear_layers(model):
+        if layer.weight.dtype != FP8_DTYPE:
+            if quant.from_checkpoint:
+                continue  # a module the checkpoint did not convert
+            q, scale = quantize_weight_per_channel(layer.weight.data)
+            layer.fp8_group_k = q.shape[1]
+        else:
+            q, scale = layer.weight.data, getattr(layer, quant.scale_name).data
+            delattr(layer, quant.scale_name)
+        count += 1
+        if device.type != "cuda":
+            layer.weight = nn.Parameter(dequantize_rows(q, scale, layer.fp8_group_k).to(dtype), requires_grad=False)
+            continue
+        if layer.fp8_group_k < MIN_GPU_GROUP:
+            raise ValueError(f"{name}: its shard splits the FP8 scale blocks into groups of {layer.fp8_group_k} "
+                             f"columns; the GEMM needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
+        layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+    where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
+    log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
+    return count
+

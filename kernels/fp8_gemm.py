@@ -1,0 +1,182 @@
+"""The FP8 GEMM of FP8 Linear weights: y = (x quantized per token) @ (W quantized)^T, the scales applied in
+fp32 on the accumulator, the output in the activation dtype.
+
+A weight is float8_e4m3fn [N, K] with float32 scales [N, G]: G = 1 is a scale per output row (channel:
+compressed-tensors checkpoints, --quantization fp8); G = ceil(K / group_k) is a scale per row and group of
+group_k input columns (block checkpoints, their 128-row blocks repeated per row at load, so that a
+tensor-parallel shard boundary inside a block costs nothing). Activations are quantized in the same
+groups: per token for channel weights, per token and group_k columns for block weights (DeepSeek's
+1 x 128), scale = max|x| / 448 over the group.
+
+Two GEMMs, chosen per shape by kernels/fp8_gemm_dispatch.py:
+- `torch._scaled_mm` with row-wise scales (per token x per channel; channel weights only);
+- `_fp8_gemm_kernel`, Triton: channel weights accumulate over all of K and scale once in the epilogue;
+  block weights scale each group's partial product (BLOCK_K = group_k) as it joins the accumulator.
+  Either way the fp32 accumulator takes each K tile's product (at most 128 deep) in an fp32 add: Hopper's
+  fp8 tensor cores accumulate with fewer bits (Triton's default there lets a whole K run so, which cost up
+  to 2.5e-3 of max |y| at K = 2048 on the H200), DeepSeek-V3's promotion interval.
+
+Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
+the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
+in Triton 3.6's interpreter (TRITON_INTERPRET=1), which dots float8 operands in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
+from kernels.fp8_quant import MIN_SCALE
+from kernels.kv_quant import FP8_DTYPE
+from kernels.triton_runtime import INTERPRET
+
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization: a scale per row (token) and group of columns
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_groups, x_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * group
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, group, BLOCK):
+        cols = start + off + tl.arange(0, BLOCK)
+        mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, _MIN_SCALE)
+    tl.store(scale_ptr + row * num_groups + g, scale)
+    for off in range(0, group, BLOCK):
+        cols = start + off + tl.arange(0, BLOCK)
+        mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        tl.store(q_ptr + row * k + cols, quantize_fp8(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/fp8_quant.quantize_rows_ref in one kernel: x [M, K] (unit stride in K)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    groups = -(-k // group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m > 0:
+        block = min(1024, triton.next_power_of_2(group))
+        _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, groups, x.stride(0), BLOCK=block,
+                                           num_warps=1 if INTERPRET else max(1, min(8, block // 256)))
+    return q, scale
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr,
+    m, n, k, num_groups, stride_am, stride_wn, stride_cm,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # programs ordered in GROUP_M-row bands, so that neighbours share W's tiles in L2
+    pid = tl.program_id(0)
+    num_pid_m, num_pid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+    band = pid // (GROUP_M * num_pid_n)
+    first_m = band * GROUP_M
+    band_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % band_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // band_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :]
+    w_ptrs = w_ptr + cols64[None, :] * stride_wn + ks[:, None]  # W^T's tile [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(k, BLOCK_K)):
+        k_mask = ks < k - kt * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if GROUPED:  # one K tile is one scale group
+            a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
+            w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # fp32 adds every K tile (Hopper)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not GROUPED:
+        a_s = tl.load(a_scale_ptr + rows64, mask=row_mask, other=0.0)
+        w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
+        acc = acc * (a_s[:, None] * w_s[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols64[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _tiles(m: int, n: int, group_k: int, grouped: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a GEMM of m rows: small m is weight-bound,
+    so narrow N tiles put more programs on the SMs; large m takes 128 x 128 tiles."""
+    block_k = group_k if grouped else 128
+    if INTERPRET:
+        return 16, 16, min(block_k, 32) if not grouped else block_k, 1, 1
+    if m <= 16:
+        return 16, 64, block_k, 4, 4
+    if m <= 64:
+        return 64, 64, block_k, 4, 4
+    return 128, 128, block_k, 8, 3
+
+
+def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] fp8 with scales [M, G], w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
+    G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU)."""
+    m, k = a.shape
+    n = w.shape[0]
+    grouped = w_scale.shape[1] > 1
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = _tiles(m, n, group_k, grouped)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_kernel[grid](
+        a, a_scale, w, w_scale, bias if bias is not None else out, out,
+        m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
+        GROUPED=grouped, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: per token [M, 1] x per channel [1, N]; W^T is column-major
+    as a [N, K] row-major weight's transpose already is."""
+    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype."""
+    from kernels.fp8_gemm_dispatch import choose_backend
+
+    rows = x.reshape(-1, x.shape[-1])
+    grouped = w_scale.shape[1] > 1
+    a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
+    n, k = w.shape
+    if choose_backend("block" if grouped else "channel", rows.shape[0], n, k) == "scaled_mm":
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, x.dtype, bias)
+    else:
+        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, x.dtype, bias)
+    return out.view(*x.shape[:-1], n)

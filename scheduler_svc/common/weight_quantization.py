@@ -1,0 +1,102 @@
+"""Which FP8 weight format a model is served in: read from the checkpoint's `quantization_config`, or
+asked for with `--quantization fp8`. Stdlib only: the CLI checks it before any process starts, so a
+checkpoint in a format nanoserve cannot load is refused at start-up with its quant_method named.
+
+Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies them):
+
+- block: the fine-grained FP8 of DeepSeek and Qwen3-*-FP8, `{"quant_method": "fp8", "weight_block_size":
+  [128, 128]}`. Each Linear weight is float8_e4m3fn with a float32 `weight_scale_inv` per block of
+  128 output rows x 128 input columns (ceil at the edges); W = weight * weight_scale_inv.
+- channel: compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC): float8_e4m3fn weights with a float32
+  `weight_scale` per output row (or one per tensor), activations quantized per token at run time.
+- online: `--quantization fp8` on a bf16/fp32 checkpoint: each Linear weight quantized per output row at
+  load, the same arithmetic as channel.
+
+Modules the checkpoint lists as not converted (`modules_to_not_convert`, compressed-tensors' `ignore`)
+keep their plain weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+QUANTIZATION_CHOICES = ("fp8",)  # --quantization
+
+
+@dataclass(frozen=True)
+class WeightQuantization:
+    scheme: str  # "block" or "channel"
+    from_checkpoint: bool  # False: quantized at load (--quantization fp8)
+    block: tuple[int, int] = (128, 128)  # block: (output rows, input columns) per scale
+    scale_name: str = "weight_scale_inv"  # the checkpoint tensor beside each weight
+    not_converted: tuple[str, ...] = field(default_factory=tuple)  # module names or "re:" patterns
+
+    def converts(self, module_name: str) -> bool:
+        """Whether the checkpoint module `module_name` (e.g. model.layers.0.mlp.up_proj) holds FP8 weights."""
+        for pattern in self.not_converted:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return False
+            elif f".{pattern}." in f".{module_name}.":  # whole dotted segments: layers.1 is not layers.10
+                return False
+        return True
+
+    def describe(self) -> str:
+        """The weight format as GetModelInfo reports it."""
+        if self.scheme == "block":
+            return f"fp8_e4m3fn, {self.block[0]}x{self.block[1]} block scales"
+        return "fp8_e4m3fn, per-channel scales" + ("" if self.from_checkpoint else ", quantized at load")
+
+
+def weight_quantization(model_dir: str, quantization: str | None) -> WeightQuantization | None:
+    """The format the weights of `model_dir` are served in, or None for plain weights.
+
+    Raises ValueError for a quantization_config nanoserve does not load (naming its quant_method)."""
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    path = os.path.join(model_dir, "config.json")
+    raw = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            raw = json.load(f).get("quantization_config") or {}
+    if raw:
+        return _from_checkpoint(raw, model_dir)
+    if quantization == "fp8":
+        return WeightQuantization(scheme="channel", from_checkpoint=False, scale_name="weight_scale")
+    return None
+
+
+def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
+    method = str(raw.get("quant_method", "<missing>"))
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"{model_dir}: quantization_config quant_method {method!r}: {why}. nanoserve loads "
+                          "FP8 checkpoints only: quant_method 'fp8' with weight_block_size, or "
+                          "'compressed-tensors' FP8 with channel or tensor weight scales and dynamic activations")
+
+    if method == "fp8":
+        block = raw.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise refuse("per-tensor FP8 (no weight_block_size) is not supported")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise refuse(f"activation_scheme {raw.get('activation_scheme')!r} is not supported, only 'dynamic'")
+        return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
+                                  scale_name="weight_scale_inv",
+                                  not_converted=tuple(raw.get("modules_to_not_convert") or ()))
+    if method == "compressed-tensors":
+        groups = list((raw.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise refuse(f"{len(groups)} config_groups; one is supported")
+        weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise refuse(f"weights of type {weights.get('type')!r} with {weights.get('num_bits')} bits; "
+                         "only 8-bit float")
+        if weights.get("strategy") not in ("channel", "tensor"):
+            raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel or tensor")
+        if acts is not None and not acts.get("dynamic", False):
+            raise refuse("static activation scales are not supported, only dynamic ones")
+        return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
+                                  not_converted=tuple(raw.get("ignore") or ()))
+    raise refuse("this quantization method is not supported")

@@ -1,0 +1,141 @@
+"""FP8 Linear weights at load (executor_svc/layers/fp8.py, scheduler_svc/common/weight_quantization.py):
+which checkpoints are accepted, how the scales shard with their weights under tensor parallelism, and
+what --quantization fp8 does to a plain checkpoint. On the CPU the weights are dequantized at load, so
+a loaded layer's weight is directly comparable with the checkpoint's dequantized weight."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.fp8_checkpoints import tiny_fp8_checkpoints
+from torch import nn
+
+from executor_svc.layers import fp8, linear, parallel
+from executor_svc.model_loader import load_model
+from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_weight_per_channel
+from scheduler_svc.common.config import EngineConfig
+from scheduler_svc.common.weight_quantization import WeightQuantization, weight_quantization
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> str:
+    """A tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows),
+    and its FP8 versions (block and channel) with their dequantized twins."""
+    return tiny_fp8_checkpoints(str(tmp_path_factory.mktemp("fp8_weights")))
+
+
+def load(path: str, **kwargs):
+    return load_model(path, torch.float32, CPU, TorchAttentionBackend(), **kwargs)
+
+
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme):
+    model, facts = load(os.path.join(checkpoints, scheme))
+    reference, _ = load(os.path.join(checkpoints, f"{scheme}_dequantized"))
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
+    assert facts.weight_format == {"block": "fp8_e4m3fn, 128x128 block scales",
+                                   "channel": "fp8_e4m3fn, per-channel scales"}[scheme]
+
+
+def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
+    quant = weight_quantization(os.path.join(checkpoints, "block"), None)
+    assert not quant.converts("model.layers.1.mlp.down_proj") and not quant.converts("lm_head")
+    assert quant.converts("model.layers.0.mlp.down_proj") and quant.converts("model.layers.10.mlp.down_proj")
+    channel = weight_quantization(os.path.join(checkpoints, "channel"), None)
+    assert not channel.converts("model.layers.1.mlp.up_proj") and channel.converts("model.layers.0.mlp.up_proj")
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "'static'"),
+])
+def test_an_unsupported_quantization_config_is_refused_at_start_up_naming_it(checkpoints, tmp_path, config, named):
+    with open(os.path.join(checkpoints, "plain", "config.json")) as f:
+        raw = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**raw, "quantization_config": config}, f)
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(model=str(tmp_path))  # the CLI's check, before any process starts
+    with pytest.raises(ValueError, match=named):
+        load(str(tmp_path))  # and the executor's, for roles started on their own
+
+
+def test_quantization_fp8_quantizes_a_plain_checkpoint_per_output_channel_and_says_so(checkpoints, caplog):
+    plain, _ = load(os.path.join(checkpoints, "plain"))
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, facts = load(os.path.join(checkpoints, "plain"), quantization="fp8")
+    assert facts.weight_format == "fp8_e4m3fn, per-channel scales, quantized at load"
+    assert "8 linear layers" in caplog.text  # 2 layers x (qkv_proj, o_proj, gate_up_proj, down_proj)
+    expected = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith("proj.weight"):
+            q, scale = quantize_weight_per_channel(expected[name])
+            assert torch.equal(param, q.float() * scale), name
+            assert not torch.equal(param, expected[name])
+        else:
+            assert torch.equal(param, expected[name]), name
+
+
+@contextmanager
+def as_rank(rank: int, size: int):
+    with mock.patch.multiple(parallel, tp_rank=lambda: rank, tp_size=lambda: size), \
+         mock.patch.multiple(linear, tp_rank=lambda: rank, tp_size=lambda: size), \
+         mock.patch.multiple(fp8, tp_rank=lambda: rank, tp_size=lambda: size):
+        yield
+
+
+@settings(max_examples=25, deadline=None)
+@given(tp=st.sampled_from([2, 3, 4]), block=st.sampled_from([(16, 32), (32, 16), (128, 128), (64, 48)]),
+       head_dim=st.sampled_from([8, 24, 40]), inter_per_rank=st.integers(5, 40), hidden=st.integers(20, 150),
+       seed=st.integers(0, 2**16))
+def test_block_scales_shard_with_their_weights_whatever_the_split(tp, block, head_dim, inter_per_rank, hidden, seed):
+    """Column-parallel (fused q/k/v and gate/up: each piece with its own blocks) and row-parallel layers on
+    every rank hold exactly their slice of the dequantized weight, also where a shard boundary falls
+    inside a scale block."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, inter = 2 * tp, tp, inter_per_rank * tp
+    pieces = {  # checkpoint tensors: (name, fused layer, shard id, [rows, cols])
+        "q": ("qkv", "q", heads * head_dim, hidden), "k": ("qkv", "k", kv_heads * head_dim, hidden),
+        "v": ("qkv", "v", kv_heads * head_dim, hidden), "gate": ("gate_up", 0, inter, hidden),
+        "up": ("gate_up", 1, inter, hidden), "down": ("down", None, hidden, inter),
+    }
+    ckpt = {}
+    for name, (_, _, rows, cols) in pieces.items():
+        w = torch.randn(rows, cols, generator=gen) * 2.0 ** torch.randint(-6, 6, (rows, 1), generator=gen)
+        ckpt[name] = quantize_blocks_ref(w, block)
+    quant = WeightQuantization("block", from_checkpoint=True, block=block)
+    for rank in range(tp):
+        with as_rank(rank, tp):
+            layers = nn.ModuleDict({
+                "qkv": linear.QKVParallelLinear(hidden, head_dim, heads, kv_heads),
+                "gate_up": linear.MergedColumnParallelLinear(hidden, [inter, inter]),
+                "down": linear.RowParallelLinear(inter, hidden),
+            })
+            for layer in layers.values():
+                fp8._add_fp8_parameters(layer, quant)
+            for name, (fused, shard_id, _, _) in pieces.items():
+                layer, (q, scale_inv) = layers[fused], ckpt[name]
+                extra = () if shard_id is None else (shard_id,)
+                layer.weight.weight_loader(layer.weight, q, *extra)
+                layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale_inv, *extra)
+            fp8.finish_loading(layers, quant, torch.float32, CPU)
+        full = {name: dequantize_blocks(q, s, block) for name, (q, s) in ckpt.items()}
+        rows = lambda t: t.chunk(tp, 0)[rank]  # noqa: E731
+        assert torch.equal(layers["qkv"].weight, torch.cat([rows(full["q"]), rows(full["k"]), rows(full["v"])]))
+        assert torch.equal(layers["gate_up"].weight, torch.cat([rows(full["gate"]), rows(full["up"])]))
+        assert torch.equal(layers["down"].weight, full["down"].chunk(tp, 1)[rank])

@@ -1,0 +1,115 @@
+"""The FP8 GEMM of FP8 Linear weights (kernels/fp8_gemm.py): the activation quantization kernel writes
+exactly kernels/fp8_quant.quantize_rows_ref's bytes and scales, and both GEMMs (Triton with block or
+channel scales, torch._scaled_mm with channel scales) match a float64 GEMM over the dequantized operands,
+on fresh random inputs with ragged edges (M, N and K not multiples of the tiles or of the scale groups).
+
+On the CPU the Triton kernels run, unchanged, in the interpreter (a child process): Triton 3.6's
+interpreter loads and dots float8_e4m3fn operands (in fp32), so the GPU's code is what is checked there,
+at tiny shapes (a dot of K 16, which a GPU would also take).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
+                                       interpreter, needs_cuda)
+
+pytest.importorskip("triton")
+
+from kernels.fp8_quant import fp8_gemm_ref, quantize_blocks_ref, quantize_rows_ref  # noqa: E402
+
+if KERNELS_RUN_HERE:
+    from kernels import fp8_gemm
+
+
+def operands(m, n, k, group, *, seed, device="cpu", outliers=True):
+    """Activations with a few large channels (as real ones have) and a weight whose blocks differ in scale,
+    both quantized as the engine quantizes them: x per token and `group` columns, W per row and group
+    (group = k: per token and per channel)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    if outliers:
+        x[:, torch.randperm(k, generator=gen)[:3]] *= 30
+    w = torch.randn(n, k, generator=gen) * 2.0 ** torch.randint(-4, 4, (n, 1), generator=gen)
+    a, a_scale = quantize_rows_ref(x, group)
+    wq, w_scale = quantize_rows_ref(w, group)
+    bias = torch.randn(n, generator=gen)
+    return [t.to(device) for t in (x, a, a_scale, wq, w_scale, bias)]
+
+
+def assert_close_to_float64(out, ref, rel):
+    err = (out.double() - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the child process")
+def test_fp8_gemm_kernels_pass_under_the_interpreter():
+    assert_module_passes_under_interpreter(__file__, "test_fp8_gemm_kernels_pass_under_the_interpreter", timeout=600)
+
+
+@interpreter
+@pytest.mark.parametrize("m, k, group", [(3, 40, 16), (5, 70, 70)])
+def test_activation_quantization_kernel_writes_the_reference_bytes_and_scales(m, k, group):
+    x, *_ = operands(m, 8, k, group, seed=m)
+    x[0] = 0.0  # an all-zero token quantizes to zeros, not NaN
+    q, scale = fp8_gemm.quantize_rows(x, group)
+    q_ref, scale_ref = quantize_rows_ref(x, group)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@interpreter
+@pytest.mark.parametrize("m, n, k, group", [(5, 40, 80, 32), (3, 24, 56, 16), (17, 33, 50, 50)])
+def test_triton_fp8_gemm_with_block_or_channel_scales_matches_float64(m, n, k, group):
+    _, a, a_scale, w, w_scale, bias = operands(m, n, k, group, seed=n)
+    out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias)
+    assert_close_to_float64(out, fp8_gemm_ref(a, a_scale, w, w_scale, group, bias), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("n, k, group", [(200, 320, 128), (4096, 4096, 128), (96, 200, 200), (1024, 2048, 2048)])
+def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
+    x, a, a_scale, w, w_scale, bias = operands(m, n, k, group, seed=m + n, device="cuda")
+    q, s = fp8_gemm.quantize_rows(x.bfloat16(), group)
+    q_ref, s_ref = quantize_rows_ref(x.bfloat16(), group)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, group, bias)
+    out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.bfloat16, bias.bfloat16())
+    assert_close_to_float64(out, ref, rel=1e-2)  # bf16's rounding of the output
+    # fp32 out: the accumulation alone. Hopper's fp8 tensor cores accumulate with fewer bits than fp32 within a
+    # wgmma chain; with an fp32 add every 128-deep K tile, 1.3e-4 to 4.6e-4 of max |y| at M >= 64 (H200,
+    # 2026-12-03; 2.5e-3 at K = 2048 before the channel path promoted too); under bf16's own rounding of the
+    # output (2^-9), while a wrong scale or tile is off by O(1)
+    assert_close_to_float64(fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias), ref,
+                            rel=1e-3)
+    if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise scales: channel weights
+        out = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
+        assert_close_to_float64(out, ref, rel=1e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
+    # the checkpoint's 128 x 128 blocks, repeated over their rows as the loader stores them
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(300, 400, generator=gen)
+    wq, scale_inv = quantize_blocks_ref(w, (128, 128))
+    w_scale = scale_inv.repeat_interleave(128, 0)[:300]
+    x = torch.randn(37, 400, generator=gen).bfloat16()
+    a, a_scale = quantize_rows_ref(x, 128)
+    ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128)
+    out = fp8_gemm.fp8_linear(x.cuda(), wq.cuda(), w_scale.cuda(), 128)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_float64(out.cpu(), ref, rel=1e-2)

@@ -1,0 +1,92 @@
+"""Tiny FP8 checkpoints made from a plain tiny checkpoint, each beside a plain checkpoint of its dequantized
+weights (what HF transformers runs as the reference).
+
+- block: the fine-grained format of Qwen3-*-FP8 and DeepSeek (quant_method "fp8", 128 x 128 blocks of
+  float32 `weight_scale_inv`), with `modules_to_not_convert` naming one layer's MLP;
+- channel: compressed-tensors FP8_DYNAMIC (a `weight_scale` per output row, dynamic per-token activations).
+
+Before quantizing, every weight block is multiplied by its own factor in [0.5, 2], so the scales differ
+block to block and a scale applied to the wrong block changes the output.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_rows_ref
+
+BLOCK = (128, 128)
+NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
+
+
+def _converted(name: str) -> bool:
+    return name.endswith("_proj.weight") and not name.startswith(NOT_CONVERTED + ".")
+
+
+def _block_factors(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    gn, gk = -(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1])
+    f = 2.0 ** (2 * torch.rand(gn, gk, generator=gen) - 1)
+    return f.repeat_interleave(BLOCK[0], 0)[: w.shape[0]].repeat_interleave(BLOCK[1], 1)[:, : w.shape[1]]
+
+
+def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, scheme: str = "block") -> None:
+    """From plain_dir (safetensors, fp32), write the FP8 checkpoint to fp8_dir and its dequantized weights
+    as a plain checkpoint to dequantized_dir."""
+    (path,) = glob.glob(os.path.join(plain_dir, "*.safetensors"))
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(11)
+    fp8, plain = {}, {}
+    for name, w in tensors.items():
+        if not _converted(name):
+            fp8[name] = plain[name] = w
+            continue
+        w = w * _block_factors(w, gen)
+        module = name.removesuffix(".weight")
+        if scheme == "block":
+            q, scale = quantize_blocks_ref(w, BLOCK)
+            fp8[module + ".weight_scale_inv"] = scale
+            plain[name] = dequantize_blocks(q, scale, BLOCK)
+        else:
+            q, scale = quantize_rows_ref(w, w.shape[1])
+            fp8[module + ".weight_scale"] = scale
+            plain[name] = q.float() * scale
+        fp8[name] = q
+    for out_dir, out in ((fp8_dir, fp8), (dequantized_dir, plain)):
+        shutil.copytree(plain_dir, out_dir, dirs_exist_ok=True)
+        save_file(out, os.path.join(out_dir, os.path.basename(path)))
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = _quantization_config(scheme)
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def tiny_fp8_checkpoints(root: str) -> str:
+    """Under root: a tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v
+    96 rows) in `plain`, its FP8 versions in `block` and `channel`, and their dequantized twins in
+    `block_dequantized` and `channel_dequantized`. Returns root."""
+    from support.tiny_checkpoints import make_tiny_llama
+
+    plain = os.path.join(root, "plain")
+    make_tiny_llama(plain, hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)
+    for scheme in ("block", "channel"):
+        write_fp8_checkpoints(plain, os.path.join(root, scheme), os.path.join(root, f"{scheme}_dequantized"), scheme)
+    return root
+
+
+def _quantization_config(scheme: str) -> dict:
+    if scheme == "block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", NOT_CONVERTED]}
+    fp8_group = {"targets": ["Linear"],
+                 "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                             "dynamic": False},
+                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                       "dynamic": True}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": fp8_group}, "ignore": ["lm_head", f"re:{NOT_CONVERTED}\\..*"]}
