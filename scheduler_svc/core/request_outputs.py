@@ -33,7 +33,11 @@ def step_outputs(updates: list[StepUpdate], sampled: dict[int, engine_pb2.Sample
         out = engine_pb2.RequestOutput(
             request_id=seq.request_id, finish_reason=update.finish_reason, stop_token_id=seq.stop_token_id,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, error=update.error)
+        if update.finish_reason != UNFINISHED and seq.num_proposed_tokens:
+            out.num_proposed_tokens, out.num_accepted_tokens = seq.num_proposed_tokens, seq.num_accepted_tokens
         if update.new_token_id is not None:
+            if update.accepted_token_ids:  # speculative decoding: accepted proposals come first
+                out.new_token_ids.extend(update.accepted_token_ids)
             out.new_token_ids.append(update.new_token_id)
             token = sampled.get(seq.seq_id)
             if token is not None and token.HasField("logprobs"):
