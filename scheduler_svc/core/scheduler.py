@@ -251,7 +251,7 @@ class Scheduler:
         k = min(self.speculator.num_tokens, room, self.stop_rules[seq.seq_id].max_num_tokens - end - 1)
         if k <= 0:
             return []
-        proposal = self.speculator.propose(seq.token_ids, k)[:k]
+        proposal = self.speculator.propose(seq, k)[:k]
         if proposal and not self.block_manager.can_allocate(seq, end + len(proposal)):
             return []
         return proposal

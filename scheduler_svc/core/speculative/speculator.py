@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from protos import engine_pb2
+from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.speculative.ngram import propose_ngram
 
-# (the sequence's tokens, how many at most) -> proposed tokens
-Proposer = Callable[[list[int], int], list[int]]
+# (a sequence whose every token is known, how many at most) -> tokens proposed to follow them
+Proposer = Callable[[Sequence, int], list[int]]
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Speculator:
 
     @staticmethod
     def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int) -> "Speculator":
-        return Speculator(num_tokens, lambda tokens, k: propose_ngram(tokens, k, n_min, n_max), max_batch_size)
+        return Speculator(num_tokens, lambda seq, k: propose_ngram(seq.token_ids, k, n_min, n_max), max_batch_size)
 
     def active(self, num_running: int) -> bool:
         """Speculation pays while a step is bound by launches and weight reads, i.e. at small batches."""
