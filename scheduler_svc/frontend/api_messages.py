@@ -38,7 +38,9 @@ def usage(num_prompt_tokens: int, trackers: Iterable[OutputTracker]) -> generati
     trackers = list(trackers)
     return generation_pb2.Usage(prompt_tokens=num_prompt_tokens,
                                 completion_tokens=sum(t.num_tokens for t in trackers),
-                                cached_prompt_tokens=max(t.num_cached_tokens for t in trackers))
+                                cached_prompt_tokens=max(t.num_cached_tokens for t in trackers),
+                                speculative_proposed_tokens=sum(t.num_proposed_tokens for t in trackers),
+                                speculative_accepted_tokens=sum(t.num_accepted_tokens for t in trackers))
 
 
 def merge_output(total: generation_pb2.CompletionOutput, part: generation_pb2.CompletionOutput) -> None:
