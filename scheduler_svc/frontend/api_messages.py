@@ -67,4 +67,7 @@ def model_info(ready: engine_pb2.EngineReady) -> generation_pb2.ModelInfo:
 def stats(s: engine_pb2.SchedulerStats) -> generation_pb2.Stats:
     names = set(generation_pb2.Stats.DESCRIPTOR.fields_by_name)
     names &= set(engine_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
-    return generation_pb2.Stats(**{name: getattr(s, name) for name in names})
+    out = generation_pb2.Stats(**{name: getattr(s, name) for name in names})
+    if s.num_speculative_steps:  # each verifying step yields its accepted proposals and one token more
+        out.mean_accepted_length = 1 + s.num_accepted_tokens / s.num_speculative_steps
+    return out
