@@ -148,7 +148,7 @@ def run_one(args, name: str, mode: str, policy: str, prompts, max_tokens, num_bl
         probe_steps_to_first_token=got["probe_steps_to_first_token"],
         probe_seconds_to_first_token=got["probe_seconds_to_first_token"],
         # where the time went: one schedule can take the same steps in either mode and still differ in their
-        # time (workload a, session 8); these say whether prefill or decode steps, the executor or the wait
+        # time (workload a; H200, 2026-12-01, 1d69369); these say whether prefill or decode steps, the executor or the wait
         steps=d("num_steps"), mixed_steps=d("num_mixed_steps"), prefill_tokens=d("num_prefill_tokens"),
         prefill_steps_s=d("prefill_step_seconds"), decode_steps_s=d("decode_step_seconds"),
         executor_busy_s=d("executor_busy_seconds"), executor_idle_s=d("executor_idle_seconds"),

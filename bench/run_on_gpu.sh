@@ -7,7 +7,7 @@
 #   tests-par    the same, one pytest per test file, all at once (Triton compiles on many cores), each within 230 s; a test
 #                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
-#   variants     bench/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
+#   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
 #   profile      bench/step_profile.py (PROFILE_ARGS adds flags)
@@ -68,7 +68,7 @@ for step in "$@"; do
       tar czf "$OUT/gpu_tests.tgz" -C "$LOGS" tests
       summary+=("tests-par: $(cat "$LOGS"/tests/*.log | grep -c -E '^(FAILED|ERROR)') failed or errored") ;;
     variants)
-      python3 bench/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
+      python3 bench/studies/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;

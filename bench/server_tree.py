@@ -2,7 +2,7 @@
 
 The tree's `nanoserve serve` runs with cwd and PYTHONPATH at DIR (this repo taken off PYTHONPATH), so that
 its own packages, and its children's, are imported, from its own CLI module: scheduler_svc.cli up to
-session 4 (a22f1ae), scheduler_svc.entrypoints.cli since session 5's reorganisation.
+a22f1ae (2026-11-30), scheduler_svc.entrypoints.cli since the reorganisation of 2026-12-01 (fdd2e3b).
 
 Its flags: the engine flags go as this tree's EngineConfig.to_argv(), less those the tree's `serve --help`
 does not list. Such a flag is dropped when it holds this tree's default (the older tree then runs as it
@@ -33,7 +33,7 @@ from google.protobuf import descriptor_pb2
 from protos import engine_pb2, generation_pb2
 from scheduler_svc.common.config import EngineConfig
 
-CLI_MODULES = ("scheduler_svc.entrypoints.cli", "scheduler_svc.cli")  # now; up to session 4 (a22f1ae)
+CLI_MODULES = ("scheduler_svc.entrypoints.cli", "scheduler_svc.cli")  # now; up to a22f1ae (2026-11-30)
 _FIELD = re.compile(r"^\s*(repeated\s+|optional\s+)?([\w.]+)\s+(\w+)\s*=\s*(\d+)\s*[;\[]", re.M)
 _ENUM_VALUE = re.compile(r"^\s*(\w+)\s*=\s*(-?\d+)\s*[;\[]", re.M)
 _BLOCK = re.compile(r"^(message|enum)\s+(\w+)\s*\{(.*?)^\}", re.M | re.S)  # top-level blocks: none are nested

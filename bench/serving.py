@@ -30,7 +30,7 @@ Datasets:
 
 With --launch, flags this script does not know (engine and server flags) go to `nanoserve serve`;
 with --dataset nanovllm the engine flags also build the --offline-too engine, so both are the same.
---server-tree DIR serves from another source tree, an older commit say (bench/server_tree.py, compare_trees.sh).
+--server-tree DIR serves from another source tree, an older commit say (bench/server_tree.py, bench/studies/compare_trees.sh).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from scheduler_svc.entrypoints.launcher import IPC_DIR_PREFIX
 COUNTERS = ("num_steps", "num_generated_tokens", "num_prefill_tokens", "num_preemptions", "prefill_step_seconds",
             "decode_step_seconds", "executor_busy_seconds", "executor_idle_seconds", "prefix_cache_query_tokens",
             "prefix_cache_hit_tokens")
-# the scheduler's module now, and up to session 4 (a22f1ae, bench/serving.py --server-tree)
+# the scheduler's module now, and up to a22f1ae (2026-11-30, bench/serving.py --server-tree)
 SCHEDULER_MODULES = {b"scheduler_svc.core.scheduler_process", b"scheduler_svc.scheduler_process"}
 
 
@@ -41,7 +41,7 @@ class Snapshot:
 
 def scheduler_socket(server_pid: int) -> str | None:
     """The scheduler's front-end socket of a `nanoserve serve` process: launcher.make_ipc_dir's layout, else
-    the --frontend-addr of the scheduler it started (a tree before session 5 named its ipc dir without a pid)."""
+    the --frontend-addr of the scheduler it started (a tree before fdd2e3b, 2026-12-01, named its ipc dir without a pid)."""
     paths = glob.glob(os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{server_pid}-*", "frontend.sock"))
     if len(paths) == 1:
         return f"ipc://{paths[0]}"

@@ -14,7 +14,7 @@ A pool of dtype int8 (--kv-cache-dtype int8) holds them divided by a scale per K
 
 int8's error is absolute (at most scale / 2), e4m3's relative (3 mantissa bits): with a scale fitted to
 each channel int8 keeps SmolLM2's greedy top-1 at 98.8% where e4m3 stops near 97% whatever its scales
-(bench/kv_format_study.py). A channel's scale fits every token because K's outliers sit in fixed
+(bench/studies/kv_format_study.py). A channel's scale fits every token because K's outliers sit in fixed
 channels; attention folds K's into q (q . k = sum_d (q_d s_d) k_d) and V's into the output.
 
 The division runs in float32 whatever the activation dtype. The clamps keep values beyond the range
@@ -99,7 +99,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 # so four binades of headroom cost nothing but values 2^-10 below the maximum, which barely count.
 CALIBRATION_HEADROOM = 16.0
 # int8's steps are even, so headroom costs resolution everywhere, and clamping costs the outliers:
-# bench/kv_format_study.py on SmolLM2, per channel, top-1 by headroom: 1x 97.2%, 1.5x 98.8%.
+# bench/studies/kv_format_study.py on SmolLM2, per channel, top-1 by headroom: 1x 97.2%, 1.5x 98.8%.
 INT8_CALIBRATION_HEADROOM = 1.5
 
 

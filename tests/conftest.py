@@ -17,7 +17,7 @@ def embedded_model() -> str:
 
 @pytest.fixture(scope="session")
 def gpu_qwen3_dir(tmp_path_factory) -> str:
-    """The random Qwen3 checkpoint of the CUDA engine tests (support/gpu_engine.py), made once per session."""
+    """The random Qwen3 checkpoint of the CUDA engine tests (support/gpu_engine.py), made once per pytest session."""
     from support.gpu_engine import make_gpu_qwen3
 
     return make_gpu_qwen3(str(tmp_path_factory.mktemp("qwen3_gpu")))

@@ -15,13 +15,13 @@ P^T comes out of S's accumulator with no data movement (rows 0-7 of the M = 16 t
 heads, so GROUP <= 8). The tile is one KV block (16 tokens). With no shared memory and 128-140 registers an SM
 holds 14-16 of these one-warp programs, whose loads in flight hide the latency; the next block's id is read a
 step ahead. The scales are the engine's: fp8's per KV head join the softmax scale and the output, int8's per
-channel multiply q (in the renumbered order) and the output. Offline sm_90 SASS (bench/fp8_decode_gluon.py
+channel multiply q (in the renumbered order) and the output. Offline sm_90 SASS (bench/studies/fp8_decode_gluon.py
 --sass): 244 instructions per 16-token tile for fp8 (4 KB of K and V), 330 for int8, against the engine's
 Triton kernel's 671 per warp per 8 KB and its shared-memory round trips.
 
 The engine's decode path over an 8-bit pool wherever it fits (gluon_decode_fits: block size 16, head_dim 128,
 GQA group <= 8, sm_80 and up); kernels/attention/triton_backend.paged_decode_attention falls back to its Triton
-kernel elsewhere. H200 (bench/fp8_decode_gluon.py, session 13): 1.13-1.50x the Triton kernel's speed over the
+kernel elsewhere. H200 (bench/studies/fp8_decode_gluon.py; 2026-12-02, e3fc8a5): 1.13-1.50x the Triton kernel's speed over the
 same fp8 pool, 3.0-3.9 TB/s over its bytes, with the same error against float64.
 """
 from __future__ import annotations
@@ -213,7 +213,7 @@ def gluon_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, sm_cou
     """Splits of each context: about as many one-warp programs as the SMs hold at once (RESIDENT_PER_SM), and
     at least two while there are fewer than two such waves, each split keeping at least 4 blocks.
 
-    H200 (bench/fp8_decode_gluon.py --splits 0 1 2 3 4 6 8, session 13): the throughput run's ragged batches of
+    H200 (bench/studies/fp8_decode_gluon.py --splits 0 1 2 3 4 6 8; 2026-12-02, e3fc8a5): the throughput run's ragged batches of
     256 and 153 sequences (2,048 and 1,224 programs) ran fastest at 2 splits, 1.1-1.4x faster than at 1, where
     the longest contexts end the step alone; 59 and 64 sequences at 4 (3 and 5 were 1.1-1.3x slower: a wave
     and a bit of programs); 7 at ~24."""

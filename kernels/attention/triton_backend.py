@@ -59,7 +59,7 @@ def _load_rows(ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
 def _fp16_for_fp8_dots(q, FP16_DOTS: tl.constexpr):
     """Over an fp8 pool the dots run in fp16: e4m3 converts to fp16 in one instruction on sm_89+ but
     to bf16 through more, so with bf16 dots fp8 decode ran at 0.8x a bf16 pool's speed (1.23-1.32x in
-    fp16: bench/fp8_decode_variants.py). q, bf16 or fp16, is clamped into fp16's range once."""
+    fp16: bench/studies/fp8_decode_variants.py). q, bf16 or fp16, is clamped into fp16's range once."""
     if FP16_DOTS:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     return q
@@ -98,7 +98,7 @@ def _fp16_in_registers(x):
     e4m3 -> fp16 conversion into the shared-memory load of p @ V's operand, which this layout (V [tokens, D],
     the dot's K along tokens) can only read a byte at a time: 256 LDS.U8 a tile and 248 registers a thread in
     the decode kernel (two programs an SM, ncu). Kept apart, V converts in registers and returns through shared
-    memory as fp16 by ldmatrix.trans: 149 registers (sm_90 SASS, bench/fp8_decode_variants.py's vreg)."""
+    memory as fp16 by ldmatrix.trans: 149 registers (sm_90 SASS, bench/studies/fp8_decode_variants.py's vreg)."""
     return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=tl.float16, is_pure=False, pack=1)
 
 

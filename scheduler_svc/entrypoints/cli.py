@@ -141,13 +141,9 @@ def _cmd_scheduler(argv: list[str]) -> int:
     return main(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    # roles that parse their own flags
-    if argv and argv[0] == "executor":
-        return _cmd_executor(argv[1:])
-    if argv and argv[0] == "scheduler":
-        return _cmd_scheduler(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The `nanoserve` parser with its generate, serve, frontend, client subcommands (the scheduler and the
+    executor parse their own flags); torch-free, so the README's flag tables are checked against it."""
     parser = argparse.ArgumentParser("nanoserve", description="nanoserve: an LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline generation for prompts")
@@ -175,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_client_parsers(sub.add_parser("client", help="call a running server"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # roles that parse their own flags
+    if argv and argv[0] == "executor":
+        return _cmd_executor(argv[1:])
+    if argv and argv[0] == "scheduler":
+        return _cmd_scheduler(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)

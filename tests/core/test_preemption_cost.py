@@ -101,7 +101,7 @@ def test_without_a_calibration_the_rate_is_measured_from_whole_prefill_steps_unt
 
 
 def test_the_premium_of_a_decode_step_carrying_prefill_is_learned_from_steps_and_charged_once_per_recompute():
-    costs = PreemptionCosts(**H200, prefill_tokens_per_s=900_000.0)  # the H200's calibrated rate (session 7)
+    costs = PreemptionCosts(**H200, prefill_tokens_per_s=900_000.0)  # the H200's calibrated rate (H200, 2026-12-01, 590fe90)
     for _ in range(40):  # a graph-replayed decode step of 5 ms, then one carrying 90 prefill tokens in 11.1 ms
         costs.observe_step(num_prefill_tokens=0, seconds=0.005)
         costs.observe_step(num_prefill_tokens=90, seconds=0.0111)

@@ -6,7 +6,7 @@ Random checkpoints are saved to disk (the dummy loader draws each shard apart, s
 not share weights): the Qwen3-0.6B shape, and the Qwen3-8B shape cut to 4 layers and a 32k vocabulary
 (each layer is the 8B's; the cut keeps the checkpoint at 4 GB). Near-ties may flip a token when the
 reference's token is among our top 5 (support.hf_reference.assert_greedy_matches).
-Not yet run: no 2-GPU machine was lent when this was written (session 6).
+Not yet run: no 2-GPU machine was lent when this was written (2026-12-01, 65b61be).
 """
 from __future__ import annotations
 

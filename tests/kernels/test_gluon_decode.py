@@ -2,7 +2,7 @@
 fits) matches float64 attention over the dequantized pool as closely as the Triton decode kernel does.
 
 On the CPU Gluon cannot run, so its calls are mapped onto triton.language with the layouts dropped
-(bench/fp8_decode_gluon.load_kernel_module) and the kernel runs in Triton's interpreter, in a child process: a
+(bench/studies/fp8_decode_gluon.load_kernel_module) and the kernel runs in Triton's interpreter, in a child process: a
 check of its index logic (the channel renumbering, the head slice, the masks, the scales, the split partials).
 On a GPU the compiled kernel, layouts and all, meets the same bound.
 """
@@ -14,7 +14,7 @@ from support.interpreter_child import (INTERPRETING, assert_module_passes_under_
 
 pytest.importorskip("triton")
 
-from bench.fp8_decode_gluon import CHECK_CASES, check_case, close_to_triton, load_kernel_module  # noqa: E402
+from bench.studies.fp8_decode_gluon import CHECK_CASES, check_case, close_to_triton, load_kernel_module  # noqa: E402
 
 
 def test_the_gluon_kernel_is_checked_under_the_interpreter():

@@ -88,7 +88,7 @@ MAKERS = {
 
 
 def tiny_checkpoint(kind: str, tmp_path_factory) -> str:
-    """A session-cached checkpoint directory of `kind` (one of MAKERS), built on first use."""
+    """A pytest-session-cached checkpoint directory of `kind` (one of MAKERS), built on first use."""
     root = tmp_path_factory.getbasetemp() / "tiny_checkpoints"
     path = root / kind
     if not (path / "config.json").exists():

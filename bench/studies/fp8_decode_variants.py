@@ -1,10 +1,10 @@
 """Which decode-attention kernel shape reads an fp8 KV pool fastest; a benchmark, not a test.
 
-  python bench/fp8_decode_variants.py              # H200: every variant x tile config, graph-replayed
-  python bench/fp8_decode_variants.py --device cpu --tiny   # interpreter check of every variant
+  python bench/studies/fp8_decode_variants.py              # H200: every variant x tile config, graph-replayed
+  python bench/studies/fp8_decode_variants.py --device cpu --tiny   # interpreter check of every variant
 
 The engine's decode kernel (kernels/attention/triton_backend.py) reads bf16 at 4.3 TB/s but an fp8
-pool at only 1.5-1.75 TB/s (0.8x bf16's time per token, session 7), so the fp8 bytes it saves are lost
+pool at only 1.5-1.75 TB/s (0.8x bf16's time per token; H200, 2026-12-01, 590fe90), so the fp8 bytes it saves are lost
 somewhere between the load and the dots. The variants, each one program per (sequence, KV head):
   qk     the engine's layout: q [G padded to 16, D] x K^T; K and V converted to DT for the dots
   swap   K [N, D] x q^T [D, G]: K is the dot's first operand, which a Hopper MMA takes from
@@ -22,7 +22,7 @@ somewhere between the load and the dots. The variants, each one program per (seq
          shared-memory load the way K does (the FA3 layout for fp8 V), and V never goes back through
          shared memory as fp16 (ncu: vreg is bound by shared memory, not DRAM). Without a hint Triton cannot
          see that a block's tokens are contiguous (the block id is a loaded value): V^T came a byte at a
-         time, 255 registers, slower than vreg (H200, session 11). With tl.max_contiguous the full tiles
+         time, 255 registers, slower than vreg (H200, 2026-12-02, 98d723e). With tl.max_contiguous the full tiles
          load by 16-byte cp.async (offline SASS: 168 registers at (128, 4, 2), 126 at (64, 4, 2), 40 / 22 KB
          shared against vreg's 72 / 38); not yet timed
   f8dot  f8qk, and p (in [0, 1], times 256) split the same way, so p V is two fp8 dots too: neither K
@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parent.parent
 sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 SHAPES = [(256, 1024), (64, 4096), (256, 4096)]  # (seqs, context)
@@ -66,14 +66,14 @@ def parse_args() -> argparse.Namespace:
                    "programs on an SM")
     p.add_argument("--shapes", nargs="+", default=None, help="B:C pairs, e.g. 256:4096 (default: three)")
     p.add_argument("--ncu", action="store_true", help="launch each config once, untimed, for Nsight Compute "
-                   "(ncu -k regex:_decode_kernel ... python bench/fp8_decode_variants.py --ncu)")
-    p.add_argument("--out", default=str(HERE / "results" / "fp8_decode_variants.json"))
+                   "(ncu -k regex:_decode_kernel ... python bench/studies/fp8_decode_variants.py --ncu)")
+    p.add_argument("--out", default=str(HERE.parent / "results" / "fp8_decode_variants.json"))
     return p.parse_args()
 
 
 def load_bench_kernels():
     """bench/kernels.py's Bench (its inputs and timers), loaded by path: its name shadows the package."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", HERE / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", HERE.parent / "kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -16,7 +16,7 @@ Static formats, their scales fixed from the engine's calibration forward (its te
   int8headH the same with a scale per layer and KV head
   e4m3head  the engine's fp8 cache (calibrated-per-head, 16x headroom)
 
-    python bench/kv_format_study.py --num-prompts 64 --new-tokens 128     # the issue's size: ~10 min on 2 cores
+    python bench/studies/kv_format_study.py --num-prompts 64 --new-tokens 128     # the issue's size: ~10 min on 2 cores
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
@@ -89,7 +89,7 @@ FORMATS = {"e4m3": e4m3, "int8": int8, "int8+H": rotated(int8), "e4m3+H": rotate
 STATIC = {f"int8ch{h:g}": (127.0, True, h, None) for h in (1.0, 1.25, 1.5, 2.0, 3.0)}
 STATIC |= {f"int8head{h:g}": (127.0, False, h, None) for h in (1.0, 1.5, 2.0)}
 STATIC["e4m3head"] = (FP8_MAX, False, 16.0, FP8_DTYPE)  # the engine's fp8 cache (calibrated-per-head)
-# (K, V) pairs: V alone barely moves top-1 (session 7), so K is the question
+# (K, V) pairs: V alone barely moves top-1 (2026-12-01, 590fe90), so K is the question
 PAIRS = [("e4m3", "e4m3"), ("e4m3+H", "e4m3"), ("int8", "e4m3"), ("int8+H", "e4m3"), ("int8", "int8"),
          ("e4m3", "exact"), ("int8", "exact"), ("e4m3head", "e4m3head"), ("int8ch1.5", "e4m3head"),
          ("int8ch1.5", "int8ch1.5")]

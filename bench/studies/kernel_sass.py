@@ -1,11 +1,11 @@
 """What the engine's attention kernels compile to on a Hopper GPU, without one: registers, spills and an
 instruction histogram of each kernel, compiled for sm_90 by Triton's own ptxas on this machine. Not a
-timing (that needs the device: bench/kernels.py, bench/fp8_decode_variants.py), but it shows in seconds what
+timing (that needs the device: bench/kernels.py, bench/studies/fp8_decode_variants.py), but it shows in seconds what
 a kernel change does to the code, e.g. whether an operand is read from shared memory a byte at a time.
 
-    python bench/kernel_sass.py                              # decode and prefill, bf16 and fp8 pools, 0.6B shape
-    python bench/kernel_sass.py --model-shape qwen3-8b --kv-cache-dtype fp8 --kernels decode
-    python bench/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
+    python bench/studies/kernel_sass.py                              # decode and prefill, bf16 and fp8 pools, 0.6B shape
+    python bench/studies/kernel_sass.py --model-shape qwen3-8b --kv-cache-dtype fp8 --kernels decode
+    python bench/studies/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
 
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
 (kernels/attention/triton_tuning.py's configs, bf16 activations), and the arguments are specialised as a
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path = [str(HERE.parent.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, not for the interpreter
 
 import torch  # noqa: E402
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--prefill-configs", nargs="+", metavar="M,N,W,S",
                    help="prefill tiles to compile instead of the engine's: BLOCK_M,BLOCK_N,warps,stages each")
     p.add_argument("--dump-dir", help="write each kernel's SASS here")
-    p.add_argument("--out", default=str(HERE / "results" / "kernel_sass.json"))
+    p.add_argument("--out", default=str(HERE.parent / "results" / "kernel_sass.json"))
     args = p.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
     cases = {"decode": decode_case, "prefill": prefill_case}

@@ -7,8 +7,8 @@ its own bytes (at most a plain copy's, 4.26 TB/s on the H200). The KV bytes come
 lengths (nano-vLLM's draws: every decode step of a sequence reads its prompt and the tokens generated so
 far, in every layer, K and V); the bandwidths from bench/kernels.py --ragged (the throughput run's batches).
 
-    python bench/fp8_ceiling.py --model-shape qwen3-8b --bf16-seconds 14.14
-    python bench/fp8_ceiling.py --bf16-seconds 5.33 --fp8-tb-per-s 2.64   # what the fp8 kernel gives today
+    python bench/studies/fp8_ceiling.py --model-shape qwen3-8b --bf16-seconds 14.14
+    python bench/studies/fp8_ceiling.py --bf16-seconds 5.33 --fp8-tb-per-s 2.64   # what the fp8 kernel gives today
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.nanovllm_workload import MODEL_SHAPES, workload  # noqa: E402
 

@@ -1,10 +1,10 @@
 """The Gluon decode kernel over 8-bit pools (kernels/attention/gluon_decode.py, the engine's decode there) against
 the Triton decode kernel; a benchmark.
 
-  python bench/fp8_decode_gluon.py                 # H200: error vs float64, then us and TB/s, uniform and ragged
-  python bench/fp8_decode_gluon.py --kv-cache-dtype int8
-  python bench/fp8_decode_gluon.py --device cpu    # the kernel's index logic under the Triton interpreter
-  python bench/fp8_decode_gluon.py --sass          # sm_90 registers and instruction counts, compiled offline
+  python bench/studies/fp8_decode_gluon.py                 # H200: error vs float64, then us and TB/s, uniform and ragged
+  python bench/studies/fp8_decode_gluon.py --kv-cache-dtype int8
+  python bench/studies/fp8_decode_gluon.py --device cpu    # the kernel's index logic under the Triton interpreter
+  python bench/studies/fp8_decode_gluon.py --sass          # sm_90 registers and instruction counts, compiled offline
 
 On the GPU every batch runs the Triton decode kernel over a bf16 pool and over the same pool in fp8 (or
 int8), then the Gluon kernel over the 8-bit pool at its own split count and at 1, 2 and 4 splits (longest
@@ -35,8 +35,8 @@ import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
-KERNEL_FILE = HERE.parent / "kernels" / "attention" / "gluon_decode.py"
+sys.path = [str(HERE.parent.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
+KERNEL_FILE = HERE.parent.parent / "kernels" / "attention" / "gluon_decode.py"
 RAGGED_POINTS = [(256, 80), (153, 400), (59, 800), (7, 1000)]  # (batch, tokens generated so far)
 UNIFORM = [(b, c) for b in (64, 256) for c in (512, 1024, 4096)]
 
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sass", action="store_true", help="compile for sm_90 offline and print the code's size")
     p.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4], help="0: the kernel's own choice")
     p.add_argument("--kv-cache-dtype", choices=["fp8", "int8"], default="fp8")
-    p.add_argument("--out", default=str(HERE / "results" / "fp8_decode_gluon.json"))
+    p.add_argument("--out", default=str(HERE.parent / "results" / "fp8_decode_gluon.json"))
     return p.parse_args()
 
 
@@ -117,7 +117,7 @@ def _variants_bench() -> types.ModuleType:
 
 
 def reference(q, k8, v8, scales, meta, scale: float) -> torch.Tensor:
-    """float64 attention over the 8-bit pool dequantized by its scales: bench/fp8_decode_variants.py's."""
+    """float64 attention over the 8-bit pool dequantized by its scales: bench/studies/fp8_decode_variants.py's."""
     return _variants_bench().reference(torch, q, k8, v8, scales, meta, scale)
 
 
@@ -201,7 +201,7 @@ def interpreter_check(gk) -> list[dict]:
 
 def load_bench_kernels():
     """bench/kernels.py's Bench (inputs and timers), loaded by path: its name shadows the package."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", HERE / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", HERE.parent / "kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -260,7 +260,7 @@ def time_batches(gk, splits_list: list[int], kind: str) -> list[dict]:
 
 def sass_summary(gk, kind: str) -> dict:
     """Registers, shared memory and instruction counts of the kernel for sm_90 (the 0.6B shape), offline."""
-    from bench import kernel_sass
+    from bench.studies import kernel_sass
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = gk.gluon_decode_kernel

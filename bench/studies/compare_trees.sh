@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving throughput of an older tree against this one, in one device-tool call: why did session 4's gRPC waves
+# Serving throughput of an older tree against this one, in one device-tool call: why did the gRPC waves of a22f1ae (2026-11-30)
 # vary by up to 1.6x (issue #12)? Extracts the tarball of the old tree (`git archive a22f1ae -o .old/a22f1ae.tar`,
 # carried; the first argument, that by default) to /tmp, builds its stubs, then launches 4 fresh servers, old,
 # new, old, new, each serving 3 waves of the nanovllm draws from 2 client processes (bench/serving.py
