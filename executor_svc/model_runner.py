@@ -13,7 +13,7 @@ import torch
 from executor_svc.copy_costs import calibrate
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
-                                      one_token_chunks_first, profiling_chunks)
+                                      one_token_chunks_first, profiling_chunks, verification_rows)
 from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
 from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
                                          pool_amax)
@@ -205,6 +205,10 @@ class ModelRunner:
         if not chunks:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
+        if any(c.proposal for c in chunks):
+            rows = verification_rows(chunks, self.block_size, self.prev_rows)
+            if rows is not None:
+                return self._launch_rows(rows)
         bucket = None
         # a decode graph's logits are one row per chunk: a one-token prefill chunk that does not end its
         # prompt (so does not sample) sends the step down the eager path
@@ -236,6 +240,21 @@ class ModelRunner:
         if inputs.sampling_chunks and inputs.logits is None:
             rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
             inputs.logits = self.model.compute_logits(rows)
+        return inputs
+
+    def _launch_rows(self, rows) -> StepInputs:
+        """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
+        graph when one is large enough, else eagerly; one logits row per row."""
+        bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
+        if bucket is None:
+            inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
+            inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
+        else:  # the graph's own draw is not used: verification samples from its logits
+            inputs = decode_graph_inputs(rows, self.graphs, bucket, None)
+            hidden = self.graphs.run(bucket, rows.num_decodes)
+            inputs.logits = self.graphs.logits[: rows.num_decodes] if self.graphs.samples \
+                else self.model.compute_logits(hidden)
+        inputs.verifies = True
         return inputs
 
     @torch.inference_mode()

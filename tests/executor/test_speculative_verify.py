@@ -141,3 +141,47 @@ def test_a_seeded_verification_depends_on_its_seed_alone(tiny_logits):
     other = [chunk(99, engine_pb2.SamplingOptions(temperature=1.0, seed=s), proposal) for s in range(40)]
     verdicts = verify_chunks(logits.repeat(40, 1), other, logits.shape[1], host_upload, None, {})
     assert len(set(zip(verdicts.num_accepted.tolist(), verdicts.token_ids.tolist()))) > 1
+
+
+def test_verification_rows_score_each_proposal_as_transformers_does(tmp_path_factory):
+    """A verifying step run as one-token rows (the decode path, and on CUDA the decode graphs) gives each
+    position the logits of the varlen path and of transformers over the prompt and the proposals."""
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.input_batch import device_inputs, host_inputs, verification_rows
+    from executor_svc.model_loader import load_model
+    from executor_svc.pinned_staging import PinnedStaging
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    path = tiny_checkpoint("llama", tmp_path_factory)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    bs, staging = 4, PinnedStaging(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    for attn in model.attention_layers():  # a pool of garbage, as a reused one holds
+        attn.k_cache = torch.randn(32, bs, attn.num_kv_heads, attn.head_dim, generator=gen)
+        attn.v_cache = torch.randn(32, bs, attn.num_kv_heads, attn.head_dim, generator=gen)
+    prompts, proposals = [PROMPT, [7, 3, 250, 3, 7]], [[11, 12, 13], [4]]
+    tables = [[9, 2, 30, 14], [5, 21, 7]]
+
+    def run(chunks, rows: bool):
+        host = verification_rows(chunks, bs, {}) if rows else host_inputs(chunks, bs, {})
+        inputs = device_inputs(host, staging, bs, None)
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
+        return model.compute_logits(hidden[inputs.logits_indices])
+
+    with torch.no_grad():
+        # the prompts but their last token, computed first
+        prefill = [ScheduledChunk(MirroredSeq(i, p, len(p), t, 0, engine_pb2.SamplingOptions()), 0, len(p) - 1)
+                   for i, (p, t) in enumerate(zip(prompts, tables))]
+        run(prefill, rows=False)
+        chunks = [chunk(i, engine_pb2.SamplingOptions(), d, prompt=p) for i, (p, d) in enumerate(zip(prompts, proposals))]
+        for c, t in zip(chunks, tables):  # the blocks the prefill wrote
+            c.seq.cut_blocks(0)
+            c.seq.add_blocks(t)
+        as_rows = run(chunks, rows=True)
+        as_varlen = run(chunks, rows=False)
+        hf = AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = torch.cat([hf(torch.tensor([p + d])).logits[0, len(p) - 1:] for p, d in zip(prompts, proposals)])
+    assert as_rows.shape == (len(proposals[0]) + len(proposals[1]) + 2, 256)
+    torch.testing.assert_close(as_rows, as_varlen, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(as_rows, ref.float(), atol=1e-4, rtol=1e-4)
