@@ -33,8 +33,9 @@ RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WA
                                        SequenceStatus.FINISHED)
 
 
-# With async scheduling, a sequence that had nothing to propose is planned ahead of its samples for this many
-# steps before it waits for one again to look for a proposal (proposals need every token known).
+# A sequence that had nothing to propose, or whose proposals were all rejected, decodes plainly for this many
+# steps before it proposes again: a verification costs more than a decode (on the CPU about twice; on a GPU little,
+# but it waits for its last token, while plain decodes are planned ahead of their samples under async scheduling).
 SPECULATION_BACKOFF_STEPS = 8
 
 
@@ -212,12 +213,12 @@ class Scheduler:
             is_new = not seq.in_executor
             proposal = ()
             if speculating and seq.speculate and num_new == 1 and not is_new:
-                if not placeholders:
-                    proposal = self._proposal(seq, end, budget - 1)
-                    if not proposal:  # nothing to propose: plan it ahead (async scheduling) for a few steps
-                        seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
-                elif seq.speculation_backoff > 0:
+                if seq.speculation_backoff > 0:  # a plain decode, planned ahead of its samples (async scheduling)
                     seq.speculation_backoff -= 1
+                elif not placeholders:
+                    proposal = self._proposal(seq, end, budget - 1)
+                    if not proposal:
+                        seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
                 else:  # a proposal needs every token: wait for the one in flight rather than plan ahead of it
                     i += 1
                     continue
@@ -340,6 +341,8 @@ class Scheduler:
         self.speculator.record(len(s.proposal), len(accepted))
         seq.num_proposed_tokens += len(s.proposal)
         seq.num_accepted_tokens += len(accepted)
+        if not accepted:
+            seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
         reason, new = UNFINISHED, [*accepted, token]
         for n, t in enumerate(new, 1):
             seq.token_ids.append(t)

@@ -50,7 +50,7 @@ class Sequence:
     verifying: bool = False  # a step verifying its proposals is in flight: nothing is planned for it until it is back
     num_proposed_tokens: int = 0  # over its life, for its usage
     num_accepted_tokens: int = 0
-    speculation_backoff: int = 0  # steps it runs ahead of its samples before it waits to propose again (async)
+    speculation_backoff: int = 0  # plain decodes before it proposes again (nothing to propose, or all rejected)
     blocks_kept: int = -1  # the executors' mirror is cut to this many blocks by the next plan; -1: nothing to cut
 
     # executor mirror bookkeeping (invariant 4: plans carry deltas)
