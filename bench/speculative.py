@@ -72,6 +72,9 @@ def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]]) -
                                                                             before.accepted_per_position or
                                                                             [0] * len(after.accepted_per_position))],
                              "tokens": [r.outputs[0].token_ids for r in results]})
+                r = rows[-1]
+                print(f"  {r['method']:<6}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
+                      f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
     return rows
 
 
