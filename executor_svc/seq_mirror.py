@@ -6,6 +6,7 @@ Torch-free: the mirrors are plain Python and numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -91,11 +92,7 @@ class SequenceMirrors:
             )
             self.seqs[seq.seq_id] = seq
             chunks.append(self._chunk(seq, new.num_scheduled_tokens))
-        cached = plan.cached
-        if cached.num_proposed_tokens or cached.num_blocks_kept:
-            self._apply_speculative(plan.step_id, cached, chunks)
-        else:
-            self._apply_cached(plan.step_id, cached, chunks)
+        self._apply_cached(plan.step_id, plan.cached, chunks)
         if plan.HasField("token_bitmasks"):
             attach_token_masks(plan.step_id, plan.token_bitmasks, chunks)
         if plan.late_mask_seq_ids:
@@ -103,29 +100,17 @@ class SequenceMirrors:
         return chunks
 
     def _apply_cached(self, step_id: int, cached: engine_pb2.CachedSequences, chunks: list[ScheduledChunk]) -> None:
-        new_blocks = list(cached.new_block_ids)
-        offset = 0
-        for seq_id, num_scheduled, num_new, last_token in zip(
-                cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids):
-            seq = self._mirrored(step_id, seq_id)
-            if num_new:
-                seq.add_blocks(new_blocks[offset:offset + num_new])
-                offset += num_new
-            if last_token >= 0 and seq.token_ids[-1] != last_token:
-                raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
-                                   f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, num_scheduled))
-
-    def _apply_speculative(self, step_id: int, cached: engine_pb2.CachedSequences,
-                           chunks: list[ScheduledChunk]) -> None:
-        """_apply_cached for a plan that carries proposals or gives lookahead blocks back."""
+        """The deltas of the sequences mirrored already: block cuts, new blocks, and proposals to verify."""
         n = len(cached.seq_ids)
-        num_proposed = list(cached.num_proposed_tokens) or [0] * n
-        kept = list(cached.num_blocks_kept) or [-1] * n
+        num_proposed, kept = list(cached.num_proposed_tokens), list(cached.num_blocks_kept)
         proposed, new_blocks = list(cached.proposed_token_ids), list(cached.new_block_ids)
-        if len(num_proposed) != n or len(kept) != n or sum(num_proposed) != len(proposed) or min(num_proposed) < 0:
-            raise RuntimeError(f"plan {step_id}: proposals for {len(num_proposed)} seqs ({sum(num_proposed)} tokens, "
-                               f"{len(proposed)} sent) and {len(kept)} block cuts, for {n} seqs")
+        if num_proposed or kept:  # speculative decoding; otherwise both are left out
+            num_proposed, kept = num_proposed or [0] * n, kept or [-1] * n
+            if len(num_proposed) != n or len(kept) != n or sum(num_proposed) != len(proposed) or min(num_proposed) < 0:
+                raise RuntimeError(f"plan {step_id}: proposals for {len(num_proposed)} seqs ({sum(num_proposed)} "
+                                   f"tokens, {len(proposed)} sent) and {len(kept)} block cuts, for {n} seqs")
+        else:
+            num_proposed, kept = repeat(0), repeat(-1)
         offset = at = 0
         for seq_id, num_scheduled, num_new, last_token, k, keep in zip(
                 cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids,
@@ -139,7 +124,7 @@ class SequenceMirrors:
             if last_token >= 0 and seq.token_ids[-1] != last_token:
                 raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
                                    f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k]))
+            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else ()))
             at += k
 
     def _mirrored(self, step_id: int, seq_id: int) -> MirroredSeq:
