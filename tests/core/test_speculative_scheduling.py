@@ -116,3 +116,14 @@ def test_requests_whose_verdict_would_need_more_than_one_draw_per_position_never
     else:
         setattr(add.sampling, field, value)
     assert not can_speculate(add)
+
+
+def test_the_public_opt_out_reaches_the_scheduler():
+    from protos import generation_pb2
+    from scheduler_svc.frontend.sampling_params import from_api
+
+    params = from_api(generation_pb2.SamplingParams(temperature=0.0, max_tokens=4, disable_speculation=True))
+    (add,) = params.add_requests(["r"], [1, 2, 3])
+    assert add.disable_speculation and not can_speculate(add)
+    (add,) = from_api(generation_pb2.SamplingParams(temperature=0.0, max_tokens=4)).add_requests(["r"], [1, 2, 3])
+    assert can_speculate(add)
