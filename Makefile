@@ -18,12 +18,14 @@ GPU_PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 PROTOS := $(wildcard protos/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: help install proto model test test-gpu run clean
+.PHONY: help install proto model test test-gpu run image compose-test clean
 
 help:
 	@echo "make run       install, build stubs, fetch the model, start 'nanoserve serve'"
 	@echo "make test      install, build stubs, fetch the model, run the CPU test suite"
 	@echo "make test-gpu  build stubs and run the tests marked gpu (deps already installed)"
+	@echo "make image     build the container image with podman or docker (GPU=1: PyTorch's CUDA build)"
+	@echo "make compose-test  build the image, run compose.yaml, serve a request, the failure drill"
 	@echo "make install   create $(VENV) and install nanoserve with its test and convert extras"
 	@echo "make proto     generate the python stubs for protos/*.proto"
 	@echo "make model     fetch and convert the embedded model (cached outside the repo)"
@@ -57,6 +59,14 @@ test-gpu:
 
 run: install proto model
 	$(VENV)/bin/nanoserve serve
+
+# Podman is installed when neither engine is present; see .ci/build-image.sh for GPU, IMAGE, BASE_IMAGE.
+image:
+	GPU=$(GPU) .ci/build-image.sh
+
+# The real thing, with every role as a container; not part of `make test` (it builds an image).
+compose-test: install proto model
+	$(PY) tests/compose/check_compose.py
 
 clean:
 	rm -f protos/*_pb2.py protos/*_pb2.pyi protos/*_pb2_grpc.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass
 
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
@@ -162,6 +163,15 @@ class EngineConfig:
             elif value is not None:
                 argv += [flag, str(value)]
         return argv
+
+
+ENGINE_ARGS_ENV = "NANOSERVE_ENGINE_ARGS"
+
+
+def engine_args_from_env() -> list[str]:
+    """Engine flags in $NANOSERVE_ENGINE_ARGS (shell syntax): a deployment sets the flags that the scheduler
+    and every executor must agree on once, in the environment that all of them share."""
+    return shlex.split(os.environ.get(ENGINE_ARGS_ENV, ""))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,9 @@ import json
 import os
 import sys
 
-from scheduler_svc.common.config import add_engine_args, engine_config_from_args
+from scheduler_svc.common.config import add_engine_args, engine_args_from_env, engine_config_from_args
 from scheduler_svc.common.parent_watch import add_watch_parent_flag, watch_parent
+from scheduler_svc.entrypoints.probe import add_probe_args, run_probe
 from scheduler_svc.entrypoints.sampling_args import add_sampling_args, constraint_from_args
 from scheduler_svc.frontend.server_config import add_server_args
 
@@ -141,6 +142,10 @@ def _cmd_scheduler(argv: list[str]) -> int:
     return main(argv)
 
 
+# The commands that take engine flags, and so also read them from $NANOSERVE_ENGINE_ARGS.
+ENGINE_COMMANDS = ("executor", "scheduler", "serve", "generate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `nanoserve` parser with its generate, serve, frontend, client subcommands (the scheduler and the
     executor parse their own flags); torch-free, so the README's flag tables are checked against it."""
@@ -169,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.add_argument("--log-level", default=os.environ.get("NANOSERVE_LOG_LEVEL", "INFO"))
     add_watch_parent_flag(frontend, hidden=True)  # serve's own front ends
     _add_client_parsers(sub.add_parser("client", help="call a running server"))
+    add_probe_args(sub.add_parser("probe", help="a container health check: exit 0 when the given TCP ports "
+                                                "listen or are connected to"))
     sub.add_parser("scheduler", help="run the scheduler process (see nanoserve scheduler --help)")
     sub.add_parser("executor", help="run one executor rank (see nanoserve executor --help)")
     return parser
@@ -176,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ENGINE_COMMANDS:  # flags on the command line come last: they win
+        argv = [argv[0], *engine_args_from_env(), *argv[1:]]
     # roles that parse their own flags
     if argv and argv[0] == "executor":
         return _cmd_executor(argv[1:])
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_serve(args)
     if args.command == "frontend":
         return _cmd_frontend(args)
+    if args.command == "probe":
+        return run_probe(args)
     if args.command == "client":
         from scheduler_svc.entrypoints.client import run_client
 

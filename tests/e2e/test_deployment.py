@@ -2,12 +2,14 @@
 roles, started as separate processes over TCP exactly as it configures them, serve a request."""
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.util
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -20,9 +22,13 @@ from support.grpc_server import REPO, free_port
 from support.roles import CLI, wait_processes_gone, wait_serving
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc
+from scheduler_svc.common.config import add_engine_args
+from scheduler_svc.core import scheduler_process
+from scheduler_svc.entrypoints import cli, probe
 from scheduler_svc.common.model_paths import default_model_dir
 
 COMPOSE_FILE = os.path.join(REPO, "compose.yaml")
+GPU_FILE = os.path.join(REPO, "compose.gpu.yaml")  # the override for an NVIDIA host
 ROLES = ("scheduler", "executor", "frontend")  # in depends_on order
 # The one thing the test changes in the engine: a small KV pool and context, for 2 CPU cores.
 CPU_ENGINE_FLAGS = ["--device", "cpu", "--num-gpu-blocks", "128", "--max-model-len", "512"]
@@ -55,6 +61,12 @@ def compose() -> dict:
         return yaml.safe_load(f)  # merge keys (<<) resolve like compose does
 
 
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
 def command_of(compose: dict, service: str) -> list[str]:
     return [str(a) for a in compose["services"][service]["command"]]
 
@@ -71,18 +83,19 @@ def host_port(addr: str) -> tuple[str, int]:
 # ---------------------------------------------------------------- Compose v2's own parser
 
 
-@pytest.mark.parametrize("profiles", [[], ["--profile", "monitoring"]], ids=["default", "monitoring"])
-def test_compose_v2_accepts_the_file(profiles):
-    result = run_compose(COMPOSE_FILE, *profiles, "config", "-q")
+@pytest.mark.parametrize("files", [[], ["--profile", "monitoring"], ["-f", GPU_FILE]],
+                         ids=["default", "monitoring", "gpu-override"])
+def test_compose_v2_accepts_the_file(files):
+    result = run_compose(COMPOSE_FILE, *files, "config", "-q")
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("breakage", [
     ("\n  frontend:\n", "\n  frontend:\n    no_such_key: 1\n"),  # an unknown service key
-    ("      scheduler:\n        condition: service_healthy\n    deploy:",
-     "      nowhere:\n        condition: service_healthy\n    deploy:"),  # depends on a missing service
-    ("              count: 1\n", "              count: lots\n"),  # a GPU count that is no number
-], ids=["unknown-key", "missing-dependency", "bad-gpu-count"])
+    ("    depends_on:\n      scheduler:\n        condition: service_healthy\n    healthcheck:\n      # Connected",
+     "    depends_on:\n      nowhere:\n        condition: service_healthy\n    healthcheck:\n      # Connected"),
+    ("  interval: 5s\n", "  interval: often\n"),  # a health check interval that is no duration
+], ids=["unknown-key", "missing-dependency", "bad-interval"])
 def test_compose_v2_rejects_a_broken_copy(tmp_path, breakage):
     text = open(COMPOSE_FILE).read()
     old, new = breakage
@@ -93,13 +106,36 @@ def test_compose_v2_rejects_a_broken_copy(tmp_path, breakage):
     assert result.returncode != 0
 
 
-def test_compose_v2_resolves_the_same_commands_this_file_reads(compose):
-    result = run_compose(COMPOSE_FILE, "config", "--format", "json")
+def test_compose_v2_rejects_a_gpu_override_with_a_bad_gpu_count(tmp_path):
+    text = open(GPU_FILE).read()
+    assert text.count("count: 1\n") == 1
+    broken = tmp_path / "compose.gpu.yaml"
+    broken.write_text(text.replace("count: 1\n", "count: lots\n"))
+    assert run_compose(COMPOSE_FILE, "-f", str(broken), "config", "-q").returncode != 0
+
+
+def resolved(*files: str) -> dict:
+    """The services as Compose v2 resolves them (anchors merged, variables at their defaults)."""
+    result = run_compose(COMPOSE_FILE, *files, "config", "--format", "json")
     assert result.returncode == 0, result.stderr
-    resolved = json.loads(result.stdout)["services"]
+    return json.loads(result.stdout)["services"]
+
+
+def test_compose_v2_resolves_the_same_commands_this_file_reads(compose):
+    services = resolved()
     for role in ROLES:
-        assert resolved[role]["command"] == command_of(compose, role)
-        assert resolved[role]["environment"] == {k: str(v) for k, v in compose["services"][role]["environment"].items()}
+        assert services[role]["command"] == command_of(compose, role)
+
+
+def test_every_role_gets_the_same_environment_so_engine_flags_are_set_once():
+    services = resolved()
+    for role in ROLES:
+        assert services[role]["environment"] == {"NANOSERVE_MODEL_DIR": "/models/SmolLM2-135M-Instruct",
+                                                 "NANOSERVE_ENGINE_ARGS": "", "NANOSERVE_LOG_LEVEL": "INFO"}
+    # No engine flag is written into a role's command: they would have to agree by hand.
+    engine_flags = {a.option_strings[0] for a in engine_parser()._actions if a.option_strings} - {"-h"}
+    for role in ROLES:
+        assert not engine_flags & set(services[role]["command"]), role
 
 
 # ---------------------------------------------------------------- the deployment's shape
@@ -118,20 +154,45 @@ def test_the_roles_are_the_three_services_and_prometheus_is_only_in_the_monitori
 def test_frontend_publishes_50051_and_prometheus_scrapes_its_metrics_port(compose):
     frontend = command_of(compose, "frontend")
     assert flag(frontend, "--port") == "50051" and flag(frontend, "--host") == "0.0.0.0"
-    assert "50051:50051" in compose["services"]["frontend"]["ports"]
+    published = {(int(p["target"]), str(p["published"])) for p in resolved()["frontend"]["ports"]}
+    assert (50051, "50051") in published  # by default; NANOSERVE_GRPC_PORT picks another host port
     scrape = yaml.safe_load(compose["configs"]["prometheus"]["content"])
     targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == [f"frontend:{flag(frontend, '--metrics-port')}"]
     assert compose["services"]["prometheus"]["configs"][0]["source"] == "prometheus"
 
 
-def test_executor_reserves_one_nvidia_gpu_and_every_role_restarts(compose):
-    devices = compose["services"]["executor"]["deploy"]["resources"]["reservations"]["devices"]
+def test_compose_yaml_reserves_no_gpu_and_the_gpu_override_gives_the_executor_one():
+    assert not any("deploy" in service for service in resolved().values())  # it starts on a CPU host
+    services = resolved("-f", GPU_FILE)
+    devices = services["executor"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    for role in ROLES:  # every role runs the CUDA image, built with PyTorch's CUDA torch
+        assert services[role]["image"] == "nanoserve:gpu" and services[role]["build"]["args"] == {"TORCH": "cuda"}
+
+
+def test_every_role_runs_under_an_init_restarts_unless_stopped_and_has_a_health_check(compose):
     for role in ROLES:
         service = compose["services"][role]
-        assert service.get("restart") in ("always", "unless-stopped", "on-failure") \
-            or service.get("deploy", {}).get("restart_policy")
+        assert service["init"] is True and service["restart"] == "unless-stopped"
+        check = service["healthcheck"]
+        assert check["test"][0] == "CMD" and check["test"][1] == "nanoserve" and not check.get("disable")
+        assert "start_interval" not in check, "podman 4 refuses --health-startup-interval"
+
+
+def test_only_the_frontend_publishes_ports_and_never_a_zmq_one(compose):
+    zmq_ports = set()
+    for role in ROLES:
+        zmq_ports |= {int(p) for p in re.findall(r"tcp://[\w.-]+:(\d+)", " ".join(command_of(compose, role)))}
+    assert zmq_ports == {5559, 5560}
+    for name, service in resolved().items():
+        published = {int(p["target"]) for p in service.get("ports", [])}
+        assert not published & zmq_ports, f"{name} publishes a ZMQ port"
+        if name in ("scheduler", "executor"):
+            assert published == set(), name
+    frontend = command_of(compose, "frontend")
+    assert {int(p["target"]) for p in resolved()["frontend"]["ports"]} == {
+        int(flag(frontend, "--port")), int(flag(frontend, "--metrics-port"))}
 
 
 def test_the_scheduler_binds_what_the_executor_and_the_frontend_connect_to(compose):
@@ -160,12 +221,42 @@ def test_depends_on_waits_for_healthy_services_that_have_a_healthcheck(compose):
                 assert check.get("test") and not check.get("disable"), f"{name} waits on {dependency}"
 
 
-def test_every_role_mounts_the_shared_model_volume_that_model_dir_points_into(compose):
-    assert "models" in compose["volumes"]
-    for role in ROLES:
-        service = compose["services"][role]
-        target = next(v.split(":")[1] for v in service["volumes"] if v.startswith("models:"))
-        assert service["environment"]["NANOSERVE_MODEL_DIR"].startswith(target + "/")
+def test_every_role_mounts_the_models_directory_read_only_where_model_dir_points():
+    for role, service in resolved().items():
+        if role not in ROLES:
+            continue
+        (mount,) = service["volumes"]
+        assert mount["type"] == "bind" and mount["target"] == "/models" and mount["read_only"] is True
+        assert mount["source"].endswith("/.cache/nanoserve/models")  # where `make model` puts it
+        assert service["environment"]["NANOSERVE_MODEL_DIR"].startswith("/models/")
+
+
+# ---------------------------------------------------------------- the roles' probes and shared engine flags
+
+
+def test_the_probe_is_healthy_while_a_port_listens_or_is_connected_to_and_says_what_is_missing():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert probe.missing([port], []) == [] and cli.main(["probe", "--listening", str(port)]) == 0
+        assert probe.missing([], [port]) == [f"no connection to port {port}"]
+        with socket.create_connection(("127.0.0.1", port)):
+            assert probe.missing([], [port]) == [] and cli.main(["probe", "--connected", str(port)]) == 0
+    assert probe.missing([port], []) == [f"nothing listens on port {port}"]
+    assert cli.main(["probe", "--listening", str(port)]) == 1
+
+
+def test_engine_flags_from_the_environment_reach_the_scheduler_and_the_executor_and_the_command_line_wins(
+        monkeypatch):
+    monkeypatch.setenv("NANOSERVE_ENGINE_ARGS", "--block-size 32 --max-model-len 1024")
+    seen = {}
+    monkeypatch.setattr(scheduler_process, "main", lambda argv: seen.setdefault("scheduler", argv) and 0)
+    monkeypatch.setattr(os, "execv", lambda path, argv: seen.setdefault("executor", argv))
+    cli.main(["scheduler", "--frontend-addr", "tcp://0.0.0.0:5559", "--max-model-len", "512"])
+    cli.main(["executor", "--rank", "0"])
+    scheduler, _ = engine_parser().parse_known_args(seen["scheduler"])
+    executor, _ = engine_parser().parse_known_args(seen["executor"][3:])  # after python -m executor_svc
+    assert (scheduler.block_size, scheduler.max_model_len) == (32, 512)
+    assert (executor.block_size, executor.max_model_len) == (32, 1024)
 
 
 # ---------------------------------------------------------------- the three roles as processes
@@ -211,15 +302,14 @@ def test_the_three_roles_as_separate_processes_over_tcp_serve_a_request(compose,
     # The `models` volume, as the container sees it: /models/<name> holds the model.
     volume = tmp_path / "models"
     volume.mkdir()
-    name = os.path.basename(compose["services"]["executor"]["environment"]["NANOSERVE_MODEL_DIR"])
-    os.symlink(model, volume / name)
+    environments = {role: resolved()[role]["environment"] for role in ROLES}
+    os.symlink(model, volume / os.path.basename(environments["executor"]["NANOSERVE_MODEL_DIR"]))
     tr = Translate(compose, str(volume))
 
     procs, logs = {}, {}
     try:
         for role in ROLES:
-            service = compose["services"][role]
-            env = {**os.environ, **{k: tr.addr(str(v)) for k, v in service["environment"].items()}}
+            env = {**os.environ, **{k: tr.addr(str(v)) for k, v in environments[role].items()}}
             argv = tr.argv(command_of(compose, role)) + (CPU_ENGINE_FLAGS if role != "frontend" else [])
             assert all(a.startswith("tcp://127.0.0.1:") for a in argv if a.startswith("tcp://"))
             logs[role] = str(tmp_path / f"{role}.log")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from scheduler_svc.entrypoints.probe import LISTEN, tcp_sockets
 from support.grpc_server import REPO, RunningServer, free_port
 
 CLI = [sys.executable, "-m", "scheduler_svc.entrypoints.cli"]
@@ -46,18 +47,7 @@ def processes_mentioning(needles: list[str]) -> list[int]:
 
 def listening_ports(ports: list[int]) -> set[int]:
     """Those of ports that some socket on this host listens on (TCP over IPv4 or IPv6)."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except OSError:
-            continue
-        for row in rows:
-            port, state = int(row[1].rsplit(":", 1)[1], 16), row[3]
-            if state == "0A" and port in ports:  # 0A: LISTEN
-                found.add(port)
-    return found
+    return {local for local, _, state in tcp_sockets() if state == LISTEN and local in ports}
 
 
 def wait_processes_gone(needles: list[str], timeout: float = 10.0) -> list[int]:
