@@ -80,7 +80,8 @@ def block_pairs(copies) -> list[tuple[int, int]]:
 
 def sampled_token_message(token: SampledToken) -> engine_pb2.SampledToken:
     """The runner's SampledToken as the reply's message."""
-    message = engine_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id)
+    message = engine_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id,
+                                      accepted_token_ids=token.accepted_token_ids)
     lp = token.logprobs
     if lp is not None:
         message.logprobs.CopyFrom(engine_pb2.TokenLogprobs(
@@ -163,7 +164,7 @@ class StepLoop:
             result.swap_seconds = sampled_step.swaps.seconds() if sampled_step.swaps is not None else 0.0
             result.sampled.extend(sampled_token_message(token) for token in sampled)
             for token in sampled:
-                self.mirrors.append_sampled(token.seq_id, token.token_id)
+                self.mirrors.append_sampled(token.seq_id, token.token_id, token.accepted_token_ids)
         except Exception as exc:
             log.error("rank %d step %d failed:\n%s", self.rank, step_id, traceback.format_exc())
             del result.sampled[:]

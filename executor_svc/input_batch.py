@@ -25,11 +25,12 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor | None  # int64 [S]: the last token of each chunk that samples; None: every row
-    sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
+    sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices (a chunk with proposals has 1 + K rows)
     logits: torch.Tensor | None = None  # [S, vocab] once launched (rank 0)
     sampled: torch.Tensor | None = None  # [S] token ids when the decode graph sampled them
     # the graph bucket whose in-graph draw ignored this step's token masks: sample() draws again with them
     redraw_masked_in: int | None = None
+    verifies: bool = False  # some chunk carries proposals: sample() verifies them (executor_svc/speculative_verify.py)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class HostInputs:
     max_seqlen_q: int
     max_seqlen_k: int
     num_decodes: int  # leading chunks of one token
+    verifies: bool = False  # some chunk carries proposals, each scored in its own logits row
 
 
 def slot_mapping(block_tables: np.ndarray, row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -69,17 +71,22 @@ def host_inputs(chunks: list[ScheduledChunk], block_size: int, prev_rows: dict[i
     ids: list[int] = []
     starts, ends, tables, sampling, logits_idx = [], [], [], [], []
     fill_at, fill_from = [], []  # inputs whose token the previous step sampled, still on the device
+    verifies = False
     for c in chunks:
-        seq = c.seq
+        seq, k = c.seq, len(c.proposal)
         if len(seq.block_table) * bs < c.end:
             raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
-        ids.extend(seq.token_ids[c.start:c.end])
+        ids.extend(seq.token_ids[c.start:c.end - k])
         if c.needs_pending_token:
-            if c.end != len(seq.token_ids) + 1 or seq.seq_id not in prev_rows:
+            if c.end - k != len(seq.token_ids) + 1 or seq.seq_id not in prev_rows:
                 raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
             fill_at.append(len(ids))
             fill_from.append(prev_rows[seq.seq_id])
             ids.append(0)
+        if k:  # proposals: the target scores each of them, and the position after the last
+            ids.extend(c.proposal)
+            logits_idx.extend(range(len(ids) - 1 - k, len(ids) - 1))
+            verifies = True
         starts.append(c.start)
         ends.append(c.end)
         tables.append(seq.block_array)
@@ -106,7 +113,52 @@ def host_inputs(chunks: list[ScheduledChunk], block_size: int, prev_rows: dict[i
     if fill_at:
         arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
         arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-    return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()), num_decodes)
+    return HostInputs(arrays, sampling, int(q_lens.max()), int(k_lens.max()), num_decodes, verifies)
+
+
+def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: dict[int, int]) -> HostInputs | None:
+    """A step of decodes and verifications (speculative decoding) as one-token rows: a verifying chunk's last
+    token and each of its proposals become rows of their own over its block table, each seeing the context up to
+    its position. Attention then runs them all as decodes (the one-token kernel, and on CUDA the decode graphs,
+    with B (K + 1) rows), since every row's K/V is stored before any row attends. One logits row per row, in
+    chunk order, as verification reads them. None when some chunk is neither (a prefill chunk): host_inputs."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    tables: list[np.ndarray] = []
+    fill_at, fill_from = [], []
+    for c in chunks:
+        seq = c.seq
+        if c.end - c.start != len(c.proposal) + 1 or not c.samples:
+            return None
+        if len(seq.block_table) * bs < c.end:
+            raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
+        if c.needs_pending_token:  # a plain decode whose input the previous step sampled
+            if c.end != len(seq.token_ids) + 1 or seq.seq_id not in prev_rows:
+                raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
+            fill_at.append(len(ids))
+            fill_from.append(prev_rows[seq.seq_id])
+            ids.append(0)
+        else:
+            ids.append(seq.token_ids[c.start])
+        ids.extend(c.proposal)
+        positions.extend(range(c.start, c.end))
+        tables.extend([seq.block_array] * (c.end - c.start))
+    num_rows = len(ids)
+    pos = np.asarray(positions, dtype=np.int64)
+    k_lens = pos + 1
+    block_tables = _block_tables(tables, -(-k_lens // bs))
+    arrays = {
+        "input_ids": np.asarray(ids, dtype=np.int64), "positions": pos,
+        "slot_mapping": slot_mapping(block_tables, np.arange(num_rows), pos, bs),
+        "cu_seqlens_q": np.arange(num_rows + 1, dtype=np.int32), "seqlens_k": k_lens.astype(np.int32),
+        "block_tables": block_tables, "logits_indices": np.arange(num_rows, dtype=np.int64),
+        "decode_order": np.argsort(-k_lens, kind="stable").astype(np.int32),
+    }
+    if fill_at:
+        arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
+        arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
+    return HostInputs(arrays, list(chunks), 1, int(k_lens.max()), num_rows, verifies=True)
 
 
 def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
@@ -130,7 +182,8 @@ def device_inputs(host: HostInputs, staging: PinnedStaging, block_size: int,
     if "fill_at" in dev:
         input_ids[dev["fill_at"]] = prev_sampled[dev["fill_from"]]
     return StepInputs(input_ids=input_ids, positions=dev["positions"], meta=meta,
-                      logits_indices=dev["logits_indices"], sampling_chunks=host.sampling_chunks)
+                      logits_indices=dev["logits_indices"], sampling_chunks=host.sampling_chunks,
+                      verifies=host.verifies)
 
 
 def decode_graph_inputs(host: HostInputs, graphs: DecodeGraphs, bucket: int,

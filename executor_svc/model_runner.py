@@ -13,7 +13,7 @@ import torch
 from executor_svc.copy_costs import calibrate
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
-                                      one_token_chunks_first, profiling_chunks)
+                                      one_token_chunks_first, profiling_chunks, verification_rows)
 from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
 from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
                                          pool_amax)
@@ -22,6 +22,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, draw_masks
+from executor_svc.speculative_verify import verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -67,6 +68,7 @@ class SampledToken:
     seq_id: int
     token_id: int
     logprobs: TokenLogprobs | None = None  # when the sequence asked for them
+    accepted_token_ids: list[int] | tuple[int, ...] = ()  # speculative decoding: accepted proposals, before token_id
 
 
 @dataclass
@@ -77,6 +79,8 @@ class PendingStep:
     token_ids: torch.Tensor | None  # on the host (pinned on CUDA) once the event fires
     logprobs: tuple | None  # sampled logprob, rank, top ids, top logprobs
     event: "torch.cuda.Event | None"
+    num_accepted: torch.Tensor | None = None  # speculative decoding: each sequence's accepted proposals, on the host
+    proposals: list | None = None  # and the proposals they are the leading ones of
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -202,6 +206,10 @@ class ModelRunner:
         if not chunks:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
+        if any(c.proposal for c in chunks):
+            rows = verification_rows(chunks, self.block_size, self.prev_rows)
+            if rows is not None:
+                return self._launch_rows(rows)
         bucket = None
         # a decode graph's logits are one row per chunk: a one-token prefill chunk that does not end its
         # prompt (so does not sample) sends the step down the eager path
@@ -235,6 +243,21 @@ class ModelRunner:
             inputs.logits = self.model.compute_logits(rows)
         return inputs
 
+    def _launch_rows(self, rows) -> StepInputs:
+        """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
+        graph when one is large enough, else eagerly; one logits row per row."""
+        bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
+        if bucket is None:
+            inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
+            inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
+        else:  # the graph's own draw is not used: verification samples from its logits
+            inputs = decode_graph_inputs(rows, self.graphs, bucket, None)
+            hidden = self.graphs.run(bucket, rows.num_decodes)
+            inputs.logits = self.graphs.logits[: rows.num_decodes] if self.graphs.samples \
+                else self.model.compute_logits(hidden)
+        inputs.verifies = True
+        return inputs
+
     @torch.inference_mode()
     def sample(self, inputs: StepInputs | None) -> PendingStep:
         """Sample the launched step (rank 0; other ranks receive the ids) and start copying them to the host.
@@ -245,6 +268,8 @@ class ModelRunner:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
         lp = None
+        if inputs.verifies:
+            return self._verify(inputs, chunks)
         if inputs.sampled is not None:  # sampled inside the decode graph
             token_ids = inputs.sampled
             if inputs.redraw_masked_in is not None:
@@ -281,6 +306,48 @@ class ModelRunner:
             host = token_ids
         return PendingStep(seqs, host, lp, event)
 
+    def _sample_plain(self, logits: torch.Tensor, chunks: list[ScheduledChunk]):
+        """The ordinary sampler over these chunks' logits rows (one each)."""
+        seqs = [c.seq for c in chunks]
+        batch = build_for_sequences([s.sampling_row for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], self.facts.vocab_size, self.device,
+                                    lambda arrays: self.staging.upload(arrays, "sampling"), self._noise_rng,
+                                    [c.token_mask for c in chunks])
+        out = self.sampler(logits, batch)
+        if not (batch.max_logprobs > 0 and out.top_token_ids is not None):
+            out.top_token_ids = None
+        return out
+
+    def _verify(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> PendingStep:
+        """A step with proposals (speculative decoding): verify them (rank 0), send every rank the verdict, and
+        start copying it to the host."""
+        seqs = [c.seq for c in chunks]
+        lp = None
+        if self.rank == 0:
+            verdict = verify_chunks(inputs.logits, chunks, self.facts.vocab_size, self.staging.upload,
+                                    self._sample_plain, self.sampler._generators, self._noise_rng)
+            both = torch.stack([verdict.token_ids, verdict.num_accepted])
+            lp = verdict.logprobs
+        else:
+            both = torch.empty(2, len(chunks), dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(both, src=0)
+        token_ids = both[0]
+        if self.graphs is not None:
+            self.graphs.prev_tokens[: len(chunks)].copy_(token_ids)
+        self.prev_sampled = token_ids
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        event = None
+        if self.device.type == "cuda":
+            both = both.to("cpu", non_blocking=True)
+            if lp is not None:
+                lp = tuple(t.to("cpu", non_blocking=True) for t in lp)
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(seqs, both[0], lp, event, num_accepted=both[1], proposals=[c.proposal for c in chunks])
+
     def _redraw_masked(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
         """Draw the graph's step again over its logits, temperatures and noise seeds with the rows' token masks
         (a late row dropped since has none: it draws free, and the scheduler discards its token)."""
@@ -297,12 +364,15 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         token_ids = pending.token_ids.tolist()
+        num_accepted = pending.num_accepted.tolist() if pending.num_accepted is not None else None
         lp = None
         if pending.logprobs is not None:
             lp = [t.tolist() for t in pending.logprobs]
         results = []
         for i, seq in enumerate(pending.seqs):
             sampled = SampledToken(seq.seq_id, token_ids[i])
+            if num_accepted is not None and num_accepted[i]:
+                sampled.accepted_token_ids = pending.proposals[i][: num_accepted[i]]
             n = seq.sampling_row.logprobs
             if lp is not None and n > 0:
                 sampled.logprobs = TokenLogprobs(lp[0][i], lp[1][i], lp[2][i][:n], lp[3][i][:n])

@@ -6,6 +6,7 @@ Torch-free: the mirrors are plain Python and numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -40,6 +41,10 @@ class MirroredSeq:
             self.block_array = grown
         self.block_array[start: len(self.block_table)] = block_ids
 
+    def cut_blocks(self, num_blocks: int) -> None:
+        """Keep the first num_blocks blocks (the scheduler gave back lookahead blocks a verification did not fill)."""
+        del self.block_table[num_blocks:]
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -52,15 +57,17 @@ class ScheduledChunk:
     mask_words: np.ndarray | None = None  # the message's whole int32 [R, W] array: token_mask is its row mask_row
     mask_row: int = -1
     late_mask: bool = False  # its mask comes after the plan (LateTokenMasks), before the step samples
+    # speculative decoding: tokens proposed after the sequence's last one, the step's last inputs, each verified
+    proposal: list[int] | tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.seq.token_ids) + self.seq.num_pending
+        return self.end - len(self.proposal) == len(self.seq.token_ids) + self.seq.num_pending
 
     @property
     def needs_pending_token(self) -> bool:
-        """Its last input is the token the previous step sampled, still on the device."""
-        return self.end > len(self.seq.token_ids)
+        """Its last known input is the token the previous step sampled, still on the device."""
+        return self.end - len(self.proposal) > len(self.seq.token_ids)
 
 
 class SequenceMirrors:
@@ -85,46 +92,75 @@ class SequenceMirrors:
             )
             self.seqs[seq.seq_id] = seq
             chunks.append(self._chunk(seq, new.num_scheduled_tokens))
-        cached = plan.cached
-        new_blocks = list(cached.new_block_ids)
-        offset = 0
-        for seq_id, num_scheduled, num_new, last_token in zip(
-                cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids):
-            seq = self.seqs.get(seq_id)
-            if seq is None:
-                raise RuntimeError(f"plan {plan.step_id} names seq {seq_id} that this executor does not mirror")
-            if num_new:
-                seq.add_blocks(new_blocks[offset:offset + num_new])
-                offset += num_new
-            if last_token >= 0 and seq.token_ids[-1] != last_token:
-                raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
-                                   f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, num_scheduled))
+        self._apply_cached(plan.step_id, plan.cached, chunks)
         if plan.HasField("token_bitmasks"):
             attach_token_masks(plan.step_id, plan.token_bitmasks, chunks)
         if plan.late_mask_seq_ids:
             mark_late_masks(plan.step_id, plan.late_mask_seq_ids, chunks)
         return chunks
 
+    def _apply_cached(self, step_id: int, cached: engine_pb2.CachedSequences, chunks: list[ScheduledChunk]) -> None:
+        """The deltas of the sequences mirrored already: block cuts, new blocks, and proposals to verify."""
+        n = len(cached.seq_ids)
+        num_proposed, kept = list(cached.num_proposed_tokens), list(cached.num_blocks_kept)
+        proposed, new_blocks = list(cached.proposed_token_ids), list(cached.new_block_ids)
+        if num_proposed or kept:  # speculative decoding; otherwise both are left out
+            num_proposed, kept = num_proposed or [0] * n, kept or [-1] * n
+            if len(num_proposed) != n or len(kept) != n or sum(num_proposed) != len(proposed) or min(num_proposed) < 0:
+                raise RuntimeError(f"plan {step_id}: proposals for {len(num_proposed)} seqs ({sum(num_proposed)} "
+                                   f"tokens, {len(proposed)} sent) and {len(kept)} block cuts, for {n} seqs")
+        else:
+            num_proposed, kept = repeat(0), repeat(-1)
+        offset = at = 0
+        for seq_id, num_scheduled, num_new, last_token, k, keep in zip(
+                cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids,
+                num_proposed, kept):
+            seq = self._mirrored(step_id, seq_id)
+            if keep >= 0:
+                seq.cut_blocks(keep)
+            if num_new:
+                seq.add_blocks(new_blocks[offset:offset + num_new])
+                offset += num_new
+            if last_token >= 0 and seq.token_ids[-1] != last_token:
+                raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
+                                   f"the one this executor sampled ({seq.token_ids[-1]})")
+            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else ()))
+            at += k
+
+    def _mirrored(self, step_id: int, seq_id: int) -> MirroredSeq:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise RuntimeError(f"plan {step_id} names seq {seq_id} that this executor does not mirror")
+        return seq
+
     @staticmethod
-    def _chunk(seq: MirroredSeq, num_scheduled: int) -> ScheduledChunk:
+    def _chunk(seq: MirroredSeq, num_scheduled: int, proposal: list[int] | tuple[int, ...] = ()) -> ScheduledChunk:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_scheduled
-        if num_scheduled <= 0 or end > len(seq.token_ids) + seq.num_pending:
+        if num_scheduled <= len(proposal) or end - len(proposal) > len(seq.token_ids) + seq.num_pending:
             raise RuntimeError(
                 f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
-        return ScheduledChunk(seq, start, end)
+        chunk = ScheduledChunk(seq, start, end, proposal=proposal)
+        if proposal and (not chunk.samples or chunk.needs_pending_token):
+            raise RuntimeError(f"seq {seq.seq_id}: proposals to verify after a chunk that does not sample, or "
+                               "before its last token is known")
+        return chunk
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """The forward is launched: the chunks' tokens have K/V in the pool; samples are pending."""
+        """The forward is launched: the chunks' tokens have K/V in the pool; samples are pending. Proposals count
+        as computed only once accepted (append_sampled)."""
         for chunk in chunks:
             samples = chunk.samples
-            chunk.seq.num_computed_tokens = chunk.end
+            chunk.seq.num_computed_tokens = chunk.end - len(chunk.proposal)
             chunk.seq.num_pending += samples
 
-    def append_sampled(self, seq_id: int, token_id: int) -> None:
-        """A sampled token reached the host. The sequence may be gone (finished or preempted since)."""
+    def append_sampled(self, seq_id: int, token_id: int, accepted: list[int] | tuple[int, ...] = ()) -> None:
+        """A sampled token reached the host, after the proposals its step accepted (whose K/V that step wrote).
+        The sequence may be gone (finished or preempted since)."""
         seq = self.seqs.get(seq_id)
         if seq is not None and seq.num_pending:
+            if accepted:
+                seq.token_ids += accepted
+                seq.num_computed_tokens += len(accepted)
             seq.token_ids.append(token_id)
             seq.num_pending -= 1
 

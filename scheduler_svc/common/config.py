@@ -23,6 +23,7 @@ KV_CACHE_SCALES = ("auto", "calibrated", "calibrated-per-channel", "calibrated-p
 # how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
 # of K and q over head_dim, which attention does not see, or none
 KV_CACHE_ROTATIONS = ("hadamard", "none")
+SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (scheduler_svc/core/speculative/)
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler_svc/core/preemption_cost.py
 PREEMPTION_POLICIES = ("newest", "least-progress", "priority")  # scheduler_svc/core/preemption_policy.py
 DEFAULT_SWAP_SPACE_GB = 4.0  # host pool per executor where the preemption mode can swap and no size is given
@@ -61,6 +62,11 @@ class EngineConfig:
     kv_cache_scales: str = "auto"  # one of KV_CACHE_SCALES; used with kv_cache_dtype fp8 or int8
     kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8 or int8
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's Linear weights at load
+    speculative_method: str | None = None  # one of SPECULATIVE_METHODS; None: no speculative decoding
+    num_speculative_tokens: int = 4  # tokens proposed per sequence and step, verified in one forward
+    ngram_min: int = 1  # n-gram proposals: the shortest suffix matched earlier in the sequence
+    ngram_max: int = 4  # and the longest (tried first)
+    speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -111,6 +117,14 @@ class EngineConfig:
              f"--preemption-mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         need(self.preemption_policy in PREEMPTION_POLICIES,
              f"--preemption-policy must be one of {PREEMPTION_POLICIES}, got {self.preemption_policy!r}")
+        need(self.speculative_method is None or self.speculative_method in SPECULATIVE_METHODS,
+             f"--speculative-method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}")
+        need(1 <= self.num_speculative_tokens <= 16,
+             f"--num-speculative-tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        need(1 <= self.ngram_min <= self.ngram_max,
+             f"--ngram-min and --ngram-max need 1 <= min <= max, got {self.ngram_min} and {self.ngram_max}")
+        need(self.speculative_max_batch_size >= 1,
+             f"--speculative-max-batch-size must be >= 1, got {self.speculative_max_batch_size}")
         need(self.num_host_blocks is None or self.num_host_blocks >= 0,
              f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
 
@@ -225,6 +239,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "activations per token); FP8 checkpoints are detected without it")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=d["load_format"].default,
                    help="dummy: random weights from config.json alone (benchmarks)")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="speculative decoding: ngram proposes the tokens that followed the sequence's last n-gram "
+                        "where it occurred before (prompt lookup); the model verifies them in one forward")
+    g.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"].default,
+                   help="tokens proposed per sequence and step")
+    g.add_argument("--ngram-min", type=int, default=d["ngram_min"].default,
+                   help="ngram: the shortest suffix looked up (the longest matching one is used)")
+    g.add_argument("--ngram-max", type=int, default=d["ngram_max"].default, help="ngram: the longest suffix looked up")
+    g.add_argument("--speculative-max-batch-size", type=int, default=d["speculative_max_batch_size"].default,
+                   help="speculation pauses while more sequences than this run (where a step is no longer "
+                        "launch-bound, verifying costs more than it saves)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -135,7 +135,10 @@ class EngineCore:
                                           num_rejected_messages=self.num_rejected_messages, **vars(self.timings))
         if self.scheduler is not None:
             for key, value in self.scheduler.stats().items():
-                setattr(stats, key, value)
+                if isinstance(value, list):  # a repeated field
+                    getattr(stats, key).extend(value)
+                else:
+                    setattr(stats, key, value)
         return stats
 
     # ------------------------------------------------------------------ KV events (kv_events.py)
@@ -404,14 +407,18 @@ class EngineCore:
                 candidates = {k: (v.logprobs.top_token_ids, v.logprobs.top_logprobs) for k, v in sampled.items()
                               if v.HasField("logprobs")}
             tokens = {k: v.token_id for k, v in sampled.items()}
+            accepted = None  # speculative decoding: the proposals each verification accepted, before its token
+            if self.scheduler.speculator is not None:
+                accepted = {k: list(v.accepted_token_ids) for k, v in sampled.items() if v.accepted_token_ids}
             if not tokens or (min(tokens.values()) >= 0 and max(tokens.values()) < self.ready.model.vocab_size):
                 try:
-                    self.scheduler.check_result(step.out, tokens, candidates)
+                    self.scheduler.check_result(step.out, tokens, candidates, accepted)
                 except ValueError as exc:  # refused before anything changed
                     result.error = f"an inconsistent reply: {exc}"
                 else:
                     self._send_late_masks(step.out, tokens)
-                    return self.scheduler.postprocess(step.out, tokens, candidates, checked=True), sampled
+                    return self.scheduler.postprocess(step.out, tokens, candidates, checked=True,
+                                                      accepted=accepted), sampled
             else:
                 result.error = "an inconsistent reply: a sampled token outside the vocabulary"
             self.reject_message(b"rank0", f"step {step.step_id}: {result.error}")

@@ -19,6 +19,7 @@ from scheduler_svc.core.executor_registry import ExecutorRegistry
 from scheduler_svc.core.message_checks import BadMessage, check_add_request
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.speculative.speculator import can_speculate
 
 
 class FrontendHost(Protocol):
@@ -85,7 +86,7 @@ def _add_request(core: FrontendHost, identity: bytes, add: engine_pb2.AddRequest
         num_prompt_tokens=len(add.prompt_token_ids), sampling=add.sampling, stopping=add.stopping,
         priority=add.priority, group_id=add.group_id, reply_to=identity, client_request_id=add.client_request_id,
         beam_options=add.beam_search if add.beam_search.beam_width > 0 else None,
-        constraint=add.constraint if add.HasField("constraint") else None,
+        constraint=add.constraint if add.HasField("constraint") else None, speculate=can_speculate(add),
     )
     try:
         core.scheduler.add(seq)

@@ -78,6 +78,14 @@ class BlockManager:
         for _ in range(cdiv(num_tokens, self.block_size) - len(seq.block_table)):
             seq.block_table.append(self.pool.allocate())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past those that hold num_tokens tokens: the lookahead slots of proposals a
+        verification rejected. Never hashed (they hold no accepted token), so they go first in eviction order."""
+        keep = cdiv(num_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self.pool.release(block_id)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks go first in eviction order, so shared prefixes live longer."""
         for block_id in reversed(seq.block_table):

@@ -19,7 +19,9 @@ def refused(add: engine_pb2.AddRequest, reason: str) -> engine_pb2.RequestOutput
 def ended(seq: Sequence, reason: int, error: str) -> engine_pb2.RequestOutput:
     """The one terminal output of a request ended outside a step (aborted, or failed)."""
     return engine_pb2.RequestOutput(request_id=seq.request_id, finish_reason=reason, error=error, stop_token_id=-1,
-                                    num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+                                    num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                    num_proposed_tokens=seq.num_proposed_tokens,
+                                    num_accepted_tokens=seq.num_accepted_tokens)
 
 
 def step_outputs(updates: list[StepUpdate], sampled: dict[int, engine_pb2.SampledToken]
@@ -33,7 +35,11 @@ def step_outputs(updates: list[StepUpdate], sampled: dict[int, engine_pb2.Sample
         out = engine_pb2.RequestOutput(
             request_id=seq.request_id, finish_reason=update.finish_reason, stop_token_id=seq.stop_token_id,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, error=update.error)
+        if update.finish_reason != UNFINISHED and seq.num_proposed_tokens:
+            out.num_proposed_tokens, out.num_accepted_tokens = seq.num_proposed_tokens, seq.num_accepted_tokens
         if update.new_token_id is not None:
+            if update.accepted_token_ids:  # speculative decoding: accepted proposals come first
+                out.new_token_ids.extend(update.accepted_token_ids)
             out.new_token_ids.append(update.new_token_id)
             token = sampled.get(seq.seq_id)
             if token is not None and token.HasField("logprobs"):

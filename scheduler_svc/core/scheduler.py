@@ -21,6 +21,7 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate
 from scheduler_svc.core.scheduler_stats import SchedulerCounters, count_step, stats_of
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.core.speculative.speculator import Speculator
 from scheduler_svc.core.stop_rules import UNFINISHED, StopRule, check_stop, stop_reason, stop_rule_for
 from scheduler_svc.core.structured.compiler import GrammarCompiler, tokenizer_loader
 from scheduler_svc.core.structured.mask_fill import default_fill_threads
@@ -30,6 +31,12 @@ from scheduler_svc.core.structured.structured_outputs import StructuredOutputs
 ABORT = engine_pb2.FINISH_REASON_ABORT
 RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED,
                                        SequenceStatus.FINISHED)
+
+
+# A sequence that had nothing to propose, or whose proposals were all rejected, decodes plainly for this many
+# steps before it proposes again: a verification costs more than a decode (on the CPU about twice; on a GPU little,
+# but it waits for its last token, while plain decodes are planned ahead of their samples under async scheduling).
+SPECULATION_BACKOFF_STEPS = 8
 
 
 def _queue_order(seq: Sequence) -> tuple[int, int]:
@@ -60,6 +67,9 @@ class Scheduler:
             config.tokenizer_dir, config.vocab_size, config.eos_token_ids), num_lexers=fill_threads),
             config.vocab_size, fill_threads)
         self.counters = SchedulerCounters()
+        self.speculator = Speculator.ngram(config.num_speculative_tokens, config.ngram_min, config.ngram_max,
+                                           config.speculative_max_batch_size) \
+            if config.speculative_method == "ngram" else None
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)
         self._next_arrival = 0
@@ -185,21 +195,37 @@ class Scheduler:
         Returns the token budget left."""
         bm, bs = self.block_manager, self.config.block_size
         running, stop_rules = self.running, self.stop_rules
+        speculating = self.speculator is not None and self.speculator.active(len(running))
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             seq = running[i]
             start, placeholders = seq.num_computed_tokens, seq.num_placeholders
             total = len(seq.token_ids) + placeholders
             num_new = min(total - start, budget)
-            if num_new <= 0 or (placeholders and (seq.beam is not None
-                                                  or total >= stop_rules[seq.seq_id].max_num_tokens)):
-                # nothing to compute, a beam waiting for its round, or samples in flight reach its limit (a
-                # constrained sequence runs on its placeholder: its mask follows the plan, see plan_masks)
+            if num_new <= 0 or seq.verifying or (placeholders and (seq.beam is not None
+                                                                   or total >= stop_rules[seq.seq_id].max_num_tokens)):
+                # nothing to compute, proposals being verified (how many tokens it gains is not known yet), a beam
+                # waiting for its round, or samples in flight reach its limit (a constrained sequence runs on its
+                # placeholder: its mask follows the plan, see plan_masks)
                 i += 1
                 continue
             end = start + num_new
             is_new = not seq.in_executor
-            if is_new:  # forked since the last step: it may write a shared block
+            proposal = ()
+            if speculating and seq.speculate and num_new == 1 and not is_new:
+                if seq.speculation_backoff > 0:  # a plain decode, planned ahead of its samples (async scheduling)
+                    seq.speculation_backoff -= 1
+                elif not placeholders:
+                    proposal = self._proposal(seq, end, budget - 1)
+                    if not proposal:
+                        seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
+                else:  # a proposal needs every token: wait for the one in flight rather than plan ahead of it
+                    i += 1
+                    continue
+            if proposal:  # lookahead slots for the proposals; _proposal checked the room: they never preempt
+                bm.allocate(seq, end + len(proposal))
+                seq.verifying = True
+            elif is_new:  # forked since the last step: it may write a shared block
                 if not self.preemption.make_room(seq, lambda: bm.can_append(seq, end), preempted):
                     break  # it preempted itself: nothing after it can run either
                 block_copies += bm.copy_on_write(seq)
@@ -215,10 +241,21 @@ class Scheduler:
             seq.num_computed_tokens = end
             if samples:
                 seq.num_placeholders = placeholders + 1
-            scheduled.append(ScheduledSeq(seq, num_new, is_new, start, samples, seq.epoch))
-            budget -= num_new
+            scheduled.append(ScheduledSeq(seq, num_new + len(proposal), is_new, start, samples, seq.epoch, proposal))
+            budget -= num_new + len(proposal)
             i += 1
         return budget
+
+    def _proposal(self, seq: Sequence, end: int, room: int) -> list[int]:
+        """Tokens to verify after seq's last one (computed up to end), within room more tokens of the step's
+        budget, the sequence's length limit (the step then adds at most len + 1 tokens) and the free blocks."""
+        k = min(self.speculator.num_tokens, room, self.stop_rules[seq.seq_id].max_num_tokens - end - 1)
+        if k <= 0:
+            return []
+        proposal = self.speculator.propose(seq, k)[:k]
+        if proposal and not self.block_manager.can_allocate(seq, end + len(proposal)):
+            return []
+        return proposal
 
     def slots_reserved(self) -> int:
         """Started beam searches hold room for all their beams, so forking never passes max_num_seqs."""
@@ -234,16 +271,17 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
                     candidates: dict[int, tuple[list[int], list[float]]] | None = None,
-                    checked: bool = False) -> list[StepUpdate]:
+                    checked: bool = False, accepted: dict[int, list[int]] | None = None) -> list[StepUpdate]:
         """Apply a successful step: hash newly full blocks, append samples, check stops. A failed step is
         applied with nothing sampled, after its requests were aborted.
 
         candidates: each sampled sequence's top continuations (token ids, logprobs; best first), which beams
         choose among; plain sequences ignore them. checked: the caller ran check_result() on this very reply
-        already (the engine does, before accept_ahead), so it is not walked twice.
+        already (the engine does, before accept_ahead), so it is not walked twice. accepted: for each sequence
+        whose proposals the step verified, the leading ones accepted (absent: none), which precede its sample.
         """
         if not checked:
-            self.check_result(out, sampled, candidates)
+            self.check_result(out, sampled, candidates, accepted)
         live = [s for s in out.scheduled if s.seq.status is not FINISHED]  # skip ones aborted while in flight
         updates: list[StepUpdate] = []
         c = self.counters
@@ -255,6 +293,10 @@ class Scheduler:
                 self.beams.report(s, candidates, rounds)
                 continue
             token, reason, error = None, UNFINISHED, ""
+            if s.proposal:
+                updates.append(self._apply_verified(s, sampled.get(seq.seq_id), (accepted or {}).get(seq.seq_id, [])))
+                any_finished |= seq.status is FINISHED
+                continue
             if s.samples:
                 token = sampled[seq.seq_id]
                 seq.num_placeholders -= 1
@@ -286,15 +328,60 @@ class Scheduler:
             self.running = [seq for seq in self.running if seq.status is not FINISHED]
         return updates
 
+    def _apply_verified(self, s: ScheduledSeq, token: int | None, accepted: list[int]) -> StepUpdate:
+        """A verification's verdict: the accepted proposals, then the token sampled after them, appended one by one
+        until one stops the sequence. Their K/V is in the pool (the rejected proposals' slots are rolled back: the
+        sequence computes from after its last accepted token on, and lookahead blocks past its tokens go back)."""
+        seq, c = s.seq, self.counters
+        seq.verifying = False
+        if token is None:  # the step failed: its requests were aborted
+            seq.num_placeholders = max(0, seq.num_placeholders - 1)
+            return StepUpdate(seq, None, seq.finish_reason if seq.status is FINISHED else UNFINISHED)
+        seq.num_placeholders -= 1
+        self.speculator.record(len(s.proposal), len(accepted))
+        seq.num_proposed_tokens += len(s.proposal)
+        seq.num_accepted_tokens += len(accepted)
+        if not accepted:
+            seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
+        reason, new = UNFINISHED, [*accepted, token]
+        for n, t in enumerate(new, 1):
+            seq.token_ids.append(t)
+            reason = check_stop(seq, self.stop_rules[seq.seq_id], t)
+            if reason != UNFINISHED:
+                new = new[:n]
+                break
+        seq.last_token_unsent = True
+        c.num_generated_tokens += len(new)
+        current = s.epoch == seq.epoch and seq.status is RUNNING  # not preempted since it was planned
+        if current:
+            seq.num_computed_tokens += len(new) - 1  # the accepted proposals' K/V is in the pool
+            self.hash_computed(s, len(new) - 1)
+        if reason != UNFINISHED:
+            if seq.status is RUNNING:
+                self._release(seq, reason)  # taken out of running by the caller
+            else:
+                self.retire(seq, reason)
+            c.num_finished += 1
+        elif current:
+            self.block_manager.trim(seq, len(seq.token_ids))
+            if seq.num_blocks_sent > len(seq.block_table):
+                seq.num_blocks_sent = seq.blocks_kept = len(seq.block_table)  # the next plan tells the executors
+        return StepUpdate(seq, new[-1], reason, accepted_token_ids=new[:-1])
+
     @staticmethod
     def check_result(out: SchedulerOutput, sampled: dict[int, int],
-                     candidates: dict[int, tuple[list[int], list[float]]] | None = None) -> None:
+                     candidates: dict[int, tuple[list[int], list[float]]] | None = None,
+                     accepted: dict[int, list[int]] | None = None) -> None:
         """Raises ValueError for a reply that postprocess() refuses whole, before anything changes."""
         for s in out.scheduled:
             if s.seq.status is FINISHED or not s.samples:  # aborted while in flight, or no sample
                 continue
             if s.seq.seq_id not in sampled:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
+            if accepted and s.seq.seq_id in accepted:
+                got = accepted[s.seq.seq_id]
+                if list(s.proposal[: len(got)]) != list(got):
+                    raise ValueError(f"seq {s.seq.seq_id}: accepted tokens {got[:8]} are not a prefix of its proposals")
             if s.seq.beam is not None and (candidates is None or s.seq.seq_id not in candidates):
                 raise ValueError(f"beam {s.seq.seq_id} reached its end but no candidates came back for it")
 
@@ -310,17 +397,21 @@ class Scheduler:
                 reason = stop_reason(seq, self.stop_rules[seq.seq_id], token, len(seq.token_ids) + 1)
                 self.structured.accept_ahead(seq, token, reason)
 
-    def hash_computed(self, s: ScheduledSeq) -> None:
-        """Blocks this step filled, with every token known, are now safe to share (invariant 6)."""
+    def hash_computed(self, s: ScheduledSeq, num_accepted: int = 0) -> None:
+        """Blocks this step filled, with every token known, are now safe to share (invariant 6). Of a verification's
+        proposals only the num_accepted leading ones count: the others' slots hold tokens the sequence never had."""
         seq = s.seq
-        computed = min(s.start + s.num_new_tokens, len(seq.token_ids))
+        computed = min(s.start + s.num_new_tokens - len(s.proposal) + num_accepted, len(seq.token_ids))
         if computed // self.config.block_size > len(seq.block_hashes) and seq.status is RUNNING \
                 and s.epoch == seq.epoch:
             self.block_manager.hash_full_blocks(seq, computed)
 
     def stats(self) -> dict:
         """Queue sizes, KV blocks and counters, named as the fields of engine_pb2.SchedulerStats."""
-        return stats_of(self)
+        stats = stats_of(self)
+        if self.speculator is not None:
+            stats.update(self.speculator.stats())
+        return stats
 
     # ------------------------------------------------------------------ queues (the GroupHost interface)
 
@@ -353,6 +444,7 @@ class Scheduler:
         seq.status = FINISHED
         seq.finish_reason = reason
         seq.num_placeholders = 0  # samples still in flight for it are discarded
+        seq.verifying = False
         if self.requests.get(seq.request_key) is seq:
             del self.requests[seq.request_key]
             del self.stop_rules[seq.seq_id]
@@ -392,3 +484,4 @@ class Scheduler:
         seq.in_executor = False
         seq.num_blocks_sent = 0
         seq.last_token_unsent = False
+        seq.blocks_kept = -1

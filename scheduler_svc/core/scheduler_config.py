@@ -25,6 +25,11 @@ class SchedulerConfig:
     preemption_costs: PreemptionCosts = field(default_factory=PreemptionCosts)  # the executors' calibration
     world_size: int = 1  # tensor-parallel ranks, each holding a shard of every block
     mask_fill_threads: int = 0  # threads filling structured-output masks; 0: mask_fill.default_fill_threads()
+    speculative_method: str | None = None  # None: no speculative decoding (core/speculative/)
+    num_speculative_tokens: int = 4  # proposals per sequence and step, at most
+    ngram_min: int = 1  # n-gram proposals: the suffix lengths looked up
+    ngram_max: int = 4
+    speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -56,4 +61,9 @@ def scheduler_config(config: EngineConfig, ready: engine_pb2.EngineReady) -> Sch
         vocab_size=facts.vocab_size,
         tokenizer_dir=config.model,
         mask_fill_threads=config.mask_fill_threads,
+        speculative_method=config.speculative_method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        ngram_min=config.ngram_min,
+        ngram_max=config.ngram_max,
+        speculative_max_batch_size=config.speculative_max_batch_size,
     )

@@ -18,6 +18,9 @@ class ScheduledSeq:
     start: int = 0  # num_computed_tokens before this step
     samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
     epoch: int = 0  # seq.epoch when planned
+    # speculative decoding: tokens proposed after the sequence's last one, verified by this step (counted in
+    # num_new_tokens, not in the sequence's num_computed_tokens until accepted)
+    proposal: list[int] | tuple[int, ...] = ()
 
 
 @dataclass
@@ -45,3 +48,4 @@ class StepUpdate:
     new_token_id: int | None  # None for a prefill chunk that did not reach the end
     finish_reason: int  # engine_pb2.FinishReason; UNSPECIFIED while running
     error: str = ""  # why, when finish_reason is ERROR
+    accepted_token_ids: list[int] = field(default_factory=list)  # speculative decoding: appended before new_token_id

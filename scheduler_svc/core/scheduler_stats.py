@@ -33,7 +33,7 @@ def count_step(c: SchedulerCounters, scheduled: list[ScheduledSeq]) -> int:
     decodes = prefills = num_prefill_tokens = 0
     for s in scheduled:
         c.num_partial_prefill_chunks += not s.samples
-        if s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens:
+        if s.num_new_tokens - len(s.proposal) == 1 and s.start >= s.seq.num_prompt_tokens:  # (a verified decode too)
             decodes += 1
         else:
             prefills += 1

@@ -45,6 +45,14 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full, hashed block
     host_block_table: list[int] = field(default_factory=list)  # while swapped: host blocks of its computed tokens
 
+    # speculative decoding (core/speculative/)
+    speculate: bool = False  # proposed tokens may be verified for it (speculator.can_speculate)
+    verifying: bool = False  # a step verifying its proposals is in flight: nothing is planned for it until it is back
+    num_proposed_tokens: int = 0  # over its life, for its usage
+    num_accepted_tokens: int = 0
+    speculation_backoff: int = 0  # plain decodes before it proposes again (nothing to propose, or all rejected)
+    blocks_kept: int = -1  # the executors' mirror is cut to this many blocks by the next plan; -1: nothing to cut
+
     # executor mirror bookkeeping (invariant 4: plans carry deltas)
     in_executor: bool = False  # executors hold a mirror of this sequence
     num_blocks_sent: int = 0  # block_table entries the executors already know

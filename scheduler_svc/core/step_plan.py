@@ -20,6 +20,7 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
         preempted_seq_ids=out.preempted_seq_ids,
     )
     seq_ids, num_scheduled, num_new_blocks, new_block_ids, last_tokens = [], [], [], [], []
+    num_proposed, proposed, kept = [], [], []  # speculative decoding: filled from the first sequence that needs them
     for item in out.scheduled:
         seq = item.seq
         if item.is_new:
@@ -39,6 +40,13 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
             num_new_blocks.append(len(new))
             new_block_ids += new
             last_tokens.append(seq.token_ids[-1] if seq.last_token_unsent and send_last_token else -1)
+            if item.proposal or seq.blocks_kept >= 0 or num_proposed:
+                if not num_proposed:  # the sequences before it have neither
+                    num_proposed, kept = [0] * (len(seq_ids) - 1), [-1] * (len(seq_ids) - 1)
+                num_proposed.append(len(item.proposal))
+                proposed += item.proposal
+                kept.append(seq.blocks_kept)
+                seq.blocks_kept = -1
         seq.num_blocks_sent = len(seq.block_table)
         seq.last_token_unsent = False
     for copies, field in ((out.block_copies, plan.block_copies), (out.swap_out, plan.swap_out),
@@ -51,5 +59,6 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
     if seq_ids:
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,
-            new_block_ids=new_block_ids, last_token_ids=last_tokens))
+            new_block_ids=new_block_ids, last_token_ids=last_tokens, num_proposed_tokens=num_proposed,
+            proposed_token_ids=proposed, num_blocks_kept=kept))
     return plan

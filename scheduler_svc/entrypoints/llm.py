@@ -46,6 +46,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    num_proposed_tokens: int = 0  # speculative decoding: tokens proposed for its completions, summed
+    num_accepted_tokens: int = 0  # of which were accepted
     finished_at: float = 0.0  # time.perf_counter() when its last completion ended (its end-to-end latency's end)
 
 
@@ -155,6 +157,8 @@ class LLM:
             raise
         for tracker, result in trackers.values():
             result.num_cached_tokens = max(result.num_cached_tokens, tracker.num_cached_tokens)
+            result.num_proposed_tokens += tracker.tracker.num_proposed_tokens
+            result.num_accepted_tokens += tracker.tracker.num_accepted_tokens
         return results
 
     def _run(self, trackers: dict, use_tqdm: bool) -> None:

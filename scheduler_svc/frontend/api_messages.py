@@ -38,7 +38,9 @@ def usage(num_prompt_tokens: int, trackers: Iterable[OutputTracker]) -> generati
     trackers = list(trackers)
     return generation_pb2.Usage(prompt_tokens=num_prompt_tokens,
                                 completion_tokens=sum(t.num_tokens for t in trackers),
-                                cached_prompt_tokens=max(t.num_cached_tokens for t in trackers))
+                                cached_prompt_tokens=max(t.num_cached_tokens for t in trackers),
+                                speculative_proposed_tokens=sum(t.num_proposed_tokens for t in trackers),
+                                speculative_accepted_tokens=sum(t.num_accepted_tokens for t in trackers))
 
 
 def merge_output(total: generation_pb2.CompletionOutput, part: generation_pb2.CompletionOutput) -> None:
@@ -66,4 +68,7 @@ def model_info(ready: engine_pb2.EngineReady) -> generation_pb2.ModelInfo:
 def stats(s: engine_pb2.SchedulerStats) -> generation_pb2.Stats:
     names = set(generation_pb2.Stats.DESCRIPTOR.fields_by_name)
     names &= set(engine_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
-    return generation_pb2.Stats(**{name: getattr(s, name) for name in names})
+    out = generation_pb2.Stats(**{name: getattr(s, name) for name in names})
+    if s.num_speculative_steps:  # each verifying step yields its accepted proposals and one token more
+        out.mean_accepted_length = 1 + s.num_accepted_tokens / s.num_speculative_steps
+    return out

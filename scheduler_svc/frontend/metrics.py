@@ -82,6 +82,18 @@ class Metrics:
             "estimated_recompute_seconds": cost.labels("recompute", "estimated"),
             "measured_recompute_seconds": cost.labels("recompute", "measured"),
         }.items()})
+        self._cumulative.update({name: _FromCumulative(Counter(f"nanoserve_speculative_{metric}", doc, registry=r))
+                                 for name, metric, doc in (
+            ("num_speculative_steps", "steps", "Sequence steps that verified proposed tokens (speculative decoding)"),
+            ("num_proposed_tokens", "proposed_tokens", "Tokens proposed for verification"),
+            ("num_accepted_tokens", "accepted_tokens", "Proposed tokens the model accepted"))})
+        self.accepted_per_position = Counter("nanoserve_speculative_accepted_tokens_per_position",
+                                             "Proposals accepted at each position of their step (0: the first)",
+                                             ["position"], registry=r)
+        self._accepted_per_position: list[_FromCumulative] = []
+        self.mean_accepted_length = Gauge("nanoserve_speculative_mean_accepted_length",
+                                          "Tokens a verifying sequence step yields on average (accepted + 1), since "
+                                          "start", registry=r)
         self.step_durations = _StepDurations()
         r.register(self.step_durations)
         self.detokenize_seconds = Counter("nanoserve_frontend_detokenize_seconds",
@@ -106,6 +118,12 @@ class Metrics:
         self.prefill_premium.set(s.prefill_step_premium_seconds)
         for name, cumulative in self._cumulative.items():
             cumulative.update(getattr(s, name))
+        for position, accepted in enumerate(s.accepted_per_position):
+            if position == len(self._accepted_per_position):
+                self._accepted_per_position.append(_FromCumulative(self.accepted_per_position.labels(str(position))))
+            self._accepted_per_position[position].update(accepted)
+        if s.num_speculative_steps:
+            self.mean_accepted_length.set(1 + s.num_accepted_tokens / s.num_speculative_steps)
         self.step_durations.update(s)
 
     def start_request(self) -> "RequestTimer":

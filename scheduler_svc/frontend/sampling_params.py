@@ -37,6 +37,7 @@ class SamplingParams:
     regex: str | None = None  # the whole completion matches it
     grammar: str | None = None  # llguidance's Lark-like grammar
     choice: list[str] | None = None  # exactly one of these strings
+    disable_speculation: bool = False  # never verify proposed tokens for it (speculative decoding)
 
     def constraint_kinds(self) -> list[str]:
         """The structured-output fields that are set (valid params have at most one)."""
@@ -94,7 +95,8 @@ class SamplingParams:
         return [engine_pb2.AddRequest(
             request_id=rid, prompt_token_ids=prompt_token_ids, sampling=self.sampling_options(seed_offset=i),
             stopping=self.stopping_options(), priority=priority, group_id=group_id,
-            beam_search=beam, constraint=constraint, client_request_id=client_request_id)
+            beam_search=beam, constraint=constraint, client_request_id=client_request_id,
+            disable_speculation=self.disable_speculation)
             for i, rid in enumerate(request_ids)]
 
 
@@ -114,5 +116,5 @@ def from_api(sp: generation_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=sp.include_stop_str_in_output, n=optional("n", 1), logprobs=sp.logprobs,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=optional("repetition_penalty", 1.0), beam_width=sp.beam_width,
-        length_penalty=optional("length_penalty", 1.0), **constraint,
+        length_penalty=optional("length_penalty", 1.0), disable_speculation=sp.disable_speculation, **constraint,
     )

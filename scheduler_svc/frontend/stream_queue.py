@@ -27,6 +27,7 @@ def merge_into(queued: engine_pb2.RequestOutput, later: engine_pb2.RequestOutput
     # the latest state wins: a finish (with its stop token and error) comes last, once (invariant 7)
     queued.finish_reason, queued.stop_token_id, queued.error = later.finish_reason, later.stop_token_id, later.error
     queued.num_prompt_tokens, queued.num_cached_tokens = later.num_prompt_tokens, later.num_cached_tokens
+    queued.num_proposed_tokens, queued.num_accepted_tokens = later.num_proposed_tokens, later.num_accepted_tokens
 
 
 def is_final(output: engine_pb2.RequestOutput) -> bool:

@@ -40,12 +40,16 @@ class OutputTracker:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_tokens = 0
+        self.num_proposed_tokens = 0  # speculative decoding, told with the final output
+        self.num_accepted_tokens = 0
 
     def apply(self, ro: engine_pb2.RequestOutput) -> Delta | None:
         """The delta of one engine output; None once the completion has ended."""
         if self.done:
             return None
         self.num_cached_tokens = ro.num_cached_tokens
+        if ro.num_proposed_tokens:
+            self.num_proposed_tokens, self.num_accepted_tokens = ro.num_proposed_tokens, ro.num_accepted_tokens
         delta = Delta(token_ids=list(ro.new_token_ids), logprobs=list(ro.logprobs))
         engine_done = ro.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
         if self.detok is not None:

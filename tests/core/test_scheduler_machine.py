@@ -51,19 +51,27 @@ def ranked(history, salt: int) -> tuple[list[int], list[float]]:
     return order, [lps[v] for v in order]
 
 
-def sample_step(out: SchedulerOutput, history_of, salt_of) -> tuple[dict[int, int], dict]:
-    """What the executor's sampler returns for a step: the greedy token of every sequence that samples, and
-    each beam's top candidates (as many as its sampling asks for)."""
-    sampled, candidates = {}, {}
+def sample_step(out: SchedulerOutput, history_of, salt_of) -> tuple[dict[int, int], dict, dict[int, list[int]]]:
+    """What the executor's sampler returns for a step: the greedy token of every sequence that samples, each
+    beam's top candidates (as many as its sampling asks for), and for each sequence whose proposals the step
+    verifies, the leading ones that are the greedy tokens (its sampled token then follows them)."""
+    sampled, candidates, accepted = {}, {}, {}
     for s in out.scheduled:
         if s.samples:
             seq = s.seq
-            ids, lps = ranked(history_of(seq)[: s.start + s.num_new_tokens], salt_of(seq))
+            history = list(history_of(seq)[: s.start + s.num_new_tokens - len(s.proposal)])
+            ids, lps = ranked(history, salt_of(seq))
+            for proposed in s.proposal:
+                if proposed != ids[0]:
+                    break
+                accepted.setdefault(seq.seq_id, []).append(proposed)
+                history.append(proposed)
+                ids, lps = ranked(history, salt_of(seq))
             sampled[seq.seq_id] = ids[0]
             if seq.beam is not None:
                 k = seq.sampling.logprobs
                 candidates[seq.seq_id] = (ids[:k], lps[:k])
-    return sampled, candidates
+    return sampled, candidates, accepted
 
 
 def greedy_alone(seq: Sequence, salt: int) -> tuple[list[int], int]:
@@ -92,7 +100,8 @@ def beam_search_alone(config: SchedulerConfig, search: dict) -> list[tuple[list[
         if not sched.has_unfinished():
             return [(m.output_token_ids, m.finish_reason) for m in members]
         out = sched.schedule()
-        sched.postprocess(out, *sample_step(out, lambda seq: seq.token_ids, lambda seq: BEAM_SALT))
+        sampled, candidates, _ = sample_step(out, lambda seq: seq.token_ids, lambda seq: BEAM_SALT)
+        sched.postprocess(out, sampled, candidates)
     raise AssertionError("a beam search alone did not finish")
 
 
@@ -122,6 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     depth = 1  # steps planned ahead of their results
     num_host_blocks = 0  # the executors' swap space; 0 preempts by recompute only
     enable_prefix_caching = True
+    speculative_tokens = 0  # > 0: speculative decoding, with proposals of up to this many tokens
 
     def __init__(self):
         super().__init__()
@@ -129,10 +139,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                            enable_prefix_caching=self.enable_prefix_caching))
 
     def start(self, config: SchedulerConfig) -> None:
+        if self.speculative_tokens:  # paused above 3 running sequences, so steps with and without it mix
+            config = replace(config, speculative_method="ngram", num_speculative_tokens=self.speculative_tokens,
+                             speculative_max_batch_size=3)
         self.config = config
         self.sched = Scheduler(self.config)
-        self.executor = MirroringExecutor(self.config.num_blocks, BLOCK, self.num_host_blocks, token_at=self.kv_at)
-        self.in_flight: deque[tuple[SchedulerOutput, dict, dict]] = deque()  # (step, sampled, candidates)
+        if self.speculative_tokens:
+            self.sched.speculator.propose = self.propose
+        self.executor = MirroringExecutor(self.config.num_blocks, BLOCK, self.num_host_blocks, token_at=self.kv_at,
+                                          proposed_at=self.kv_of_proposal)
+        # (step, sampled, candidates, accepted proposals)
+        self.in_flight: deque[tuple[SchedulerOutput, dict, dict, dict]] = deque()
         self.step_id = 0
         self.requests: list[Sequence] = []  # every request accepted, beam members included
         self.history: dict[int, list[int]] = {}  # seq_id -> prompt and every token the executor sampled for it
@@ -152,6 +169,26 @@ class SchedulerMachine(RuleBasedStateMachine):
     def kv_at(self, seq: Sequence, pos: int) -> tuple[int, ...]:
         return tuple(self.tokens_of(seq)[: pos + 1])  # the K/V at a position depends on the whole prefix
 
+    def kv_of_proposal(self, seq: Sequence, proposal, j: int) -> tuple[int, ...]:
+        """A verifying step writes proposal j's K/V after every known token (it plans only then): the right
+        contents where the proposal is accepted, another history where it is not."""
+        return (*seq.token_ids, *proposal[: j + 1])
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Speculative decoding's proposals: the greedy continuation (what the fake model verifies), wrong from a
+        place that varies with the sequence and its length, so every number of accepted proposals occurs, and
+        sometimes nothing at all."""
+        history, salt = list(seq.token_ids), self.salt_of(seq)
+        wrong_at = (seq.seq_id + len(history)) % (k + 2)
+        if wrong_at == k + 1:
+            return []
+        proposal = []
+        for j in range(k):
+            token = ranked(history, salt)[0][0]
+            proposal.append((token + 1) % VOCAB if j == wrong_at else token)
+            history.append(proposal[-1])
+        return proposal
+
     def salt_of(self, seq: Sequence) -> int:
         return BEAM_SALT if seq.beam is not None else self.salt[seq.seq_id]
 
@@ -160,7 +197,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def new_request(self, prompt, stopping, group_id="", priority=0) -> Sequence:
         seq_id = next(self.ids)
         return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                        sampling=engine_pb2.SamplingOptions(), stopping=stopping, priority=priority, group_id=group_id)
+                        sampling=engine_pb2.SamplingOptions(), stopping=stopping, priority=priority, group_id=group_id,
+                        speculate=True)  # (only where the scheduler speculates)
 
     def accept(self, seq: Sequence, salt: int = BEAM_SALT) -> bool:
         try:
@@ -246,8 +284,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert bool(swapped_in) == bool(out.swap_in)
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
+            assert len(seq.block_table) * BLOCK >= end  # lookahead slots for the proposals included
+            if s.proposal:  # verified after the sequence's every token, which it computes as a decode
+                assert seq.verifying and s.samples and s.num_new_tokens == len(s.proposal) + 1 and not s.is_new
+                assert s.start == seq.num_tokens - 1 and seq.num_placeholders == 1
+                end -= len(s.proposal)
             assert seq.status is RUNNING and s.num_new_tokens >= 1 and seq.num_computed_tokens == end
-            assert len(seq.block_table) * BLOCK >= end
             total = seq.num_tokens + seq.num_placeholders
             if s.samples:  # its chunk reached the end: one placeholder token now stands for the sample
                 assert end == total - 1 and 0 < seq.num_placeholders <= self.depth
@@ -260,6 +302,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event_if(num_preempted > num_swapped, "preempted by recompute")
         event_if(any(running_before[i].num_placeholders for i in out.preempted_seq_ids if i in running_before),
                  "preempted with a sample in flight")
+        event_if(any(v.verifying for v in victims), "preempted while its proposals are verified")
         event_if(out.swap_in, "swapped back in")
         event_if(forked, "parallel sample forked its leader's prompt")
         event_if(out.block_copies, "copy-on-write")
@@ -274,26 +317,42 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step_id += 1  # the engine sends the plan (the last token only when nothing else is in flight)
         self.executor.run_plan(build_step_plan(self.step_id, out, send_last_token=self.depth == 1), out)
         self.in_flight.append((out, *sample_step(out, self.tokens_of, self.salt_of)))
+        accepted = self.in_flight[-1][3]
         for seq_id, token in self.in_flight[-1][1].items():
             seq = next(s.seq for s in out.scheduled if s.seq.seq_id == seq_id)
             if seq.beam is None:
                 history = self.history[seq_id]
                 assert len(history) == seq.num_computed_tokens, "a sample extends its sequence by one token"
-                history.append(token)
+                history += accepted.get(seq_id, []) + [token]  # after the proposals it accepted
         event_if(len(self.in_flight) >= 2, f"{len(self.in_flight)} steps in flight")
+        verified = [s for s in out.scheduled if s.proposal]
+        event_if(verified, "proposals verified")
+        event_if(any(len(accepted.get(s.seq.seq_id, ())) == len(s.proposal) for s in verified), "all accepted")
+        event_if(any(0 < len(accepted.get(s.seq.seq_id, ())) < len(s.proposal) for s in verified), "some accepted")
+        event_if(any(not accepted.get(s.seq.seq_id) for s in verified), "none accepted")
+        event_if(verified and len(verified) < len(out.scheduled), "verified beside other chunks")
 
     @precondition(lambda self: self.in_flight)
     @rule()
     def postprocess(self):
-        out, sampled, candidates = self.in_flight.popleft()
-        self.executor.reply(sampled)
+        out, sampled, candidates, accepted = self.in_flight.popleft()
+        self.executor.reply(sampled, accepted)
         live = [s for s in out.scheduled if not s.seq.is_finished]  # aborted while in flight: skipped
         rounds_before = {g: list(search.beams) for g, search in self.sched.beams.searches.items()}
-        updates = self.sched.postprocess(out, sampled, candidates)
+        trimmed = {s.seq.seq_id: len(s.seq.block_table) for s in live if s.proposal}
+        updates = self.sched.postprocess(out, sampled, candidates, accepted=accepted)
         plain = [u for u in updates if u.seq.beam_options is None]
         assert [u.seq for u in plain] == [s.seq for s in live if s.seq.beam is None]
         for u, s in zip(plain, (s for s in live if s.seq.beam is None)):
-            assert u.new_token_id == (sampled[u.seq.seq_id] if s.samples else None)
+            if s.proposal:  # the accepted proposals and the token after them, up to one that stops the request
+                new = accepted.get(u.seq.seq_id, []) + [sampled[u.seq.seq_id]]
+                assert [*u.accepted_token_ids, u.new_token_id] == new[: len(u.accepted_token_ids) + 1]
+                assert not u.seq.verifying
+                if u.seq.status is RUNNING and u.seq.epoch == s.epoch:  # the rejected tail's blocks went back
+                    assert len(u.seq.block_table) == min(-(-u.seq.num_tokens // BLOCK), trimmed[u.seq.seq_id])
+                    event_if(len(u.seq.block_table) < trimmed[u.seq.seq_id], "lookahead blocks given back")
+            else:
+                assert u.new_token_id == (sampled[u.seq.seq_id] if s.samples else None)
             if u.finish_reason:
                 self.record_terminal(u.seq)
                 assert (u.seq.output_token_ids, u.finish_reason) == self.expected[u.seq.seq_id], \
@@ -414,12 +473,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             if seq.beam is None:
                 history = self.history[seq.seq_id]
                 assert history[: seq.num_tokens] == seq.token_ids
-                assert len(history) == seq.num_tokens + seq.num_placeholders
+                assert len(history) == seq.num_tokens + seq.num_placeholders + self.accepted_in_flight().get(
+                    seq.seq_id, 0)
             assert 0 <= seq.num_placeholders <= self.depth
+            assert not seq.verifying or seq.num_placeholders == 1
+
+    def accepted_in_flight(self) -> dict[int, int]:
+        """Per sequence, the proposals that steps in flight accepted (known to the executors, not the scheduler)."""
+        counts: dict[int, int] = {}
+        for _, _, _, accepted in self.in_flight:
+            for seq_id, tokens in accepted.items():
+                counts[seq_id] = counts.get(seq_id, 0) + len(tokens)
+        return counts
+
+    @invariant()
+    def only_accepted_tokens_are_hashed(self):
+        """Invariant 6 under speculation: every hashed block holds tokens its sequence really has, and the K/V
+        computed from exactly them (every_index_entry_names_the_contents_it_hashes checks the K/V)."""
+        for seq in self.sched.running + self.sched.waiting + self.sched.swapped:
+            assert seq.block_hashes == [chained_hash(seq.token_ids[: (i + 1) * BLOCK])
+                                        for i in range(len(seq.block_hashes))]
 
     @invariant()
     def executors_mirror_the_running_sequences_until_told_to_drop_them(self):
-        self.executor.check_mirrors(self.sched, self.tokens_of)
+        self.executor.check_mirrors(self.sched, self.tokens_of, self.accepted_in_flight())
 
 
 def event_if(condition, name: str) -> None:
@@ -459,6 +536,9 @@ TestThreeStepsInFlightWithSwapWithoutPrefixCaching = machine_test(
     "ThreeStepsInFlightWithSwapWithoutPrefixCaching", depth=3, num_host_blocks=6, enable_prefix_caching=False)
 TestEveryPreemptionModeAndPolicyTwoStepsInFlight = machine_test(
     "EveryPreemptionModeAndPolicyTwoStepsInFlight", EveryPreemptionMachine, depth=2, num_host_blocks=8)
+TestSpeculativeOneStepInFlightWithSwap = machine_test(
+    "SpeculativeOneStepInFlightWithSwap", EveryPreemptionMachine, speculative_tokens=3, num_host_blocks=8)
+TestSpeculativeTwoStepsInFlight = machine_test("SpeculativeTwoStepsInFlight", depth=2, speculative_tokens=2)
 TestEveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching = machine_test(
     "EveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching", EveryPreemptionMachine, depth=3,
     num_host_blocks=6, enable_prefix_caching=False)

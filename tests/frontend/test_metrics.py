@@ -82,3 +82,43 @@ def test_the_step_duration_histogram_follows_the_schedulers_buckets_and_survives
     assert [value(metrics, f"{name}_bucket", le=le) for le in ("0.01", "0.1", "1.0", "+Inf")] == [11, 14, 15, 16]
     assert abs(value(metrics, f"{name}_sum") - 4.51) < 1e-9
     assert b"nanoserve_step_duration_seconds_bucket" in generate_latest(metrics.registry)
+
+
+def test_speculative_decoding_counters_and_acceptance_per_position_follow_the_scheduler():
+    m = Metrics()
+    m.update_from_stats(stats(num_speculative_steps=10, num_proposed_tokens=40, num_accepted_tokens=18,
+                              accepted_per_position=[8, 5, 3, 2]))
+    m.update_from_stats(stats(num_speculative_steps=20, num_proposed_tokens=80, num_accepted_tokens=30,
+                              accepted_per_position=[14, 9, 5, 2]))
+    assert value(m, "nanoserve_speculative_steps_total") == 20
+    assert value(m, "nanoserve_speculative_proposed_tokens_total") == 80
+    assert value(m, "nanoserve_speculative_accepted_tokens_total") == 30
+    assert [value(m, "nanoserve_speculative_accepted_tokens_per_position_total", position=str(i))
+            for i in range(4)] == [14, 9, 5, 2]
+    assert value(m, "nanoserve_speculative_mean_accepted_length") == 1 + 30 / 20
+    m.update_from_stats(stats(num_speculative_steps=1, num_proposed_tokens=4, num_accepted_tokens=1,
+                              accepted_per_position=[1, 0, 0, 0]))  # a restarted scheduler
+    assert value(m, "nanoserve_speculative_accepted_tokens_total") == 31
+    assert value(m, "nanoserve_speculative_accepted_tokens_per_position_total", position="0") == 15
+
+
+def test_get_stats_reports_speculative_decoding_and_its_mean_accepted_length():
+    from scheduler_svc.frontend.api_messages import stats as public_stats
+
+    s = public_stats(stats(num_speculative_steps=4, num_proposed_tokens=12, num_accepted_tokens=6,
+                           accepted_per_position=[3, 2, 1]))
+    assert (s.num_speculative_steps, s.num_proposed_tokens, s.num_accepted_tokens) == (4, 12, 6)
+    assert list(s.accepted_per_position) == [3, 2, 1] and s.mean_accepted_length == 2.5
+    assert public_stats(stats()).mean_accepted_length == 0
+
+
+def test_usage_counts_the_proposed_and_accepted_tokens_of_every_completion():
+    from scheduler_svc.frontend.api_messages import usage
+    from scheduler_svc.text.output_tracker import OutputTracker
+
+    trackers = [OutputTracker(None, [1, 2, 3], []) for _ in range(2)]
+    for tracker, (proposed, accepted) in zip(trackers, [(8, 5), (4, 1)]):
+        tracker.apply(engine_pb2.RequestOutput(new_token_ids=[7, 8], finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+                                               num_proposed_tokens=proposed, num_accepted_tokens=accepted))
+    u = usage(3, trackers)
+    assert (u.completion_tokens, u.speculative_proposed_tokens, u.speculative_accepted_tokens) == (4, 12, 6)

@@ -9,13 +9,24 @@ from protos import engine_pb2
 
 
 class FakeExecutor:
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None,
+                 proposed_at=None) -> None:
         self.block_size = block_size
         self.slots = [[None] * block_size for _ in range(num_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_blocks)]
         # token_at(seq, position): the token there, also for samples still in flight (default: known tokens)
         self.token_at = token_at or (lambda seq, pos: seq.token_ids[pos])
+        # proposed_at(seq, proposal, j): what a step verifying proposals writes at its proposal j (speculative
+        # decoding); such a slot holds the right contents only where the proposal is accepted
+        self.proposed_at = proposed_at or (lambda seq, proposal, j: proposal[j])
         self.num_copies = 0
+
+    def expected_at(self, s, pos: int):
+        """What the step of ScheduledSeq s writes and reads at position pos."""
+        first_proposed = s.start + s.num_new_tokens - len(s.proposal)
+        if pos >= first_proposed:
+            return self.proposed_at(s.seq, s.proposal, pos - first_proposed)
+        return self.token_at(s.seq, pos)
 
     def run(self, out) -> None:
         bs = self.block_size
@@ -29,19 +40,20 @@ class FakeExecutor:
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
             for pos in range(s.start, end):
-                self.slots[seq.block_table[pos // bs]][pos % bs] = self.token_at(seq, pos)
+                self.slots[seq.block_table[pos // bs]][pos % bs] = self.expected_at(s, pos)
         for s in out.scheduled:  # attention reads after every write of the step
             seq, end = s.seq, s.start + s.num_new_tokens
             seen = [self.slots[seq.block_table[p // bs]][p % bs] for p in range(end)]
-            assert seen == [self.token_at(seq, p) for p in range(end)], f"seq {seq.seq_id} reads another history"
+            assert seen == [self.expected_at(s, p) for p in range(end)], f"seq {seq.seq_id} reads another history"
 
 
 class MirroringExecutor(FakeExecutor):
     """The executor's SequenceMirrors follow each plan's deltas (invariant 4), and every chunk they yield
     must be the one the scheduler planned, read through the block table the scheduler holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None) -> None:
-        super().__init__(num_blocks, block_size, num_host_blocks, token_at)
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None,
+                 proposed_at=None) -> None:
+        super().__init__(num_blocks, block_size, num_host_blocks, token_at, proposed_at)
         self.mirrors = SequenceMirrors()
 
     def run_plan(self, plan: engine_pb2.StepPlan, out) -> None:
@@ -51,16 +63,18 @@ class MirroringExecutor(FakeExecutor):
         for c in chunks:
             s = planned[c.seq.seq_id]
             assert (c.start, c.end, c.samples) == (s.start, s.start + s.num_new_tokens, s.samples)
+            assert list(c.proposal) == list(s.proposal)
             assert c.seq.block_table == s.seq.block_table, f"seq {s.seq.seq_id}: mirrored block table differs"
         self.run(out)
         self.mirrors.commit(chunks)
 
-    def reply(self, sampled: dict[int, int]) -> None:
-        """A step's sampled tokens reach the host: the mirrors append them (before the scheduler hears)."""
+    def reply(self, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None) -> None:
+        """A step's sampled tokens (after the proposals it accepted) reach the host: the mirrors append them
+        (before the scheduler hears)."""
         for seq_id, token in sampled.items():
-            self.mirrors.append_sampled(seq_id, token)
+            self.mirrors.append_sampled(seq_id, token, (accepted or {}).get(seq_id, ()))
 
-    def check_mirrors(self, sched, tokens_of) -> None:
+    def check_mirrors(self, sched, tokens_of, accepted_in_flight: dict[int, int] | None = None) -> None:
         """The executors mirror the running sequences sent to them, and the finished ones until told to drop
         them; each mirror holds the scheduler's block table and a prefix of tokens_of(seq), every token
         the executors sampled for it."""
@@ -68,10 +82,14 @@ class MirroringExecutor(FakeExecutor):
         assert set(self.mirrors.seqs) == set(mirrored) | set(sched.finished_to_drop) | set(sched.preempted_to_drop)
         for seq_id, seq in mirrored.items():
             m, tokens = self.mirrors.seqs[seq_id], tokens_of(seq)
-            assert m.block_table == seq.block_table and m.num_computed_tokens == seq.num_computed_tokens
+            # lookahead blocks the scheduler took back after a verification leave the mirror with its next plan
+            assert m.block_table == seq.block_table or (
+                seq.blocks_kept == len(seq.block_table) and m.block_table[: seq.blocks_kept] == seq.block_table)
+            assert m.num_computed_tokens == seq.num_computed_tokens
             if seq.beam is None:
                 assert m.token_ids == tokens[: len(m.token_ids)]
-                assert len(m.token_ids) + m.num_pending == len(tokens)  # the rest are samples still pending
+                # the rest are samples still pending, and the proposals their verifications accepted
+                assert len(m.token_ids) + m.num_pending + (accepted_in_flight or {}).get(seq_id, 0) == len(tokens)
             else:  # a beam that has reported holds its sample too; its search's children carry it on
                 assert m.token_ids[: len(tokens)] == tokens and len(m.token_ids) + m.num_pending <= len(tokens) + 1
 

@@ -1,0 +1,111 @@
+"""Speculative decoding: tokens per second and time per output token with and without n-gram speculation, at
+several concurrencies, on prompts that reward it (editing, summarising a given text, code with repetition) and
+on plain chat; with the acceptance figures. Greedy, ignore_eos, fixed output length, so both engines generate
+the same tokens (the test suite checks they are equal).
+
+    python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [engine flags]
+
+Each concurrency c runs c requests of a workload at once (the prompts repeat when c exceeds them); TPOT is
+the batch's wall time over the tokens each request generated (time to first token included). One engine per
+setting (off, ngram), warmed up first. Prints a table and writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scheduler_svc.common.config import add_engine_args, engine_config_from_args  # noqa: E402
+from scheduler_svc.entrypoints.llm import LLM  # noqa: E402
+from scheduler_svc.frontend.sampling_params import SamplingParams  # noqa: E402
+from scheduler_svc.text.tokenizer import Tokenizer  # noqa: E402
+
+TEXT = ("The city council met on Monday evening to discuss the new budget. After a long debate, the members "
+        "agreed to increase funding for public libraries, to repair the old bridge over the river, and to "
+        "reduce spending on office supplies. The mayor said that the decision would help families and students, "
+        "and that the council would review the results at the end of the year.")
+CODE = ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+        "    def add(self, other):\n        return Point(self.x + other.x, self.y + other.y)\n\n"
+        "    def sub(self, other):\n        return Point(self.x - other.x, self.y - other.y)\n\n")
+WORKLOADS = {
+    "editing": [f"Repeat this text exactly, changing nothing: {TEXT}", f"Fix any spelling mistakes in: {TEXT}",
+                f"Rewrite this text in the past tense: {TEXT}", f"Copy this paragraph: {TEXT}"],
+    "summarising": [f"Summarise this text in three sentences: {TEXT}", f"What did the council decide? {TEXT}"],
+    "code": [f"Add mul and div methods to this class, in the same style:\n{CODE}",
+             f"Write the same class with a z coordinate:\n{CODE}"],
+    "chat": ["What is the capital of France?", "Write a short poem about the sea.", "Give me three tips for sleep.",
+             "Explain what a CPU does.", "Tell me a fun fact about cats.", "How do airplanes fly?"],
+}
+
+
+def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]]) -> list[dict]:
+    config = engine_config_from_args(args)
+    config.speculative_method = method
+    engine_args = {k: v for k, v in vars(config).items() if k != "model"}
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
+    rows = []
+    with LLM(config.model, **engine_args) as llm:
+        llm.generate(prompts["chat"][:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        for name, batch in prompts.items():
+            for c in args.concurrency:
+                requests = [batch[i % len(batch)] for i in range(c)]
+                before = llm.stats()
+                t0 = time.perf_counter()
+                results = llm.generate(requests, params, use_tqdm=False)
+                elapsed = time.perf_counter() - t0
+                after = llm.stats()
+                tokens = sum(len(r.outputs[0].token_ids) for r in results)
+                delta = lambda f: getattr(after, f) - getattr(before, f)  # noqa: E731
+                steps = delta("num_speculative_steps")
+                rows.append({"method": method or "off", "workload": name, "concurrency": c, "output_tokens": tokens,
+                             "seconds": elapsed, "tok_per_s": tokens / elapsed,
+                             "tpot_ms": 1000 * elapsed * c / tokens, "steps": delta("num_steps"),
+                             "verifying_steps": steps, "proposed": delta("num_proposed_tokens"),
+                             "accepted": delta("num_accepted_tokens"),
+                             "acceptance": delta("num_accepted_tokens") / max(1, delta("num_proposed_tokens")),
+                             "mean_accepted_length": 1 + delta("num_accepted_tokens") / steps if steps else 0.0,
+                             "accepted_per_position": [a - b for a, b in zip(after.accepted_per_position,
+                                                                            before.accepted_per_position or
+                                                                            [0] * len(after.accepted_per_position))],
+                             "tokens": [r.outputs[0].token_ids for r in results]})
+                r = rows[-1]
+                print(f"  {r['method']:<6}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
+                      f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--out", default="speculative.json")
+    add_engine_args(parser)
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    config = engine_config_from_args(args)
+    tokenizer = Tokenizer(config.model)
+    prompts = {name: [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in WORKLOADS[name]]
+               for name in args.workloads.split(",")}
+    off = run_setting(args, None, prompts)
+    on = run_setting(args, "ngram", prompts)
+    print(f"\nspeculative decoding, n-gram K={config.num_speculative_tokens} (ngram {config.ngram_min}.."
+          f"{config.ngram_max}), max batch {config.speculative_max_batch_size}, {args.max_tokens} tokens each")
+    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
+          f"{'ngram TPOT':>12}{'accept':>8}{'mean len':>9}  same tokens")
+    for a, b in zip(off, on):
+        same = a.pop("tokens") == b.pop("tokens")
+        b["same_tokens_as_off"] = same
+        print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}{b['tok_per_s']:>13.1f}"
+              f"{b['tok_per_s'] / a['tok_per_s']:>7.2f}{a['tpot_ms']:>9.1f}m{b['tpot_ms']:>11.1f}m"
+              f"{b['acceptance']:>8.2f}{b['mean_accepted_length']:>9.2f}  {same}")
+    with open(args.out, "w") as f:
+        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, "ngram": on}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""n-gram proposals (prompt lookup): the continuation of the latest earlier occurrence of the longest suffix
+that occurred before."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.core.speculative.ngram import propose_ngram
+
+
+def test_the_continuation_of_the_longest_earlier_match_is_proposed():
+    tokens = [1, 2, 3, 4, 5, 9, 3, 4, 7, 1, 2, 3, 4]
+    # "1 2 3 4" occurred at the start, followed by 5 9 3; "3 4" alone last occurred before 7
+    assert propose_ngram(tokens, 3, 1, 4) == [5, 9, 3]
+    assert propose_ngram(tokens, 3, 1, 2) == [7, 1, 2]
+    assert propose_ngram(tokens, 10, 1, 4) == [5, 9, 3, 4, 7, 1, 2, 3, 4]  # up to the end of what is known
+
+
+def test_nothing_is_proposed_without_a_match_of_the_shortest_length():
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
+    assert propose_ngram([1, 2, 9, 2], 3, 2, 3) == []  # "2" occurred, "9 2" did not
+    assert propose_ngram([1, 2, 9, 2], 3, 1, 3) == [9, 2]
+    assert propose_ngram([5], 3, 1, 3) == [] and propose_ngram([5, 5], 0, 1, 3) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60), k=st.integers(1, 6), n_min=st.integers(1, 3),
+       extra=st.integers(0, 3))
+def test_a_proposal_continues_an_earlier_occurrence_of_the_longest_matching_suffix(tokens, k, n_min, extra):
+    n_max = n_min + extra
+    proposal = propose_ngram(tokens, k, n_min, n_max)
+    matches = {}  # suffix length -> the latest earlier end position where that suffix occurred
+    for n in range(n_min, min(n_max, len(tokens) - 1) + 1):
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1: e + 1] == tokens[-n:]]
+        if ends:
+            matches[n] = ends[-1]
+    if not matches:
+        assert proposal == []
+        return
+    longest = max(matches)
+    # the longest match wins, its latest occurrence, and nothing shorter that occurred later
+    end = max(e for n, e in matches.items() if n == longest)
+    assert proposal == tokens[end + 1: end + 1 + k]
+    assert 1 <= len(proposal) <= k

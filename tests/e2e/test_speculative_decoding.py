@@ -1,0 +1,92 @@
+"""Speculative decoding end to end on SmolLM2 through the real scheduler and executor processes: greedy tokens
+equal the non-speculative engine's, token for token, with n-gram proposals, also under forced preemption (both
+modes), chunked prefill, prefix-cache hits and with and without async scheduling; seeded sampling reproduces."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.entrypoints.llm import LLM
+from scheduler_svc.frontend.sampling_params import SamplingParams
+from scheduler_svc.text.tokenizer import Tokenizer
+
+NEW_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+TEXT = ("The committee met on Tuesday to review the budget. After a long discussion, the members agreed to "
+        "increase funding for the library and to reduce spending on office supplies.")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+SYSTEM = "You are a careful editor. You copy text faithfully and change only what you are asked to change. " * 4
+ASKS = [f"Repeat this text exactly: {TEXT}", f"Fix the grammar of this text: {TEXT}",
+        f"Summarise this text in one sentence: {TEXT}", f"Continue this code:\n{CODE}",
+        "What is the capital of France?", f"Rewrite in the past tense: {TEXT}"]
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_model) -> list[list[int]]:
+    tokenizer = Tokenizer(embedded_model)
+    return [tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}])
+            for ask in ASKS]
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model, prompts) -> list[list[int]]:
+    """The non-speculative engine's greedy tokens."""
+    with LLM(embedded_model) as llm:
+        return [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def assert_same_tokens(results, reference) -> None:
+    for i, (result, ref) in enumerate(zip(results, reference)):
+        assert result.outputs[0].token_ids == ref, f"prompt {i} ({ASKS[i][:30]!r}) differs"
+
+
+def test_ngram_speculation_gives_the_greedy_tokens_of_the_plain_engine(embedded_model, prompts, reference):
+    with LLM(embedded_model, speculative_method="ngram", num_speculative_tokens=4) as llm:
+        results = llm.generate(prompts, GREEDY, use_tqdm=False)
+        opted_out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                             disable_speculation=True), use_tqdm=False)
+        stats = llm.stats()
+    assert_same_tokens(results, reference)
+    assert_same_tokens(opted_out, reference)
+    assert opted_out[0].num_proposed_tokens == 0
+    # the editing prompts repeat their text, so proposals are accepted often
+    assert stats.num_accepted_tokens > NEW_TOKENS and stats.num_speculative_steps > 0
+    assert sum(r.num_accepted_tokens for r in results) == stats.num_accepted_tokens
+    assert sum(r.num_proposed_tokens for r in results) == stats.num_proposed_tokens
+    assert list(stats.accepted_per_position)[0] >= list(stats.accepted_per_position)[-1] > 0
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    # fewer steps than tokens: each accepted proposal saved one
+    assert stats.num_generated_tokens == len(prompts) * NEW_TOKENS + NEW_TOKENS
+    assert stats.free_kv_blocks == stats.total_kv_blocks
+
+
+def test_ngram_speculation_is_exact_under_recompute_preemption_and_chunked_prefill(embedded_model, prompts,
+                                                                                  reference):
+    longest = -(-max(len(p) + NEW_TOKENS for p in prompts) // 16)
+    with LLM(embedded_model, speculative_method="ngram", num_speculative_tokens=3, num_gpu_blocks=longest + 6,
+             max_num_batched_tokens=64, preemption_mode="recompute") as llm:
+        results = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    assert stats.num_partial_prefill_chunks > 0 and stats.num_mixed_steps > 0
+    assert stats.num_accepted_tokens > 0
+    assert_same_tokens(results, reference)
+    assert stats.free_kv_blocks == stats.total_kv_blocks
+
+
+def test_ngram_speculation_is_exact_with_swap_prefix_hits_and_without_async_scheduling(embedded_model, prompts,
+                                                                                     reference):
+    longest = -(-max(len(p) + NEW_TOKENS for p in prompts) // 16)
+    with LLM(embedded_model, speculative_method="ngram", num_speculative_tokens=5, num_gpu_blocks=longest + 8,
+             num_host_blocks=256, preemption_mode="swap", async_scheduling=False) as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)  # the shared system prompt hits the cache
+        seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+        again = [llm.generate(prompts[:2], seeded, use_tqdm=False) for _ in range(2)]
+        stats = llm.stats()
+    assert stats.num_swap_outs > 0, "the pool was meant to be too small for the batch"
+    assert stats.prefix_cache_hit_tokens > 0 and all(r.num_cached_tokens >= 16 for r in rest)
+    assert stats.num_accepted_tokens > 0
+    assert_same_tokens(first + rest, reference)
+    # seeded sampling through verification reproduces itself
+    assert [r.outputs[0].token_ids for r in again[0]] == [r.outputs[0].token_ids for r in again[1]]
+    assert stats.free_kv_blocks == stats.total_kv_blocks and stats.num_swapped == 0

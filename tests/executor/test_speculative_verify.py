@@ -1,0 +1,187 @@
+"""Verifying proposals (speculative decoding): greedy rows keep the argmax, and rejection sampling keeps the
+target's distribution, checked by chi-square on a tiny model's logits; the same check rejects wrong rules."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.sampler import Sampler, SamplingBatch
+from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
+from executor_svc.speculative_verify import rejection_sample, target_probs, verify_chunks
+from protos import engine_pb2
+from support.tiny_checkpoints import tiny_checkpoint
+
+PROMPT = [5, 17, 42, 9, 100, 5, 17, 42]
+DRAWS = 20_000
+
+
+def host_upload(arrays, group=""):
+    return {name: torch.from_numpy(a.copy()) for name, a in arrays.items()}
+
+
+def chunk(seq_id: int, options: engine_pb2.SamplingOptions, proposal: list[int], prompt=PROMPT) -> ScheduledChunk:
+    seq = MirroredSeq(seq_id, list(prompt), len(prompt), [0] * 4, len(prompt) - 1, options)
+    return ScheduledChunk(seq, len(prompt) - 1, len(prompt) + len(proposal), proposal=proposal)
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts against expected probabilities; cells expecting fewer than 5 are pooled."""
+    expected = probs.double() * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] < 5:  # nothing worth a cell left over
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tmp_path_factory):
+    """A tiny random Llama's logits after PROMPT, and two proposals: the second most likely next token (so some
+    are accepted and some not) and then the likeliest after it. Returns (logits [3, V] for the proposals'
+    positions and the one after, proposals)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama", tmp_path_factory)).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPT])).logits[0, -1]
+        d1 = int(first.topk(2).indices[1])
+        second = model(torch.tensor([PROMPT + [d1]])).logits[0, -1]
+        d2 = int(second.argmax())
+        logits = model(torch.tensor([PROMPT + [d1, d2]])).logits[0, -3:]
+    return logits.float(), [d1, d2]
+
+
+FILTERS = {"temperature 1": {}, "top-k": dict(top_k=12), "top-p": dict(top_p=0.8), "min-p": dict(min_p=0.05)}
+
+
+def verify_many(logits: torch.Tensor, proposal: list[int], options: engine_pb2.SamplingOptions, n: int):
+    """n verifications of the same rows, one chunk each: (first new token, second new token or -1) per chunk."""
+    chunks = [chunk(i, options, proposal) for i in range(n)]
+    verdict = verify_chunks(logits.repeat(n, 1), chunks, logits.shape[1], host_upload, None, {})
+    accepted, last = verdict.num_accepted, verdict.token_ids
+    d = torch.tensor(proposal)
+    first = torch.where(accepted >= 1, d[0], last)
+    second = torch.where(accepted >= 2, d[1], torch.where(accepted == 1, last, -1))
+    return first, second, accepted
+
+
+@pytest.mark.parametrize("name", list(FILTERS))
+def test_rejection_sampling_keeps_the_target_distribution_at_each_position(tiny_logits, name):
+    logits, proposal = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0, **FILTERS[name])
+    probs = target_probs(logits, [chunk(0, options, proposal).seq.sampling_row] * 3, logits.shape[1])
+    torch.manual_seed(0)
+    first, second, accepted = verify_many(logits, proposal, options, DRAWS)
+    assert 0.02 < (accepted >= 1).float().mean() < 0.98, "the proposal should be accepted only sometimes"
+    vocab = logits.shape[1]
+    assert chi_square_p(torch.bincount(first, minlength=vocab), probs[0]) > 1e-3
+    # given the first proposal was accepted, the second token follows the target at the next position
+    after = second[first == proposal[0]]
+    assert chi_square_p(torch.bincount(after, minlength=vocab), probs[1]) > 1e-3
+    # and every dropped token stays dropped
+    assert probs[0][first].min() > 0 and probs[1][after].min() > 0
+
+
+def test_the_chi_square_check_rejects_biased_acceptance_rules(tiny_logits):
+    """The check above would fail for a wrong rule: accepting every proposal, or accepting with p(d) but
+    redrawing from the whole distribution instead of the residual (which favours the proposal)."""
+    logits, proposal = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0)
+    probs = target_probs(logits, [chunk(0, options, proposal).seq.sampling_row] * 3, logits.shape[1])
+    torch.manual_seed(0)
+    u = torch.rand(DRAWS, 2, dtype=torch.float64)
+    d = proposal[0]
+    always = torch.full((DRAWS,), d)
+    redraw_all = torch.where(u[:, 0] < probs[0, d], d, torch.multinomial(probs[0], DRAWS, replacement=True))
+    vocab = logits.shape[1]
+    for wrong in (always, redraw_all):
+        assert chi_square_p(torch.bincount(wrong, minlength=vocab), probs[0]) < 1e-6
+    # and the check is fair: the plain sampler's own draws over the same logits pass it
+    batch = SamplingBatch.build([options] * DRAWS, [[]] * DRAWS, [[]] * DRAWS, vocab, torch.device("cpu"))
+    drawn = Sampler()(logits[:1].expand(DRAWS, -1), batch).token_ids
+    assert chi_square_p(torch.bincount(drawn, minlength=vocab), probs[0]) > 1e-3
+
+
+def test_greedy_rows_accept_the_argmax_only_and_yield_it():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    best = logits.argmax(dim=-1)
+    greedy = torch.ones(4, dtype=torch.bool)
+    drafts = torch.tensor([int(best[0]), int(best[1]), (int(best[2]) + 1) % 50, -1])
+    probs = logits.double().softmax(dim=-1)
+    accepted, yielded = rejection_sample(probs, greedy, drafts, torch.rand(4, 2, dtype=torch.float64))
+    assert accepted.tolist() == [True, True, False, False]
+    assert yielded.tolist() == best.tolist()
+
+
+def test_a_greedy_verification_stops_at_the_first_wrong_proposal():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 50)
+    best = logits.argmax(dim=-1).tolist()
+    proposal = [best[0], best[1], (best[2] + 1) % 50]
+    verdict = verify_chunks(logits, [chunk(7, engine_pb2.SamplingOptions(temperature=0.0), proposal)], 50,
+                            host_upload, None, {})
+    assert verdict.num_accepted.tolist() == [2] and verdict.token_ids.tolist() == [best[2]]
+
+
+def test_a_seeded_verification_depends_on_its_seed_alone(tiny_logits):
+    logits, proposal = tiny_logits
+    seeded = engine_pb2.SamplingOptions(temperature=1.0, seed=1234)
+    free = engine_pb2.SamplingOptions(temperature=1.0)
+
+    def run(neighbours: int):
+        chunks = [chunk(i, free, proposal) for i in range(neighbours)] + [chunk(99, seeded, proposal)]
+        verdict = verify_chunks(logits.repeat(len(chunks), 1), chunks, logits.shape[1], host_upload, None, {})
+        return verdict.num_accepted[-1].item(), verdict.token_ids[-1].item()
+
+    assert run(0) == run(5) == run(17)
+    other = [chunk(99, engine_pb2.SamplingOptions(temperature=1.0, seed=s), proposal) for s in range(40)]
+    verdicts = verify_chunks(logits.repeat(40, 1), other, logits.shape[1], host_upload, None, {})
+    assert len(set(zip(verdicts.num_accepted.tolist(), verdicts.token_ids.tolist()))) > 1
+
+
+def test_verification_rows_score_each_proposal_as_transformers_does(tmp_path_factory):
+    """A verifying step run as one-token rows (the decode path, and on CUDA the decode graphs) gives each
+    position the logits of the varlen path and of transformers over the prompt and the proposals."""
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.input_batch import device_inputs, host_inputs, verification_rows
+    from executor_svc.model_loader import load_model
+    from executor_svc.pinned_staging import PinnedStaging
+    from kernels.attention.torch_backend import TorchAttentionBackend
+
+    path = tiny_checkpoint("llama", tmp_path_factory)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    bs, staging = 4, PinnedStaging(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    for attn in model.attention_layers():  # a pool of garbage, as a reused one holds
+        attn.k_cache = torch.randn(32, bs, attn.num_kv_heads, attn.head_dim, generator=gen)
+        attn.v_cache = torch.randn(32, bs, attn.num_kv_heads, attn.head_dim, generator=gen)
+    prompts, proposals = [PROMPT, [7, 3, 250, 3, 7]], [[11, 12, 13], [4]]
+    tables = [[9, 2, 30, 14], [5, 21, 7]]
+
+    def run(chunks, rows: bool):
+        host = verification_rows(chunks, bs, {}) if rows else host_inputs(chunks, bs, {})
+        inputs = device_inputs(host, staging, bs, None)
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
+        return model.compute_logits(hidden[inputs.logits_indices])
+
+    with torch.no_grad():
+        # the prompts but their last token, computed first
+        prefill = [ScheduledChunk(MirroredSeq(i, p, len(p), t, 0, engine_pb2.SamplingOptions()), 0, len(p) - 1)
+                   for i, (p, t) in enumerate(zip(prompts, tables))]
+        run(prefill, rows=False)
+        chunks = [chunk(i, engine_pb2.SamplingOptions(), d, prompt=p) for i, (p, d) in enumerate(zip(prompts, proposals))]
+        for c, t in zip(chunks, tables):  # the blocks the prefill wrote
+            c.seq.cut_blocks(0)
+            c.seq.add_blocks(t)
+        as_rows = run(chunks, rows=True)
+        as_varlen = run(chunks, rows=False)
+        hf = AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = torch.cat([hf(torch.tensor([p + d])).logits[0, len(p) - 1:] for p, d in zip(prompts, proposals)])
+    assert as_rows.shape == (len(proposals[0]) + len(proposals[1]) + 2, 256)
+    torch.testing.assert_close(as_rows, as_varlen, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(as_rows, ref.float(), atol=1e-4, rtol=1e-4)
