@@ -162,7 +162,7 @@ class StepLoop:
                 raise sampled_step.error
             sampled = self.runner.finalize(sampled_step.step)
             result.swap_seconds = sampled_step.swaps.seconds() if sampled_step.swaps is not None else 0.0
-            result.sampled.extend(sampled_token_message(token) for token in sampled)
+            result.sampled.extend(sampled_token_message(token) for token in sampled if token.token_id >= 0)
             for token in sampled:
                 self.mirrors.append_sampled(token.seq_id, token.token_id, token.accepted_token_ids)
         except Exception as exc:

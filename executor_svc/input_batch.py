@@ -77,8 +77,8 @@ def host_inputs(chunks: list[ScheduledChunk], block_size: int, prev_rows: dict[i
         if len(seq.block_table) * bs < c.end:
             raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
         ids.extend(seq.token_ids[c.start:c.end - k])
-        if c.needs_pending_token:
-            if c.end - k != len(seq.token_ids) + 1 or seq.seq_id not in prev_rows:
+        if c.needs_pending_token:  # (after a verification in flight, beyond its proposals: DESIGN.md)
+            if c.end - k - 1 < len(seq.token_ids) or seq.seq_id not in prev_rows:
                 raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
             fill_at.append(len(ids))
             fill_from.append(prev_rows[seq.seq_id])
@@ -133,8 +133,8 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
             return None
         if len(seq.block_table) * bs < c.end:
             raise RuntimeError(f"seq {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {c.end} tokens")
-        if c.needs_pending_token:  # a plain decode whose input the previous step sampled
-            if c.end != len(seq.token_ids) + 1 or seq.seq_id not in prev_rows:
+        if c.needs_pending_token:  # an input the previous step sampled (a decode, or one verifying after a guess)
+            if c.start < len(seq.token_ids) or seq.seq_id not in prev_rows:
                 raise RuntimeError(f"seq {seq.seq_id}: input {c.end - 1} was not sampled by the previous step")
             fill_at.append(len(ids))
             fill_from.append(prev_rows[seq.seq_id])

@@ -21,7 +21,7 @@ from executor_svc.model_loader import load_model
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
-from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, draw_masks
+from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
 from executor_svc.speculative_verify import verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
@@ -81,6 +81,7 @@ class PendingStep:
     event: "torch.cuda.Event | None"
     num_accepted: torch.Tensor | None = None  # speculative decoding: each sequence's accepted proposals, on the host
     proposals: list | None = None  # and the proposals they are the leading ones of
+    void: list[bool] | None = None  # async verification: chunks that yield nothing (SequenceMirrors.settle)
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -268,6 +269,8 @@ class ModelRunner:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
         lp = None
+        if self.config.speculative_method is not None:  # chained verification (DESIGN.md): the step before is in
+            SequenceMirrors.settle(chunks)
         if inputs.verifies:
             return self._verify(inputs, chunks)
         if inputs.sampled is not None:  # sampled inside the decode graph
@@ -304,7 +307,7 @@ class ModelRunner:
             event.record()
         else:
             host = token_ids
-        return PendingStep(seqs, host, lp, event)
+        return PendingStep(seqs, host, lp, event, void=_void_of(chunks))
 
     def _sample_plain(self, logits: torch.Tensor, chunks: list[ScheduledChunk]):
         """The ordinary sampler over these chunks' logits rows (one each)."""
@@ -346,7 +349,8 @@ class ModelRunner:
                 lp = tuple(t.to("cpu", non_blocking=True) for t in lp)
             event = torch.cuda.Event()
             event.record()
-        return PendingStep(seqs, both[0], lp, event, num_accepted=both[1], proposals=[c.proposal for c in chunks])
+        return PendingStep(seqs, both[0], lp, event, num_accepted=both[1], proposals=[c.proposal for c in chunks],
+                           void=_void_of(chunks))
 
     def _redraw_masked(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
         """Draw the graph's step again over its logits, temperatures and noise seeds with the rows' token masks
@@ -370,6 +374,9 @@ class ModelRunner:
             lp = [t.tolist() for t in pending.logprobs]
         results = []
         for i, seq in enumerate(pending.seqs):
+            if pending.void is not None and pending.void[i]:
+                results.append(SampledToken(seq.seq_id, -1))  # appends nothing; not sent to the scheduler
+                continue
             sampled = SampledToken(seq.seq_id, token_ids[i])
             if num_accepted is not None and num_accepted[i]:
                 sampled.accepted_token_ids = pending.proposals[i][: num_accepted[i]]
@@ -385,3 +392,9 @@ class ModelRunner:
             buf = torch.empty(max(n, self.config.max_num_seqs), dtype=torch.int64).pin_memory()
             self._pinned_sampled[self.staging.parity] = buf
         return buf[:n]
+
+
+def _void_of(chunks: list[ScheduledChunk]) -> list[bool] | None:
+    """Which chunks are void (SequenceMirrors.settle); None when none is."""
+    void = [c.void for c in chunks]
+    return void if any(void) else None

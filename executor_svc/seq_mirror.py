@@ -22,7 +22,11 @@ class MirroredSeq:
     block_table: list[int]
     num_computed_tokens: int
     sampling: engine_pb2.SamplingOptions | SamplingRow  # a SamplingRow for sequences the executor makes up
-    num_pending: int = 0  # tokens sampled by launched steps, not yet appended (on the device)
+    # tokens launched steps will append, not appended yet (on the device), counted as the scheduler planned them:
+    # a verification's proposals as if all are accepted (a short verdict leaves them counted until the next plan
+    # sets the sequence's start: chunk_starts)
+    num_pending: int = 0
+    steps: list = field(default_factory=list)  # its launched sampling chunks not appended yet, oldest first
     # block_table as an int32 array with spare room, so building a step's block tables is a memcpy a row
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     sampling_row: SamplingRow | None = None  # `sampling` read once, for the per-step sampling batch
@@ -59,6 +63,13 @@ class ScheduledChunk:
     late_mask: bool = False  # its mask comes after the plan (LateTokenMasks), before the step samples
     # speculative decoding: tokens proposed after the sequence's last one, the step's last inputs, each verified
     proposal: list[int] | tuple[int, ...] = ()
+    # async verification: the token its pending input is guessed to be (-1: none), whether its input was pending
+    # when it was planned, and what settle() found once the step before it was appended: void (its input is not at
+    # its start: it yields nothing), or its guess failed (its proposals are dropped, its first row sampled plainly)
+    guess: int = -1
+    pending_input: bool = False
+    void: bool = False
+    proposals_dropped: bool = False
 
     @property
     def samples(self) -> bool:
@@ -103,6 +114,11 @@ class SequenceMirrors:
         """The deltas of the sequences mirrored already: block cuts, new blocks, and proposals to verify."""
         n = len(cached.seq_ids)
         num_proposed, kept = list(cached.num_proposed_tokens), list(cached.num_blocks_kept)
+        guesses, starts = list(cached.guessed_token_ids), list(cached.chunk_starts)
+        if (guesses or starts) and not (len(guesses) == len(starts) == n):
+            raise RuntimeError(f"plan {step_id}: {len(guesses)} guesses and {len(starts)} starts for {n} seqs")
+        if not guesses:
+            guesses, starts = repeat(-1), repeat(-1)
         proposed, new_blocks = list(cached.proposed_token_ids), list(cached.new_block_ids)
         if num_proposed or kept:  # speculative decoding; otherwise both are left out
             num_proposed, kept = num_proposed or [0] * n, kept or [-1] * n
@@ -112,10 +128,14 @@ class SequenceMirrors:
         else:
             num_proposed, kept = repeat(0), repeat(-1)
         offset = at = 0
-        for seq_id, num_scheduled, num_new, last_token, k, keep in zip(
+        for seq_id, num_scheduled, num_new, last_token, k, keep, guess, start in zip(
                 cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids,
-                num_proposed, kept):
+                num_proposed, kept, guesses, starts):
             seq = self._mirrored(step_id, seq_id)
+            if start >= 0:  # a short verdict moved it back: every step of it still in flight is void
+                if start >= len(seq.token_ids) or start < seq.num_prompt_tokens - 1:
+                    raise RuntimeError(f"seq {seq_id}: start {start} is not a token it has ({len(seq.token_ids)})")
+                seq.num_computed_tokens, seq.num_pending = start, 0
             if keep >= 0:
                 seq.cut_blocks(keep)
             if num_new:
@@ -124,7 +144,7 @@ class SequenceMirrors:
             if last_token >= 0 and seq.token_ids[-1] != last_token:
                 raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
                                    f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else ()))
+            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else (), guess))
             at += k
 
     def _mirrored(self, step_id: int, seq_id: int) -> MirroredSeq:
@@ -134,35 +154,51 @@ class SequenceMirrors:
         return seq
 
     @staticmethod
-    def _chunk(seq: MirroredSeq, num_scheduled: int, proposal: list[int] | tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(seq: MirroredSeq, num_scheduled: int, proposal: list[int] | tuple[int, ...] = (),
+               guess: int = -1) -> ScheduledChunk:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_scheduled
         if num_scheduled <= len(proposal) or end - len(proposal) > len(seq.token_ids) + seq.num_pending:
             raise RuntimeError(
                 f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
-        chunk = ScheduledChunk(seq, start, end, proposal=proposal)
-        if proposal and (not chunk.samples or chunk.needs_pending_token):
+        chunk = ScheduledChunk(seq, start, end, proposal=proposal, guess=guess)
+        chunk.pending_input = chunk.needs_pending_token
+        if proposal and (not chunk.samples or chunk.pending_input and (guess < 0 or end - start != len(proposal) + 1)):
             raise RuntimeError(f"seq {seq.seq_id}: proposals to verify after a chunk that does not sample, or "
-                               "before its last token is known")
+                               "after a pending token without a guess of it")
         return chunk
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """The forward is launched: the chunks' tokens have K/V in the pool; samples are pending. Proposals count
         as computed only once accepted (append_sampled)."""
         for chunk in chunks:
-            samples = chunk.samples
-            chunk.seq.num_computed_tokens = chunk.end - len(chunk.proposal)
-            chunk.seq.num_pending += samples
+            if chunk.samples:
+                chunk.seq.num_pending += 1 + len(chunk.proposal)
+                chunk.seq.steps.append(chunk)
+            chunk.seq.num_computed_tokens = chunk.end  # as if its proposals are accepted, as the scheduler counts
+
+    @staticmethod
+    def settle(chunks: list[ScheduledChunk]) -> None:
+        """Once the step before is appended (every rank alike, before sampling): a chunk planned on a pending
+        input that is not at its start is void; one whose input is not the token it guessed drops its proposals.
+        chunks: a step's sampling chunks (`samples` no longer says so once they are committed)."""
+        for c in chunks:
+            if c.pending_input:
+                tokens = c.seq.token_ids
+                c.void = c.start != len(tokens) - 1
+                c.proposals_dropped = bool(c.proposal) and not c.void and tokens[c.start] != c.guess
 
     def append_sampled(self, seq_id: int, token_id: int, accepted: list[int] | tuple[int, ...] = ()) -> None:
-        """A sampled token reached the host, after the proposals its step accepted (whose K/V that step wrote).
-        The sequence may be gone (finished or preempted since)."""
+        """A sampled token reached the host, after the proposals its step accepted (whose K/V that step wrote);
+        -1 for a void chunk, which appends nothing. The sequence may be gone (finished or preempted since)."""
         seq = self.seqs.get(seq_id)
-        if seq is not None and seq.num_pending:
+        if seq is not None and seq.steps:
+            seq.steps.pop(0)
+            if token_id < 0:
+                return
             if accepted:
                 seq.token_ids += accepted
-                seq.num_computed_tokens += len(accepted)
             seq.token_ids.append(token_id)
-            seq.num_pending -= 1
+            seq.num_pending = max(0, seq.num_pending - 1 - len(accepted))
 
 
 def mask_table(masks: engine_pb2.TokenBitmasks) -> tuple[np.ndarray, list[int]]:

@@ -102,8 +102,18 @@ def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size
     SamplerOutput. No host sync."""
     device = logits.device
     first_row = np.cumsum([0] + [1 + len(c.proposal) for c in chunks])
-    spec = [i for i, c in enumerate(chunks) if c.proposal]
-    plain = [i for i, c in enumerate(chunks) if not c.proposal]
+    # a void chunk, or one whose guess of its pending input failed, is sampled plainly from its first row
+    spec = [i for i, c in enumerate(chunks) if c.proposal and not (c.void or c.proposals_dropped)]
+    verified = set(spec)
+    plain = [i for i in range(len(chunks)) if i not in verified]
+    if not spec:
+        token_ids = torch.empty(len(chunks), dtype=torch.int64, device=device)
+        out = sample_plain(logits[torch.as_tensor(first_row[:-1], device=device)], chunks)
+        token_ids[:] = out.token_ids
+        logprobs = None
+        if out.top_token_ids is not None:
+            logprobs = (out.sampled_logprobs, out.sampled_ranks, out.top_token_ids, out.top_logprobs)
+        return Verdict(token_ids, torch.zeros(len(chunks), dtype=torch.int64, device=device), logprobs)
     rows: list[SamplingRow] = []
     drafts: list[int] = []
     positions: list[int] = []

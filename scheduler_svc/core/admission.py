@@ -26,6 +26,7 @@ class AdmissionHost(Protocol):
     structured: StructuredOutputs
     preemption: Preemption
     beams: BeamScheduler
+    speculator: object | None  # speculative decoding's (core/speculative/speculator.py), or None
 
     def has_room(self, seq: Sequence, reserved: int) -> bool:
         """Whether seq may join the running queue, reserved slots counted."""
@@ -105,3 +106,5 @@ def _run_new(sched: AdmissionHost, seq: Sequence, num_new: int, scheduled: list[
     seq.num_computed_tokens = start + num_new
     seq.num_placeholders += samples
     scheduled.append(ScheduledSeq(seq, num_new, True, start, samples, seq.epoch))
+    if samples and seq.speculate and sched.speculator is not None:  # speculation keeps each sequence's sampling steps in flight
+        seq.steps_in_flight.append(scheduled[-1])

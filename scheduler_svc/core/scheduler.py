@@ -196,29 +196,39 @@ class Scheduler:
         bm, bs = self.block_manager, self.config.block_size
         running, stop_rules = self.running, self.stop_rules
         speculating = self.speculator is not None and self.speculator.active(len(running))
+        tracks = self.speculator is not None  # speculating sequences keep their steps in flight (steps_in_flight)
+        chain = self.config.chain_verifications
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             seq = running[i]
             start, placeholders = seq.num_computed_tokens, seq.num_placeholders
             total = len(seq.token_ids) + placeholders
             num_new = min(total - start, budget)
-            if num_new <= 0 or seq.verifying or (placeholders and (seq.beam is not None
-                                                                   or total >= stop_rules[seq.seq_id].max_num_tokens)):
-                # nothing to compute, proposals being verified (how many tokens it gains is not known yet), a beam
-                # waiting for its round, or samples in flight reach its limit (a constrained sequence runs on its
-                # placeholder: its mask follows the plan, see plan_masks)
+            if num_new <= 0 or (seq.verifying and not (chain and self._chains(seq))) or (
+                    placeholders and (seq.beam is not None or total >= stop_rules[seq.seq_id].max_num_tokens)):
+                # nothing to compute, proposals being verified (how many tokens it gains is not known yet, and it
+                # cannot be chained), a beam waiting for its round, or samples in flight reach its limit (a
+                # constrained sequence runs on its placeholder: its mask follows the plan, see plan_masks)
                 i += 1
                 continue
             end = start + num_new
             is_new = not seq.in_executor
-            proposal = ()
+            proposal, guess = (), -1
             if speculating and seq.speculate and num_new == 1 and not is_new:
                 if seq.speculation_backoff > 0:  # a plain decode, planned ahead of its samples (async scheduling)
                     seq.speculation_backoff -= 1
                 elif not placeholders:
-                    proposal = self._proposal(seq, end, budget - 1)
+                    proposal = self._proposal(seq, seq.token_ids, end, budget - 1)
                     if not proposal:
                         seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
+                elif chain and self._chains(seq):  # proposals after a guess of the token in flight
+                    assumed = self._assumed_tokens(seq)
+                    if assumed is not None:
+                        guessed = self._proposal(seq, assumed, end, budget - 1, guess=True)
+                        if guessed:
+                            guess, proposal = guessed[0], guessed[1:]
+                        else:
+                            seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
                 else:  # a proposal needs every token: wait for the one in flight rather than plan ahead of it
                     i += 1
                     continue
@@ -238,24 +248,52 @@ class Scheduler:
             if i >= len(running) or running[i] is not seq:  # idle beams ahead of it gave way
                 i = running.index(seq)
             samples = end == total  # committed at schedule time; a sample leaves a placeholder token
-            seq.num_computed_tokens = end
+            # proposals count as computed, and as placeholders, as if all will be accepted: a short verdict corrects
+            # both (_apply_verified)
+            seq.num_computed_tokens = end + len(proposal)
             if samples:
-                seq.num_placeholders = placeholders + 1
-            scheduled.append(ScheduledSeq(seq, num_new + len(proposal), is_new, start, samples, seq.epoch, proposal))
+                seq.num_placeholders = placeholders + 1 + len(proposal)
+            item = ScheduledSeq(seq, num_new + len(proposal), is_new, start, samples, seq.epoch, proposal, guess)
+            scheduled.append(item)
+            if tracks and samples and seq.speculate:
+                seq.steps_in_flight.append(item)
             budget -= num_new + len(proposal)
             i += 1
         return budget
 
-    def _proposal(self, seq: Sequence, end: int, room: int) -> list[int]:
+    def _proposal(self, seq: Sequence, tokens: list[int], end: int, room: int, guess: bool = False) -> list[int]:
         """Tokens to verify after seq's last one (computed up to end), within room more tokens of the step's
-        budget, the sequence's length limit (the step then adds at most len + 1 tokens) and the free blocks."""
+        budget, the sequence's length limit (the step then adds at most len + 1 tokens) and the free blocks.
+        tokens: the sequence's tokens, or those assumed while steps are in flight. guess: the first token returned
+        guesses the pending input, the rest follow it (empty unless at least one follows)."""
         k = min(self.speculator.num_tokens, room, self.stop_rules[seq.seq_id].max_num_tokens - end - 1)
         if k <= 0:
             return []
-        proposal = self.speculator.propose(seq, k)[:k]
-        if proposal and not self.block_manager.can_allocate(seq, end + len(proposal)):
+        proposal = self.speculator.propose(seq, tokens, k + guess)[:k + guess]
+        if len(proposal) <= guess or not self.block_manager.can_allocate(seq, end + len(proposal) - guess):
             return []
         return proposal
+
+    @staticmethod
+    def _chains(seq: Sequence) -> bool:
+        """Whether its next step may be planned before its verdicts are back: a seeded row's draws must not
+        depend on what was in flight when its steps were planned."""
+        return seq.speculate and not seq.sampling.HasField("seed")
+
+    @staticmethod
+    def _assumed_tokens(seq: Sequence) -> list[int] | None:
+        """Its tokens as the steps in flight assume them: each step's proposals, then the guess the step after it
+        made of its last token; the newest step's last token is the one to guess now. None when a step in flight
+        made no guess (its input is unknown)."""
+        steps = [s for s in seq.steps_in_flight if not s.void]
+        tokens = list(seq.token_ids)
+        for n, s in enumerate(steps):
+            tokens += s.proposal
+            if n + 1 < len(steps):
+                if steps[n + 1].guess < 0:
+                    return None
+                tokens.append(steps[n + 1].guess)
+        return tokens
 
     def slots_reserved(self) -> int:
         """Started beam searches hold room for all their beams, so forking never passes max_num_seqs."""
@@ -293,6 +331,13 @@ class Scheduler:
                 self.beams.report(s, candidates, rounds)
                 continue
             token, reason, error = None, UNFINISHED, ""
+            if seq.steps_in_flight and s.samples:
+                if seq.steps_in_flight[0] is not s:
+                    raise RuntimeError(f"seq {seq.seq_id}: its steps were answered out of order")
+                seq.steps_in_flight.pop(0)
+                if s.void:  # planned on proposals a verdict since rejected: it yields nothing
+                    updates.append(StepUpdate(seq, None, UNFINISHED))
+                    continue
             if s.proposal:
                 updates.append(self._apply_verified(s, sampled.get(seq.seq_id), (accepted or {}).get(seq.seq_id, [])))
                 any_finished |= seq.status is FINISHED
@@ -333,11 +378,22 @@ class Scheduler:
         until one stops the sequence. Their K/V is in the pool (the rejected proposals' slots are rolled back: the
         sequence computes from after its last accepted token on, and lookahead blocks past its tokens go back)."""
         seq, c = s.seq, self.counters
-        seq.verifying = False
+        k = len(s.proposal)
         if token is None:  # the step failed: its requests were aborted
-            seq.num_placeholders = max(0, seq.num_placeholders - 1)
+            seq.num_placeholders = max(0, seq.num_placeholders - 1 - k)
+            seq.verifying = False
             return StepUpdate(seq, None, seq.finish_reason if seq.status is FINISHED else UNFINISHED)
-        seq.num_placeholders -= 1
+        seq.num_placeholders -= 1 + k
+        current = s.epoch == seq.epoch and seq.status is RUNNING  # not preempted since it was planned
+        if len(accepted) < k:  # short: the steps planned on all of them are void, and the count goes back
+            for later in seq.steps_in_flight:
+                if not later.void:
+                    later.void = True
+                    seq.num_placeholders -= 1 + len(later.proposal)
+            if current:
+                seq.num_computed_tokens = s.start + s.num_new_tokens - k + len(accepted)
+                seq.start_unsent = True
+        seq.verifying = any(p.proposal and not p.void for p in seq.steps_in_flight)
         self.speculator.record(len(s.proposal), len(accepted))
         seq.num_proposed_tokens += len(s.proposal)
         seq.num_accepted_tokens += len(accepted)
@@ -352,18 +408,17 @@ class Scheduler:
                 break
         seq.last_token_unsent = True
         c.num_generated_tokens += len(new)
-        current = s.epoch == seq.epoch and seq.status is RUNNING  # not preempted since it was planned
         if current:
-            seq.num_computed_tokens += len(new) - 1  # the accepted proposals' K/V is in the pool
-            self.hash_computed(s, len(new) - 1)
+            self.hash_computed(s, len(new) - 1)  # the accepted proposals' K/V is in the pool
         if reason != UNFINISHED:
             if seq.status is RUNNING:
                 self._release(seq, reason)  # taken out of running by the caller
             else:
                 self.retire(seq, reason)
             c.num_finished += 1
-        elif current:
-            self.block_manager.trim(seq, len(seq.token_ids))
+        elif current:  # not the blocks a step in flight writes (a void one too): another sequence may get them
+            self.block_manager.trim(seq, max([len(seq.token_ids)] + [p.start + p.num_new_tokens
+                                                                     for p in seq.steps_in_flight]))
             if seq.num_blocks_sent > len(seq.block_table):
                 seq.num_blocks_sent = seq.blocks_kept = len(seq.block_table)  # the next plan tells the executors
         return StepUpdate(seq, new[-1], reason, accepted_token_ids=new[:-1])
@@ -374,7 +429,7 @@ class Scheduler:
                      accepted: dict[int, list[int]] | None = None) -> None:
         """Raises ValueError for a reply that postprocess() refuses whole, before anything changes."""
         for s in out.scheduled:
-            if s.seq.status is FINISHED or not s.samples:  # aborted while in flight, or no sample
+            if s.seq.status is FINISHED or not s.samples or s.void:  # aborted while in flight, no sample, or void
                 continue
             if s.seq.seq_id not in sampled:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
@@ -445,6 +500,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.num_placeholders = 0  # samples still in flight for it are discarded
         seq.verifying = False
+        seq.steps_in_flight = []
         if self.requests.get(seq.request_key) is seq:
             del self.requests[seq.request_key]
             del self.stop_rules[seq.seq_id]
@@ -465,6 +521,10 @@ class Scheduler:
         self._drop_mirror(seq)
         seq.epoch += 1  # steps in flight wrote blocks it no longer has: they must not hash them
         self.counters.num_preemptions += 1
+        steps = [s for s in seq.steps_in_flight if not s.void]
+        if steps:  # only the oldest step's inputs are sure to be where they were planned: keep (swap) no more
+            seq.num_computed_tokens = steps[0].start + steps[0].num_new_tokens - len(steps[0].proposal)
+            seq.start_unsent = False
         decision = self.preemption.decide(seq)
         if decision.swap:
             copies = self.block_manager.swap_out(seq)
@@ -485,3 +545,4 @@ class Scheduler:
         seq.num_blocks_sent = 0
         seq.last_token_unsent = False
         seq.blocks_kept = -1
+        seq.start_unsent = False

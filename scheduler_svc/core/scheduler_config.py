@@ -30,6 +30,7 @@ class SchedulerConfig:
     ngram_min: int = 1  # n-gram proposals: the suffix lengths looked up
     ngram_max: int = 4
     speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
+    chain_verifications: bool = False  # async scheduling: plan a verifying sequence's next step before its verdict
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
@@ -66,4 +67,5 @@ def scheduler_config(config: EngineConfig, ready: engine_pb2.EngineReady) -> Sch
         ngram_min=config.ngram_min,
         ngram_max=config.ngram_max,
         speculative_max_batch_size=config.speculative_max_batch_size,
+        chain_verifications=config.async_scheduling and config.max_steps_in_flight > 1,
     )

@@ -19,8 +19,13 @@ class ScheduledSeq:
     samples: bool = False  # the chunk reaches the sequence's end, so the step samples a token for it
     epoch: int = 0  # seq.epoch when planned
     # speculative decoding: tokens proposed after the sequence's last one, verified by this step (counted in
-    # num_new_tokens, not in the sequence's num_computed_tokens until accepted)
+    # num_new_tokens, and in the sequence's num_computed_tokens as if accepted until the verdict says otherwise)
     proposal: list[int] | tuple[int, ...] = ()
+    # async verification: the token the chunk's pending input is guessed to be (its proposals follow the guess); -1
+    # none. void: an earlier step of the sequence accepted fewer proposals than this step was planned on, so its
+    # positions are wrong: it yields nothing (DESIGN.md, "Verification inside async scheduling")
+    guess: int = -1
+    void: bool = False
 
 
 @dataclass

@@ -47,11 +47,14 @@ class Sequence:
 
     # speculative decoding (core/speculative/)
     speculate: bool = False  # proposed tokens may be verified for it (speculator.can_speculate)
-    verifying: bool = False  # a step verifying its proposals is in flight: nothing is planned for it until it is back
+    verifying: bool = False  # a step verifying its proposals is in flight (unless chained, nothing is planned until back)
     num_proposed_tokens: int = 0  # over its life, for its usage
     num_accepted_tokens: int = 0
     speculation_backoff: int = 0  # plain decodes before it proposes again (nothing to propose, or all rejected)
     blocks_kept: int = -1  # the executors' mirror is cut to this many blocks by the next plan; -1: nothing to cut
+    # async verification: its sampling steps in flight, oldest first (void ones too, until they are answered)
+    steps_in_flight: list = field(default_factory=list)
+    start_unsent: bool = False  # a short verdict moved num_computed_tokens back: the next plan tells the executors
 
     # executor mirror bookkeeping (invariant 4: plans carry deltas)
     in_executor: bool = False  # executors hold a mirror of this sequence

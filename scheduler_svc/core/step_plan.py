@@ -21,6 +21,7 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
     )
     seq_ids, num_scheduled, num_new_blocks, new_block_ids, last_tokens = [], [], [], [], []
     num_proposed, proposed, kept = [], [], []  # speculative decoding: filled from the first sequence that needs them
+    guesses, starts = [], []  # async verification: likewise
     for item in out.scheduled:
         seq = item.seq
         if item.is_new:
@@ -47,6 +48,12 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
                 proposed += item.proposal
                 kept.append(seq.blocks_kept)
                 seq.blocks_kept = -1
+            if item.guess >= 0 or seq.start_unsent or guesses:
+                if not guesses:
+                    guesses, starts = [-1] * (len(seq_ids) - 1), [-1] * (len(seq_ids) - 1)
+                guesses.append(item.guess)
+                starts.append(item.start if seq.start_unsent else -1)
+                seq.start_unsent = False
         seq.num_blocks_sent = len(seq.block_table)
         seq.last_token_unsent = False
     for copies, field in ((out.block_copies, plan.block_copies), (out.swap_out, plan.swap_out),
@@ -60,5 +67,5 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,
             new_block_ids=new_block_ids, last_token_ids=last_tokens, num_proposed_tokens=num_proposed,
-            proposed_token_ids=proposed, num_blocks_kept=kept))
+            proposed_token_ids=proposed, num_blocks_kept=kept, guessed_token_ids=guesses, chunk_starts=starts))
     return plan

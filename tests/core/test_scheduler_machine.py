@@ -51,17 +51,19 @@ def ranked(history, salt: int) -> tuple[list[int], list[float]]:
     return order, [lps[v] for v in order]
 
 
-def sample_step(out: SchedulerOutput, history_of, salt_of) -> tuple[dict[int, int], dict, dict[int, list[int]]]:
+def sample_step(out: SchedulerOutput, history_of, salt_of,
+                void: set[int] = frozenset()) -> tuple[dict[int, int], dict, dict[int, list[int]]]:
     """What the executor's sampler returns for a step: the greedy token of every sequence that samples, each
     beam's top candidates (as many as its sampling asks for), and for each sequence whose proposals the step
     verifies, the leading ones that are the greedy tokens (its sampled token then follows them)."""
     sampled, candidates, accepted = {}, {}, {}
     for s in out.scheduled:
-        if s.samples:
+        if s.samples and s.seq.seq_id not in void:
             seq = s.seq
             history = list(history_of(seq)[: s.start + s.num_new_tokens - len(s.proposal)])
             ids, lps = ranked(history, salt_of(seq))
-            for proposed in s.proposal:
+            guessed = s.guess < 0 or history[s.start] == s.guess  # a failed guess drops the proposals after it
+            for proposed in s.proposal if guessed else ():
                 if proposed != ids[0]:
                     break
                 accepted.setdefault(seq.seq_id, []).append(proposed)
@@ -132,6 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     num_host_blocks = 0  # the executors' swap space; 0 preempts by recompute only
     enable_prefix_caching = True
     speculative_tokens = 0  # > 0: speculative decoding, with proposals of up to this many tokens
+    chain = True  # with speculation and depth > 1: verifications planned before the verdicts before them
 
     def __init__(self):
         super().__init__()
@@ -141,7 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def start(self, config: SchedulerConfig) -> None:
         if self.speculative_tokens:  # paused above 3 running sequences, so steps with and without it mix
             config = replace(config, speculative_method="ngram", num_speculative_tokens=self.speculative_tokens,
-                             speculative_max_batch_size=3)
+                             speculative_max_batch_size=3, chain_verifications=self.chain and self.depth > 1)
         self.config = config
         self.sched = Scheduler(self.config)
         if self.speculative_tokens:
@@ -159,6 +162,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pending_group = ""  # a beam search still waiting for members
         self.terminal_events: dict[str, int] = {}
         self.ids = itertools.count(1)
+        self.void: dict[int, set[int]] = {}  # id(step) -> its void steps' seq ids
 
     # the executor side: what each KV slot must hold, and which tokens a sequence has
 
@@ -172,13 +176,24 @@ class SchedulerMachine(RuleBasedStateMachine):
     def kv_of_proposal(self, seq: Sequence, proposal, j: int) -> tuple[int, ...]:
         """A verifying step writes proposal j's K/V after every known token (it plans only then): the right
         contents where the proposal is accepted, another history where it is not."""
-        return (*seq.token_ids, *proposal[: j + 1])
+        return (*self.tokens_of(seq), *proposal[: j + 1])  # (the true tokens up to its input, at plan time)
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def void_steps(self, out: SchedulerOutput) -> set[int]:
+        """The executors' settle(): chunks whose pending input is not at their start (an earlier verdict in flight
+        was short) yield nothing; the scheduler marks the same ones void when that verdict reaches it."""
+        void = set()
+        for s in out.scheduled:
+            first_proposed = s.start + s.num_new_tokens - len(s.proposal)
+            if s.samples and s.seq.beam is None and first_proposed > s.seq.num_tokens:  # its input was pending
+                if len(self.history[s.seq.seq_id]) != first_proposed:
+                    void.add(s.seq.seq_id)
+        return void
+
+    def propose(self, seq: Sequence, tokens: list[int], k: int) -> list[int]:
         """Speculative decoding's proposals: the greedy continuation (what the fake model verifies), wrong from a
         place that varies with the sequence and its length, so every number of accepted proposals occurs, and
         sometimes nothing at all."""
-        history, salt = list(seq.token_ids), self.salt_of(seq)
+        history, salt = list(tokens), self.salt_of(seq)
         wrong_at = (seq.seq_id + len(history)) % (k + 2)
         if wrong_at == k + 1:
             return []
@@ -285,14 +300,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
             assert len(seq.block_table) * BLOCK >= end  # lookahead slots for the proposals included
-            if s.proposal:  # verified after the sequence's every token, which it computes as a decode
+            if s.proposal:  # verified after the sequence's every token, or after a guess of the one in flight
                 assert seq.verifying and s.samples and s.num_new_tokens == len(s.proposal) + 1 and not s.is_new
-                assert s.start == seq.num_tokens - 1 and seq.num_placeholders == 1
-                end -= len(s.proposal)
+                assert s.start == seq.num_tokens - 1 or (s.guess >= 0 and self.config.chain_verifications)
+            # proposals count as computed (and placeholders) until a verdict says otherwise
             assert seq.status is RUNNING and s.num_new_tokens >= 1 and seq.num_computed_tokens == end
             total = seq.num_tokens + seq.num_placeholders
-            if s.samples:  # its chunk reached the end: one placeholder token now stands for the sample
-                assert end == total - 1 and 0 < seq.num_placeholders <= self.depth
+            if s.samples:  # its chunk reached the end: placeholder tokens now stand for the sample (and proposals)
+                assert end == total - 1 and 0 < seq.num_placeholders <= self.depth * (self.speculative_tokens + 1)
             else:
                 assert end < total
 
@@ -315,14 +330,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             event_if(self.sched.preempted_to_drop, "preempted in a step that schedules nothing")
             return
         self.step_id += 1  # the engine sends the plan (the last token only when nothing else is in flight)
-        self.executor.run_plan(build_step_plan(self.step_id, out, send_last_token=self.depth == 1), out)
-        self.in_flight.append((out, *sample_step(out, self.tokens_of, self.salt_of)))
+        void = self.void_steps(out)
+        self.void[id(out)] = void
+        self.executor.run_plan(build_step_plan(self.step_id, out, send_last_token=self.depth == 1), out, void)
+        self.in_flight.append((out, *sample_step(out, self.tokens_of, self.salt_of, void)))
         accepted = self.in_flight[-1][3]
+        event_if(void, "a step planned on proposals in flight is void")
+        event_if(any(s.guess >= 0 for s in out.scheduled), "proposals after a guess of a token in flight")
         for seq_id, token in self.in_flight[-1][1].items():
-            seq = next(s.seq for s in out.scheduled if s.seq.seq_id == seq_id)
-            if seq.beam is None:
+            s = next(s for s in out.scheduled if s.seq.seq_id == seq_id)
+            if s.seq.beam is None:
                 history = self.history[seq_id]
-                assert len(history) == seq.num_computed_tokens, "a sample extends its sequence by one token"
+                assert len(history) == s.start + s.num_new_tokens - len(s.proposal), \
+                    "a sample extends its sequence by one token"
                 history += accepted.get(seq_id, []) + [token]  # after the proposals it accepted
         event_if(len(self.in_flight) >= 2, f"{len(self.in_flight)} steps in flight")
         verified = [s for s in out.scheduled if s.proposal]
@@ -336,7 +356,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def postprocess(self):
         out, sampled, candidates, accepted = self.in_flight.popleft()
-        self.executor.reply(sampled, accepted)
+        void = self.void.pop(id(out))
+        self.executor.reply(sampled, accepted, void)
         live = [s for s in out.scheduled if not s.seq.is_finished]  # aborted while in flight: skipped
         rounds_before = {g: list(search.beams) for g, search in self.sched.beams.searches.items()}
         trimmed = {s.seq.seq_id: len(s.seq.block_table) for s in live if s.proposal}
@@ -344,11 +365,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         plain = [u for u in updates if u.seq.beam_options is None]
         assert [u.seq for u in plain] == [s.seq for s in live if s.seq.beam is None]
         for u, s in zip(plain, (s for s in live if s.seq.beam is None)):
-            if s.proposal:  # the accepted proposals and the token after them, up to one that stops the request
+            assert s.void == (s.seq.seq_id in void), "the scheduler and the executors find the same steps void"
+            if s.void:
+                assert u.new_token_id is None and not u.finish_reason
+            elif s.proposal:  # the accepted proposals and the token after them, up to one that stops the request
                 new = accepted.get(u.seq.seq_id, []) + [sampled[u.seq.seq_id]]
                 assert [*u.accepted_token_ids, u.new_token_id] == new[: len(u.accepted_token_ids) + 1]
-                assert not u.seq.verifying
-                if u.seq.status is RUNNING and u.seq.epoch == s.epoch:  # the rejected tail's blocks went back
+                assert u.seq.verifying == any(p.proposal and not p.void for p in u.seq.steps_in_flight)
+                if u.seq.status is RUNNING and u.seq.epoch == s.epoch and not u.seq.steps_in_flight:
+                    # the rejected tail's blocks went back (with steps in flight, only past what they write)
                     assert len(u.seq.block_table) == min(-(-u.seq.num_tokens // BLOCK), trimmed[u.seq.seq_id])
                     event_if(len(u.seq.block_table) < trimmed[u.seq.seq_id], "lookahead blocks given back")
             else:
@@ -473,17 +498,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             if seq.beam is None:
                 history = self.history[seq.seq_id]
                 assert history[: seq.num_tokens] == seq.token_ids
-                assert len(history) == seq.num_tokens + seq.num_placeholders + self.accepted_in_flight().get(
-                    seq.seq_id, 0)
-            assert 0 <= seq.num_placeholders <= self.depth
-            assert not seq.verifying or seq.num_placeholders == 1
+                assert len(history) == seq.num_tokens + self.sampled_in_flight().get(seq.seq_id, 0)
+                # each step in flight that is not void stands for its sample and its proposals
+                steps = [s for s in seq.steps_in_flight if not s.void]
+                if self.speculative_tokens and seq.speculate:
+                    assert seq.num_placeholders == sum(1 + len(s.proposal) for s in steps)
+            assert 0 <= seq.num_placeholders <= self.depth * (self.speculative_tokens + 1)
 
-    def accepted_in_flight(self) -> dict[int, int]:
-        """Per sequence, the proposals that steps in flight accepted (known to the executors, not the scheduler)."""
+    def sampled_in_flight(self) -> dict[int, int]:
+        """Per sequence, the tokens that steps in flight yield (known to the executors, not the scheduler)."""
         counts: dict[int, int] = {}
-        for _, _, _, accepted in self.in_flight:
-            for seq_id, tokens in accepted.items():
-                counts[seq_id] = counts.get(seq_id, 0) + len(tokens)
+        for _, sampled, _, accepted in self.in_flight:
+            for seq_id in sampled:
+                counts[seq_id] = counts.get(seq_id, 0) + 1 + len(accepted.get(seq_id, ()))
         return counts
 
     @invariant()
@@ -496,7 +523,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def executors_mirror_the_running_sequences_until_told_to_drop_them(self):
-        self.executor.check_mirrors(self.sched, self.tokens_of, self.accepted_in_flight())
+        self.executor.check_mirrors(self.sched, self.tokens_of, self.sampled_in_flight())
 
 
 def event_if(condition, name: str) -> None:
@@ -539,6 +566,10 @@ TestEveryPreemptionModeAndPolicyTwoStepsInFlight = machine_test(
 TestSpeculativeOneStepInFlightWithSwap = machine_test(
     "SpeculativeOneStepInFlightWithSwap", EveryPreemptionMachine, speculative_tokens=3, num_host_blocks=8)
 TestSpeculativeTwoStepsInFlight = machine_test("SpeculativeTwoStepsInFlight", depth=2, speculative_tokens=2)
+TestSpeculativeTwoStepsInFlightUnchained = machine_test("SpeculativeTwoStepsInFlightUnchained", depth=2,
+                                                        speculative_tokens=2, chain=False)
+TestSpeculativeThreeStepsInFlightWithSwap = machine_test(
+    "SpeculativeThreeStepsInFlightWithSwap", EveryPreemptionMachine, depth=3, speculative_tokens=3, num_host_blocks=8)
 TestEveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching = machine_test(
     "EveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching", EveryPreemptionMachine, depth=3,
     num_host_blocks=6, enable_prefix_caching=False)

@@ -34,7 +34,8 @@ def test_a_decoding_sequence_verifies_the_continuation_of_its_earlier_ngram_in_l
     out = sched.schedule()
     (s,) = out.scheduled
     assert list(s.proposal) == [9, 5, 6] and s.num_new_tokens == 4 and seq.verifying
-    assert seq.num_computed_tokens == 9 and len(seq.block_table) * 4 >= 9 + 3
+    # counted as if all are accepted (a verification planned before the verdict starts there), until the verdict
+    assert seq.num_computed_tokens == 9 + 3 and len(seq.block_table) * 4 >= 9 + 3
     free_before = sched.block_manager.num_free_blocks
     (update,) = sched.postprocess(out, {seq.seq_id: 1}, accepted={seq.seq_id: [9]})
     assert update.accepted_token_ids == [9] and update.new_token_id == 1
@@ -54,7 +55,49 @@ def test_rejected_lookahead_blocks_go_back_and_the_executors_hear_of_it():
     out = sched.schedule()
     plan = build_step_plan(2, out)
     assert list(plan.cached.num_blocks_kept) == [5] and seq.blocks_kept == -1
+    assert list(plan.cached.chunk_starts) == [9] and not seq.start_unsent  # the executors' count moves back too
     assert not out.scheduled[0].proposal and not plan.cached.proposed_token_ids  # backing off: a plain decode
+
+
+def chained(sched, seq):
+    """Plan a verification, then (its verdict unknown) the sequence's next step."""
+    first = sched.schedule()
+    second = sched.schedule()
+    (s1,), (s2,) = first.scheduled, second.scheduled
+    return first, s1, second, s2
+
+
+def test_with_async_scheduling_the_next_verification_is_planned_on_a_guess_before_the_verdict():
+    sched = speculating_scheduler(chain_verifications=True)
+    seq = decode_ready(sched)  # ... 5 6 7 8: proposes 9 5 6, then guesses 7 after them and proposes 8 9 5
+    first, s1, second, s2 = chained(sched, seq)
+    assert list(s1.proposal) == [9, 5, 6] and s2.start == 12 and s2.guess == 7 and list(s2.proposal) == [8, 9, 5]
+    assert seq.num_placeholders == 8 and seq.num_computed_tokens == 16 and len(seq.block_table) * 4 >= 16
+    plan = build_step_plan(2, second, send_last_token=False)
+    assert list(plan.cached.guessed_token_ids) == [7] and list(plan.cached.chunk_starts) == [-1]
+    sched.postprocess(first, {seq.seq_id: 7}, accepted={seq.seq_id: [9, 5, 6]})  # all accepted: it stands
+    assert not s2.void and seq.num_computed_tokens == 16 and seq.num_placeholders == 4
+    (update,) = sched.postprocess(second, {seq.seq_id: 6}, accepted={seq.seq_id: [8, 9, 5]})
+    assert update.accepted_token_ids == [8, 9, 5] and seq.output_token_ids == [8, 9, 5, 6, 7, 8, 9, 5, 6]
+    assert seq.num_computed_tokens == 16 and seq.num_placeholders == 0 and not seq.verifying
+
+
+def test_a_short_verdict_voids_the_step_planned_on_it_and_moves_the_count_back():
+    sched = speculating_scheduler(chain_verifications=True, block_size=2)
+    seq = decode_ready(sched)
+    first, s1, second, s2 = chained(sched, seq)
+    blocks = len(seq.block_table)
+    (update,) = sched.postprocess(first, {seq.seq_id: 3}, accepted={seq.seq_id: [9]})  # 5 rejected
+    assert s2.void and update.accepted_token_ids == [9] and update.new_token_id == 3
+    assert seq.num_computed_tokens == 10 and seq.num_placeholders == 0 and seq.start_unsent
+    assert len(seq.block_table) == blocks  # the void step in flight still writes its blocks: none goes back yet
+    sched.check_result(second, {})  # a void step yields nothing, and need not
+    (void,) = sched.postprocess(second, {})
+    assert void.new_token_id is None and not void.finish_reason and seq.output_token_ids == [8, 9, 3]
+    out = sched.schedule()
+    (s3,) = out.scheduled
+    assert s3.start == 10 and s3.guess == -1  # its every token is known again
+    assert list(build_step_plan(3, out, send_last_token=False).cached.chunk_starts) == [10]
 
 
 def test_a_stop_token_among_the_accepted_proposals_ends_the_request_there():

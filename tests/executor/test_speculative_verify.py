@@ -185,3 +185,39 @@ def test_verification_rows_score_each_proposal_as_transformers_does(tmp_path_fac
     assert as_rows.shape == (len(proposals[0]) + len(proposals[1]) + 2, 256)
     torch.testing.assert_close(as_rows, as_varlen, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(as_rows, ref.float(), atol=1e-4, rtol=1e-4)
+
+
+def plain_sampler(options: engine_pb2.SamplingOptions, vocab: int):
+    """verify_chunks' sample_plain: the ordinary sampler over the given rows."""
+    def sample(rows: torch.Tensor, chunks: list[ScheduledChunk]):
+        n = len(chunks)
+        return Sampler()(rows, SamplingBatch.build([options] * n, [[]] * n, [[]] * n, vocab, torch.device("cpu")))
+    return sample
+
+
+def test_a_chunk_whose_guess_failed_draws_from_the_target_not_the_residual(tiny_logits):
+    """Async verification: a chunk whose pending input was not the token guessed drops its proposals; its token
+    must follow p_0 itself (a draw from the residual p_0 - onehot(d_0) would never yield d_0)."""
+    logits, proposal = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0)
+    vocab = logits.shape[1]
+    probs = target_probs(logits, [chunk(0, options, proposal).seq.sampling_row], vocab)
+    chunks = [chunk(i, options, proposal) for i in range(DRAWS)]
+    for c in chunks:
+        c.proposals_dropped = True
+    torch.manual_seed(0)
+    verdict = verify_chunks(logits.repeat(DRAWS, 1), chunks, vocab, host_upload, plain_sampler(options, vocab), {})
+    assert int(verdict.num_accepted.sum()) == 0
+    drawn = torch.bincount(verdict.token_ids, minlength=vocab)
+    assert drawn[proposal[0]] > 0 and chi_square_p(drawn, probs[0]) > 1e-3
+
+
+def test_a_dropped_chunk_and_a_verified_one_share_a_step():
+    torch.manual_seed(3)
+    logits = torch.randn(8, 50)  # rows 0-3: the verified chunk's, rows 4-7: the dropped one's
+    best = logits.argmax(dim=-1).tolist()
+    greedy = engine_pb2.SamplingOptions(temperature=0.0)
+    verified, dropped = chunk(1, greedy, best[:3]), chunk(2, greedy, [best[4], best[5], best[6]])
+    dropped.proposals_dropped = True  # all its proposals are right, but its guess was not
+    verdict = verify_chunks(logits, [verified, dropped], 50, host_upload, plain_sampler(greedy, 50), {})
+    assert verdict.num_accepted.tolist() == [3, 0] and verdict.token_ids.tolist() == [best[3], best[4]]

@@ -28,7 +28,9 @@ class FakeExecutor:
             return self.proposed_at(s.seq, s.proposal, pos - first_proposed)
         return self.token_at(s.seq, pos)
 
-    def run(self, out) -> None:
+    def run(self, out, void=frozenset()) -> None:
+        """void: seq ids whose chunk is void (planned on a verdict that came back short): it writes K/V no one reads
+        as a token of that sequence, and its own reads are not checked (it yields nothing)."""
         bs = self.block_size
         for src, dst in out.swap_out:  # the executor's order: swap out, swap in, copies, forward
             self.host[dst] = list(self.slots[src])
@@ -40,9 +42,12 @@ class FakeExecutor:
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
             for pos in range(s.start, end):
-                self.slots[seq.block_table[pos // bs]][pos % bs] = self.expected_at(s, pos)
+                self.slots[seq.block_table[pos // bs]][pos % bs] = ("void", pos) if seq.seq_id in void \
+                    else self.expected_at(s, pos)
         for s in out.scheduled:  # attention reads after every write of the step
             seq, end = s.seq, s.start + s.num_new_tokens
+            if seq.seq_id in void:
+                continue
             seen = [self.slots[seq.block_table[p // bs]][p % bs] for p in range(end)]
             assert seen == [self.expected_at(s, p) for p in range(end)], f"seq {seq.seq_id} reads another history"
 
@@ -55,8 +60,9 @@ class MirroringExecutor(FakeExecutor):
                  proposed_at=None) -> None:
         super().__init__(num_blocks, block_size, num_host_blocks, token_at, proposed_at)
         self.mirrors = SequenceMirrors()
+        self.launched: list[list] = []  # each step in flight's sampling chunks, oldest first
 
-    def run_plan(self, plan: engine_pb2.StepPlan, out) -> None:
+    def run_plan(self, plan: engine_pb2.StepPlan, out, void=frozenset()) -> None:
         chunks = self.mirrors.apply(engine_pb2.StepPlan.FromString(plan.SerializeToString()))
         planned = {s.seq.seq_id: s for s in out.scheduled}
         assert sorted(c.seq.seq_id for c in chunks) == sorted(planned)
@@ -65,16 +71,30 @@ class MirroringExecutor(FakeExecutor):
             assert (c.start, c.end, c.samples) == (s.start, s.start + s.num_new_tokens, s.samples)
             assert list(c.proposal) == list(s.proposal)
             assert c.seq.block_table == s.seq.block_table, f"seq {s.seq.seq_id}: mirrored block table differs"
-        self.run(out)
+        self.run(out, void)
+        self.launched.append([c for c in chunks if c.samples])
         self.mirrors.commit(chunks)
 
-    def reply(self, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None) -> None:
+    def reply(self, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None,
+              void=frozenset()) -> None:
         """A step's sampled tokens (after the proposals it accepted) reach the host: the mirrors append them
-        (before the scheduler hears)."""
+        (before the scheduler hears); a void chunk's is -1, which appends nothing. The executors' own rule
+        (settle, once the step before is appended) must find the same chunks void."""
+        if self.launched:
+            # (a sequence dropped since, finished or preempted, is the scheduler's to discard)
+            chunks = [c for c in self.launched.pop(0) if self.mirrors.seqs.get(c.seq.seq_id) is c.seq]
+            SequenceMirrors.settle(chunks)
+            assert {c.seq.seq_id for c in chunks if c.void} == set(void) & {c.seq.seq_id for c in chunks}, \
+                "the executors find other chunks void"
+            for c in chunks:
+                if c.proposals_dropped:
+                    assert not (accepted or {}).get(c.seq.seq_id), "proposals after a failed guess were accepted"
         for seq_id, token in sampled.items():
             self.mirrors.append_sampled(seq_id, token, (accepted or {}).get(seq_id, ()))
+        for seq_id in void:
+            self.mirrors.append_sampled(seq_id, -1)
 
-    def check_mirrors(self, sched, tokens_of, accepted_in_flight: dict[int, int] | None = None) -> None:
+    def check_mirrors(self, sched, tokens_of, sampled_in_flight: dict[int, int] | None = None) -> None:
         """The executors mirror the running sequences sent to them, and the finished ones until told to drop
         them; each mirror holds the scheduler's block table and a prefix of tokens_of(seq), every token
         the executors sampled for it."""
@@ -85,11 +105,12 @@ class MirroringExecutor(FakeExecutor):
             # lookahead blocks the scheduler took back after a verification leave the mirror with its next plan
             assert m.block_table == seq.block_table or (
                 seq.blocks_kept == len(seq.block_table) and m.block_table[: seq.blocks_kept] == seq.block_table)
-            assert m.num_computed_tokens == seq.num_computed_tokens
+            # (a short verdict moved the scheduler's count back: the next plan tells the executors)
+            assert m.num_computed_tokens == seq.num_computed_tokens or seq.start_unsent
             if seq.beam is None:
                 assert m.token_ids == tokens[: len(m.token_ids)]
-                # the rest are samples still pending, and the proposals their verifications accepted
-                assert len(m.token_ids) + m.num_pending + (accepted_in_flight or {}).get(seq_id, 0) == len(tokens)
+                # the rest are what steps in flight yield: their samples and the proposals they accepted
+                assert len(m.token_ids) + (sampled_in_flight or {}).get(seq_id, 0) == len(tokens)
             else:  # a beam that has reported holds its sample too; its search's children carry it on
                 assert m.token_ids[: len(tokens)] == tokens and len(m.token_ids) + m.num_pending <= len(tokens) + 1
 

@@ -15,8 +15,9 @@ from protos import engine_pb2
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.core.speculative.ngram import propose_ngram
 
-# (a sequence whose every token is known, how many at most) -> tokens proposed to follow them
-Proposer = Callable[[Sequence, int], list[int]]
+# (a sequence, its tokens (known, or assumed while its steps are in flight), how many at most) -> tokens proposed
+# to follow them
+Proposer = Callable[[Sequence, list[int], int], list[int]]
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Speculator:
 
     @staticmethod
     def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int) -> "Speculator":
-        return Speculator(num_tokens, lambda seq, k: propose_ngram(seq.token_ids, k, n_min, n_max), max_batch_size)
+        return Speculator(num_tokens, lambda seq, tokens, k: propose_ngram(tokens, k, n_min, n_max), max_batch_size)
 
     def active(self, num_running: int) -> bool:
         """Speculation pays while a step is bound by launches and weight reads, i.e. at small batches."""
