@@ -6,6 +6,7 @@
   python bench/kernels.py --ragged             # + decode at the throughput run's ragged contexts, by splits
   python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
   python bench/kernels.py --sweep --kv-cache-dtype fp8   # the sweeps over an fp8 pool
+  python bench/kernels.py --moe-only --moe-sweep         # the fused MoE layer alone, + its tile sweep
 
 Decode is memory bound, so it is scored as effective bandwidth: K+V bytes of every context read
 once, divided by the kernel time, next to a plain device-to-device copy measured in the same run.
@@ -29,6 +30,8 @@ REPO = HERE.parent
 # kernels package.
 sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
+from bench import moe_kernels  # noqa: E402
+
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 DECODE_SHAPES = [(b, c) for b in (64, 256) for c in (512, 1024, 4096)]  # (seqs, context)
 PREFILL_SHAPES = [(4, 1024, 0), (4, 1024, 3072), (1, 8192, 0)]  # (seqs, new tokens each, cached prefix)
@@ -47,6 +50,8 @@ def parse_args() -> argparse.Namespace:
                    help="the pool of the --sweep and --ragged runs (the fp8 vs bf16 decode table always runs)")
     p.add_argument("--ragged-configs", nargs="+", metavar="N,W,S", default=None,
                    help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
+    p.add_argument("--moe-sweep", action="store_true", help="also sweep the fused MoE GEMM tiles (bench/moe_kernels.py)")
+    p.add_argument("--moe-only", action="store_true", help="only the fused MoE layer (and its sweep), no attention")
     p.add_argument("--fp8-gemm", action="store_true",
                    help="only the FP8 GEMM table (bench/fp8_gemm_table.py: Qwen3-8B's GEMMs, fp8 vs bf16)")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
@@ -70,10 +75,14 @@ def main() -> None:
         return
     results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
     print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
-    results["decode"] = bench.decode()
-    results["decode_fp8"] = bench.decode_fp8()
-    results["prefill"] = bench.prefill()
-    results["store_kvcache"] = bench.store()
+    if args.moe_sweep:  # first: the layer table below then runs on the tiles it found (when pasted in)
+        results["moe_sweep"] = moe_kernels.tile_sweep(bench, args.tiny)
+    results["moe_layer"] = moe_kernels.layer_table(bench, args.tiny)
+    if not args.moe_only:
+        results["decode"] = bench.decode()
+        results["decode_fp8"] = bench.decode_fp8()
+        results["prefill"] = bench.prefill()
+        results["store_kvcache"] = bench.store()
     if args.sweep:
         results["decode_sweep"] = bench.decode_sweep()
     if args.prefill_sweep:

@@ -21,7 +21,13 @@ TINY_QWEN3 = {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hi
 # The Qwen3-8B shape (the brief's second workload model; its decode is near the bandwidth roofline).
 QWEN3_8B = {**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
-MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": TINY_QWEN3}
+# The Qwen3-30B-A3B shape: every layer a mixture of 128 experts, top-8 renormalised, 768 wide; ~3B active.
+QWEN3_30B_A3B = {**QWEN3_0_6B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "tie_word_embeddings": False, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": []}
+MODEL_SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY_QWEN3}
 
 # bench/throughput.py's engine flags over the engine's defaults
 ENGINE_DEFAULTS = {"max_num_batched_tokens": 16384, "max_num_seqs": 512}

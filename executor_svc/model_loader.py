@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from executor_svc.layers import fp8
+from executor_svc.layers.fused_moe import refuse_quantized_experts
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
@@ -84,6 +85,8 @@ def load_model(
         )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
+    if quant is not None:
+        refuse_quantized_experts(model)
     if quant is not None and quant.from_checkpoint:
         fp8.prepare_checkpoint_layers(model, quant)
     if load_format == "dummy":
@@ -129,7 +132,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     continue  # recomputed from the config
                 if ckpt_name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # the LM head is embed_tokens' weight
-                name, shard_id = _our_name(ckpt_name, packed)
+                name, shard_id = model.checkpoint_param(ckpt_name) or _our_name(ckpt_name, packed)
                 if name not in params:
                     model_name = type(model).__name__
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {model_name}")
@@ -146,7 +149,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     missing = []
     for name, got in loaded.items():
         module_name = name.split(".")[-2] if "." in name else ""
-        if got != expected_shards.get(module_name, {None}):
+        # a parameter that stacks many checkpoint tensors (the experts) lists the sets that complete it
+        complete = getattr(params[name], "expected_shards", None) or [expected_shards.get(module_name, {None})]
+        if got not in complete:
             missing.append(name)
     if missing:
         raise ValueError(f"{len(missing)} parameters not (fully) loaded from {model_dir}: {missing[:8]}")

@@ -43,10 +43,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
@@ -58,12 +58,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -77,14 +78,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def dense_mlp(config, layer_idx: int) -> nn.Module:
+    return LlamaMLP(config)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, mlp_for_layer=dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_config(config)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, qkv_bias, o_bias, qk_norm, mlp_for_layer(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,13 +112,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: bool = False):
-        """Biases default to config.attention_bias (Llama's switch for all four projections)."""
+    def __init__(self, config, qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: bool = False,
+                 mlp_for_layer=dense_mlp):
+        """Biases default to config.attention_bias (Llama's switch for all four projections);
+        mlp_for_layer(config, layer_idx) builds each block's MLP (a mixture of experts in the MoE models)."""
         super().__init__()
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
-        self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm)
+        self.model = LlamaModel(config, qkv_bias, o_bias, qk_norm, mlp_for_layer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -125,6 +133,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, vocab] on rank 0, None on other ranks; written into `out` when given (one rank)."""
         return self.lm_head(hidden, out)
+
+    def checkpoint_param(self, ckpt_name: str) -> tuple[str, object] | None:
+        """(parameter name, shard id) of a checkpoint tensor this family names its own way; None: the
+        loader's default (packed_modules_mapping)."""
+        return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

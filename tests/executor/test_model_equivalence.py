@@ -236,7 +236,8 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: list[str], prompts,
 def test_tensor_parallel_over_two_ranks_matches_hf(tmp_path_factory, tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    kinds = ["qwen2", "llama3_biased"]  # qkv bias; o/mlp biases, tied weights and a vocab of 251 split unevenly
+    # qkv bias; o/mlp biases, tied weights and a vocab of 251 split unevenly; every expert's intermediate split
+    kinds = ["qwen2", "llama3_biased", "qwen3_moe", "mixtral"]
     paths = [tiny_checkpoint(k, tmp_path_factory) for k in kinds]
     prompts = random_prompts([6, 11], 251, seed=7)
     out_file = str(tmp_path / "tp_logits.pt")

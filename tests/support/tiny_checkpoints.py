@@ -19,12 +19,14 @@ _COMMON = dict(
 )
 
 
-def _randomize_and_save(model, path: str, seed: int) -> str:
+def _randomize_and_save(model, path: str, seed: int, router_scale: float = 1.0) -> str:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("norm.weight"):
+            if name.endswith("mlp.gate.weight"):  # an MoE router: decisive logits, so tokens spread over experts
+                param.copy_(router_scale * noise / param.shape[-1] ** 0.5)
+            elif name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * noise)
             elif param.dim() == 1:  # biases
                 param.copy_(0.2 * noise)
@@ -79,11 +81,37 @@ def make_tiny_llama3_biased(path: str) -> str:
     )
 
 
+def make_tiny_qwen3_moe(path: str, seed: int = 4, **overrides) -> str:
+    """Qwen3-MoE: 3 layers, the middle one dense (mlp_only_layers), 8 experts top-3 renormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{
+        **_COMMON, "num_hidden_layers": 3, "head_dim": 32, "tie_word_embeddings": False, "eos_token_id": 6,
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], **overrides})
+    torch.manual_seed(seed)
+    return _randomize_and_save(Qwen3MoeForCausalLM(config), path, seed, router_scale=4.0)
+
+
+def make_tiny_mixtral(path: str, seed: int = 5, **overrides) -> str:
+    """Mixtral: 6 experts top-2 (always renormalised), rope theta 1e6, untied embeddings."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{
+        **_COMMON, "tie_word_embeddings": False, "eos_token_id": 7, "num_local_experts": 6,
+        "num_experts_per_tok": 2, "intermediate_size": 48,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **overrides})
+    torch.manual_seed(seed)
+    return _randomize_and_save(MixtralForCausalLM(config), path, seed, router_scale=4.0)
+
+
 MAKERS = {
     "llama": make_tiny_llama,
     "qwen2": make_tiny_qwen2,
     "qwen3": make_tiny_qwen3,
     "llama3_biased": make_tiny_llama3_biased,
+    "qwen3_moe": make_tiny_qwen3_moe,
+    "mixtral": make_tiny_mixtral,
 }
 
 

@@ -1,0 +1,134 @@
+"""The fused MoE layer (kernels/fused_moe.py) at Qwen3-30B-A3B's layer shape: 128 experts, top-8 (renormalised),
+hidden 2048, moe_intermediate 768, bf16. Run through bench/kernels.py (--moe, --moe-sweep).
+
+Decode is scored against the bandwidth roofline: the bytes of every expert the step's tokens route to
+(gate, up and down weights) plus the activations, over 4.26 TB/s; a 2k-token prefill against the bf16
+tensor-core roofline, 2 * T * k * 3 * I * H FLOP over ~790 TFLOP/s. Decode is timed as the server runs
+it, replayed in a CUDA graph; prefill eagerly. The eager per-expert torch loop (HF's algorithm, what the
+CPU path runs) is timed beside it, and its output is the correctness check.
+
+The sweep times each GEMM alone for every tile candidate at token counts from 1 to 16k and prints the
+best as rows for kernels/fused_moe.MOE_TILES.
+"""
+from __future__ import annotations
+
+HBM_TB_S, BF16_TFLOP_S = 4.26, 790.0
+SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
+TINY_SHAPE = {"experts": 8, "hidden": 64, "inter": 32, "top_k": 2}
+LAYER_TOKENS = [1, 16, 64, 256, 2048]
+SWEEP_TOKENS = [1, 16, 64, 128, 256, 512, 2048, 16384]
+# (block_m, block_n, block_k, warps, stages)
+CANDIDATES = [
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
+    (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 128, 128, 8, 3),
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+]
+
+
+def _inputs(torch, device, shape: dict, num_tokens: int, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape["experts"], shape["hidden"], shape["inter"]
+    dtype = torch.bfloat16
+
+    def randn(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen, device=device) * scale).to(dtype)
+
+    x = randn(num_tokens, h)
+    router = randn(e, h, scale=h ** -0.5)
+    return x, x @ router.t(), randn(e, 2 * i, h, scale=h ** -0.5), randn(e, h, i, scale=i ** -0.5)
+
+
+def layer_table(bench, tiny: bool) -> list[dict]:
+    """The layer at decode batch 1, 16, 64, 256 (graph replay) and a 2k-token prefill."""
+    from kernels import fused_moe as fm
+    from kernels import moe_reference
+
+    torch = bench.torch
+    shape = TINY_SHAPE if tiny else SHAPE
+    e, h, i, k = shape["experts"], shape["hidden"], shape["inter"], shape["top_k"]
+    tokens = [1, 3] if tiny else LAYER_TOKENS
+    cuda = bench.device.type == "cuda"
+    print(f"\nfused MoE layer: {e} experts top-{k}, hidden {h}, inter {i}, bf16 "
+          f"(roofline {HBM_TB_S} TB/s, {BF16_TFLOP_S:.0f} TFLOP/s)")
+    print(f"{'T':>6} {'experts':>7} {'tiles (up; down)':>34} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'% roof':>6}"
+          f" {'torch us':>9} {'x torch':>7} {'rel err':>8}")
+    rows = []
+    for num_tokens in tokens:
+        x, logits, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
+        run = lambda: fm.fused_moe(x, logits, w13, w2, k, True)  # noqa: E731
+        _, ids = fm.route(logits, k, True)
+        hit = int(ids.unique().numel())
+        nbytes = hit * 3 * i * h * 2 + 2 * num_tokens * h * 2 + e * h * 2
+        flops = 2 * num_tokens * k * 3 * i * h
+        us = bench.time_us(run, graph=cuda and num_tokens <= 256)
+        ref_fn = lambda: moe_reference.fused_moe_ref(x, logits, w13, w2, k, True)  # noqa: E731
+        ref = ref_fn().float()
+        err = ((run().float() - ref).norm() / ref.norm()).item()
+        torch_us = bench.time_us(ref_fn)
+        roof_us = max(nbytes / HBM_TB_S / 1e6, flops / BF16_TFLOP_S / 1e6)
+        up, down = fm.tiles_for(num_tokens, e, h, i, k)
+        row = {"tokens": num_tokens, "experts_hit": hit, "bytes": nbytes, "flops": flops, "us": us,
+               "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
+               "torch_us": torch_us, "speedup_vs_torch": torch_us / us, "rel_err_vs_torch": err,
+               "tiles": [list(vars(up).values()), list(vars(down).values())]}
+        rows.append(row)
+        tiles = f"{tuple(row['tiles'][0])}; {tuple(row['tiles'][1])}"
+        print(f"{num_tokens:>6} {hit:>7} {tiles:>34} {us:>8.1f} {row['tb_per_s']:>6.2f} {row['tflop_per_s']:>8.1f}"
+              f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}")
+    return rows
+
+
+def tile_sweep(bench, tiny: bool) -> dict:
+    """Each GEMM alone, every candidate tile, at token counts from 1 to 16k: the best per count."""
+    import triton
+
+    from kernels import fused_moe as fm
+
+    torch = bench.torch
+    shape = TINY_SHAPE if tiny else SHAPE
+    e, h, i, k = shape["experts"], shape["hidden"], shape["inter"], shape["top_k"]
+    tokens = [1, 5] if tiny else SWEEP_TOKENS
+    candidates = [fm.MoeTile(16, 16, 16, 1, 1)] if tiny else [fm.MoeTile(*c) for c in CANDIDATES]
+    x_all, _, w13, w2 = _inputs(torch, bench.device, shape, max(tokens), seed=99)
+    gen = torch.Generator(device=bench.device).manual_seed(5)
+    router_w = (torch.randn(e, h, generator=gen, device=bench.device) * h ** -0.5).to(torch.bfloat16)
+
+    def timed(fn) -> float:
+        if bench.device.type != "cuda":
+            return bench.time_us(fn)
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+    best, table = {}, []
+    print(f"\nMoE tile sweep ({len(candidates)} candidates per GEMM): best us per token count")
+    print(f"{'T':>6} {'gate/up tile':>24} {'us':>8} {'down tile':>24} {'us':>8}")
+    for num_tokens in tokens:
+        x = x_all[:num_tokens].contiguous()
+        weights, ids = fm.route(x @ router_w.t(), k, True)
+        h_act = torch.randn(num_tokens * k, i, device=bench.device).to(torch.bfloat16)
+        groups_by_m = {}
+        results = {"up": [], "down": []}
+        for tile in candidates:
+            if tile.block_m not in groups_by_m:
+                groups_by_m[tile.block_m] = fm.group_by_expert(ids, e, tile.block_m)
+            groups = groups_by_m[tile.block_m]
+            for kind, fn in (("up", lambda: fm.gate_up_silu(x, w13, groups, k, tile)),  # noqa: B023
+                             ("down", lambda: fm.down_weighted(h_act, w2, weights.view(-1), groups, tile))):  # noqa: B023
+                try:
+                    results[kind].append((timed(fn), tile))
+                except Exception as exc:  # a tile over the shared-memory or register limit
+                    results[kind].append((float("inf"), tile))
+                    print(f"  skipped {kind} {tile}: {type(exc).__name__}")
+        (up_us, up_tile), (down_us, down_tile) = min(results["up"], key=lambda r: r[0]), min(
+            results["down"], key=lambda r: r[0])
+        best[num_tokens] = (up_tile, down_tile)
+        table.append({"tokens": num_tokens, "up": [list(vars(up_tile).values()), up_us],
+                      "down": [list(vars(down_tile).values()), down_us],
+                      "all_up": [[list(vars(t).values()), us] for us, t in results["up"]],
+                      "all_down": [[list(vars(t).values()), us] for us, t in results["down"]]})
+        print(f"{num_tokens:>6} {str(tuple(vars(up_tile).values())):>24} {up_us:>8.1f} "
+              f"{str(tuple(vars(down_tile).values())):>24} {down_us:>8.1f}")
+    print(f"\nMOE_TILES[({e}, {h}, {i}, {k})] = [")
+    for num_tokens, (up_tile, down_tile) in best.items():
+        print(f"    ({num_tokens}, MoeTile{tuple(vars(up_tile).values())}, MoeTile{tuple(vars(down_tile).values())}),")
+    print("]")
+    return {"shape": shape, "rows": table}

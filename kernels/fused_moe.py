@@ -1,0 +1,354 @@
+"""The mixture-of-experts block as Triton kernels, with its torch reference beside it.
+
+A token's hidden state goes to its top-k experts (softmax router), each expert runs a SwiGLU MLP, and
+the expert outputs are summed with the router's weights. On a GPU:
+
+1. route: softmax over the router logits and the top-k, renormalised when the model says so (one kernel);
+2. group: the (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
+   BLOCK_M, so that every M tile of the GEMMs belongs to one expert (three small kernels);
+3. gate/up GEMM with SiLU-and-mul fused into its epilogue: h[pair] = silu(x W_gate^T) * (x W_up^T);
+4. down GEMM whose epilogue scales each row by the pair's routing weight;
+5. the sum over a token's k rows (torch).
+
+Every shape depends on the token count only (the sorted list has room for the worst padding, and
+tiles past the real end exit at once, reading the end from the device), so nothing syncs with the
+host and the whole block can be captured in the decode CUDA graphs.
+
+Weight layout (stacked at load time from the per-expert checkpoint tensors):
+  w13 [E, 2 * I, H]: rows [0, I) are expert e's gate_proj, rows [I, 2I) its up_proj;
+  w2  [E, H, I]:     expert e's down_proj.
+Under tensor parallelism I is this rank's slice of every expert.
+
+Under TRITON_INTERPRET=1 the loads are upcast to fp32 (the interpreter computes bf16 wrongly). The torch
+reference of the whole block (the CPU path) is kernels/moe_reference.py, which needs no Triton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_runtime import INTERPRET
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. route: softmax + top-k (+ renormalise)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    mask = row_ok[:, None] & (cols < num_experts)[None, :]
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                     other=-float("inf")).to(tl.float32)
+    row_max = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the end: no inf - inf
+    p = tl.where(mask, tl.exp(logits - row_max[:, None]), 0.0)
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
+    # k rounds of argmax, twice: the first sums the chosen weights for the renormalisation; a tie goes to
+    # the lower expert id, as torch.topk does on the CPU
+    total = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    if RENORMALIZE:
+        remaining = tl.where(mask, p, -1.0)
+        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(remaining, axis=1)
+            idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            total += best
+            remaining = tl.where(cols[None, :] == idx[:, None], -1.0, remaining)
+    remaining = tl.where(mask, p, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
+        tl.store(ids_ptr + rows * TOP_K + j, idx, mask=row_ok)
+        remaining = tl.where(cols[None, :] == idx[:, None], -1.0, remaining)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // block_e))
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. group the (token, slot) pairs by expert, each expert's run padded to BLOCK_M
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExpertGroups:
+    sorted_pairs: torch.Tensor   # [capacity] int32: pair index t * k + j, grouped by expert; num_pairs = padding
+    block_expert: torch.Tensor   # [capacity / BLOCK_M] int32: the expert of each M tile
+    num_padded: torch.Tensor     # [1] int32: tiles at or past num_padded / BLOCK_M hold nothing
+    num_pairs: int
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert
+    and the padded end."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, num_tiles, BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
+        ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < num_tiles)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    # the order inside an expert's run is the atomics' order: a row's result does not depend on it
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+    tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
+    """Sort the pairs by expert and pad each expert's run to a multiple of block_m: a count, a plan and a
+    scatter kernel after two fills, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    device = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)  # padding rows
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    block = 256
+    grid = (max(1, triton.cdiv(num_pairs, block)),)
+    _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    block_e = triton.next_power_of_2(num_experts)
+    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, num_experts, capacity // block_m,
+                             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e))
+    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
+    return ExpertGroups(sorted_pairs, block_expert, num_padded, num_pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 + 4. the grouped GEMMs
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """An M tile's pairs (padding rows masked off) and its expert."""
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < num_pairs, tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_silu_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # rounded where HF's eager expert rounds: each projection's output, then silu, then the product
+    gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
+    tl.store(out_ptrs, act * up, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_weighted_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pair64[:, None] * stride_ht + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < inter - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
+    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# tiles: chosen per shape by `python bench/kernels.py --moe-sweep` on the H200
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (experts, hidden, intermediate per rank, top_k) -> [(most tokens, gate/up tile, down tile), ...] ascending;
+# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep`
+# (each GEMM timed alone at that token count; H200, 2026-12-03, 42a6317).
+MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] = {
+    (128, 2048, 768, 8): [  # Qwen3-30B-A3B at one rank
+        (1, MoeTile(16, 32, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
+        (16, MoeTile(16, 32, 128, 4, 4), MoeTile(16, 64, 128, 4, 4)),
+        (64, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 128, 128, 4, 3)),
+        (128, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
+        (256, MoeTile(32, 64, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
+        (512, MoeTile(64, 64, 64, 4, 4), MoeTile(64, 128, 64, 8, 4)),
+        (2048, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+        (16384, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+    ],
+}
+
+
+def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTile, MoeTile]:
+    """Before a sweep: small M tiles while experts see few tokens each, large ones for prefill."""
+    if INTERPRET:
+        return MoeTile(16, 32, 32, 1, 1), MoeTile(16, 32, 32, 1, 1)
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
+        return MoeTile(16, 64, 128, 4, 4), MoeTile(16, 64, 128, 4, 4)
+    if per_expert <= 64:
+        return MoeTile(32, 64, 128, 4, 4), MoeTile(32, 64, 128, 4, 4)
+    return MoeTile(64, 128, 64, 8, 4), MoeTile(64, 128, 64, 8, 4)
+
+
+def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> tuple[MoeTile, MoeTile]:
+    rows = MOE_TILES.get((num_experts, hidden, inter, top_k))
+    if not rows or INTERPRET:
+        return default_tiles(num_tokens, top_k, num_experts)
+    for most_tokens, up_tile, down_tile in rows:
+        if num_tokens <= most_tokens:
+            return up_tile, down_tile
+    return rows[-1][1], rows[-1][2]
+
+
+def _precision(x: torch.Tensor) -> str:
+    # fp32 models (the equivalence tests) multiply in full fp32, not the tensor cores' tf32
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int, int]:
+    return groups.sorted_pairs.numel() // tile.block_m, triton.cdiv(cols, tile.block_n)
+
+
+def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile) -> torch.Tensor:
+    """h [P, I]: silu(gate) * up of every (token, slot) pair, row t * k + j."""
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    h = torch.empty(groups.num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[_grid(groups, inter, tile)](
+        x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
+        groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return h
+
+
+def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
+                  tile: MoeTile) -> torch.Tensor:
+    """y [P, H]: each pair's down projection times its routing weight."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    y = torch.empty(groups.num_pairs, hidden, dtype=h.dtype, device=h.device)
+    _down_weighted_kernel[_grid(groups, hidden, tile)](
+        h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded,
+        groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
+        UPCAST=INTERPRET, PRECISION=_precision(h), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return y
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs."""
+    num_tokens = x.shape[0]
+    num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    weights, ids = route(router_logits, top_k, renormalize)
+    groups = group_by_expert(ids, num_experts, up_tile.block_m)
+    h = gate_up_silu(x, w13, groups, top_k, up_tile)
+    if down_tile.block_m != up_tile.block_m:
+        groups = group_by_expert(ids, num_experts, down_tile.block_m)
+    y = down_weighted(h, w2, weights.view(-1), groups, down_tile)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

@@ -1,0 +1,72 @@
+"""Loading mixture-of-experts checkpoints: an MoE variant this code would compute differently is refused at
+start-up with an error naming the config field (FP8 weights for the experts too); transformers' own stacked expert layout loads to the same
+model as the per-expert tensors of hub checkpoints; a missing expert tensor fails the load."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from executor_svc.model_loader import load_model
+from kernels.attention.torch_backend import TorchAttentionBackend
+from support.tiny_checkpoints import make_tiny_mixtral, make_tiny_qwen3_moe, tiny_checkpoint
+
+
+def load(path: str):
+    return load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())[0]
+
+
+def with_config(path: str, **fields) -> str:
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(fields)
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@pytest.mark.parametrize("maker, field, value", [
+    (make_tiny_qwen3_moe, "shared_expert_intermediate_size", 64),  # Qwen2-MoE's shared expert
+    (make_tiny_qwen3_moe, "n_group", 4),                           # DeepSeek's grouped top-k
+    (make_tiny_qwen3_moe, "scoring_func", "sigmoid"),              # another router
+    (make_tiny_qwen3_moe, "use_sliding_window", True),
+    (make_tiny_mixtral, "routed_scaling_factor", 2.5),
+    (make_tiny_mixtral, "sliding_window", 4096),
+])
+def test_an_unsupported_moe_variant_is_refused_naming_the_field(tmp_path, maker, field, value):
+    path = with_config(maker(str(tmp_path / "m")), **{field: value})
+    with pytest.raises(ValueError, match=field):
+        load(path)
+
+
+def test_transformers_stacked_expert_layout_loads_the_same_model(tmp_path, tmp_path_factory):
+    """transformers 5 can save the experts as [E, 2I, H] gate_up_proj and [E, H, I] down_proj tensors."""
+    path = tiny_checkpoint("qwen3_moe", tmp_path_factory)
+    from transformers import AutoModelForCausalLM
+
+    stacked = str(tmp_path / "stacked")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(stacked, save_original_format=False)
+    names = load_file(os.path.join(stacked, "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names, sorted(names)[:12]
+    ours, theirs = dict(load(path).named_parameters()), dict(load(stacked).named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert torch.equal(param, theirs[name]), name
+
+
+def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path):
+    path = make_tiny_mixtral(str(tmp_path / "m"))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13"):
+        load(path)
+
+
+def test_fp8_weights_for_the_experts_are_refused(tmp_path_factory):
+    path = tiny_checkpoint("mixtral", tmp_path_factory)
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend(), quantization="fp8")

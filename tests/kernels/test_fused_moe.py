@@ -1,0 +1,163 @@
+"""The fused MoE kernels (route, group by expert, gate/up + SiLU-and-mul, down + routing weight, sum)
+match a float64 reference written from the definition.
+
+On the CPU they run in Triton's interpreter (a child process with TRITON_INTERPRET=1), on tiny shapes
+where the M tile is larger than most experts' runs (several experts' pairs would share a tile if the
+runs were not padded to it: each tile holds one expert's few pairs and padding rows), where an expert
+gets no token, and where the hidden size is not a multiple of the K tile. The gpu tests run
+the compiled kernels at Qwen3-30B-A3B's shape, and inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernels import moe_reference
+from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
+                                       interpreter, needs_cuda)
+
+pytest.importorskip("triton")
+
+if KERNELS_RUN_HERE:
+    from kernels import fused_moe as fm
+    from kernels.fused_moe import MoeTile
+
+
+def moe64(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The block in float64, token by token, from the definition."""
+    x, logits, w13, w2 = x.double(), logits.double(), w13.double(), w2.double()
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t], dim=-1)
+        weights, ids = torch.topk(probs, top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, ids.tolist()):
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def case(num_tokens: int, num_experts: int, hidden: int, inter: int, dtype, seed: int, device="cpu",
+         unused_experts: tuple[int, ...] = ()):
+    """Random inputs at the scale of a real layer; the router never picks the experts in unused_experts."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = 2 * torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, list(unused_experts)] = -1e4
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return [t.to(device=device, dtype=dtype) for t in (x, logits, w13, w2)]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def max_rel(dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="this is the child process")
+def test_fused_moe_passes_under_the_interpreter():
+    assert_module_passes_under_interpreter(__file__, "test_fused_moe_passes_under_the_interpreter", timeout=600)
+
+
+@interpreter
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_matches_softmax_top_k(renormalize):
+    _, logits, _, _ = case(37, 12, 8, 8, torch.float32, seed=1)
+    weights, ids = fm.route(logits, 3, renormalize)
+    ref_w, ref_ids = moe_reference.route_ref(logits, 3, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    assert not renormalize or torch.allclose(weights.sum(-1), torch.ones(37))
+
+
+@interpreter
+@settings(max_examples=12, deadline=None)
+@given(num_experts=st.integers(1, 12), top_k=st.integers(1, 3), num_tokens=st.integers(1, 40),
+       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
+def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed):
+    """Whatever the routing (experts with no token included): every (token, slot) pair sits exactly once in
+    the sorted list, inside a tile of its own expert; each expert's run is padded to the tile; the rows past
+    the padded end, and the padding rows, hold the padding id."""
+    top_k = min(top_k, num_experts)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    ids = torch.where(ids == num_experts // 2, 0, ids).to(torch.int32)  # often leave one expert without a token
+    groups = fm.group_by_expert(ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    assert end == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert len(pairs) >= end and all(p == num_pairs for p in pairs[end:])
+    real = [(i, p) for i, p in enumerate(pairs) if p < num_pairs]
+    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once"
+    for i, p in real:
+        assert groups.block_expert[i // block_m] == ids.flatten()[p], f"pair {p} in a tile of another expert"
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, hidden, inter, renormalize, unused", [
+    (5, 8, 2, 64, 32, True, (3, 6)),      # 10 pairs over 8 experts: most runs a few rows of a 16-row tile
+    (19, 4, 3, 40, 48, False, (1,)),      # hidden 40: a partial K tile; inter 48: a partial N tile
+    (1, 16, 4, 32, 16, True, ()),         # decode of one token
+])
+def test_fused_moe_matches_float64(dtype, num_tokens, num_experts, top_k, hidden, inter, renormalize, unused):
+    x, logits, w13, w2 = case(num_tokens, num_experts, hidden, inter, dtype, seed=num_tokens, unused_experts=unused)
+    _, ids = fm.route(logits, top_k, renormalize)
+    assert not set(unused) & set(ids.flatten().tolist()), "the unused experts get no token"
+    out = fm.fused_moe(x, logits, w13, w2, top_k, renormalize, tiles=(MoeTile(16, 16, 16, 1, 1),) * 2)
+    assert out.shape == x.shape and out.dtype == dtype
+    ref = moe64(x, logits, w13, w2, top_k, renormalize)
+    assert rel_error(out, ref) < max_rel(dtype)
+    assert rel_error(moe_reference.fused_moe_ref(x, logits, w13, w2, top_k, renormalize), ref) < max_rel(dtype)
+
+
+@interpreter
+def test_gate_up_and_down_may_use_different_m_tiles():
+    x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=3)
+    out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
+    assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled, at the Qwen3-30B-A3B layer's shape (128 experts, top-8, hidden 2048, inter 768)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
+    x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
+    out = fm.fused_moe(x, logits, w13, w2, 8, True)
+    rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
+    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_moe_replays_in_a_cuda_graph_with_new_inputs():
+    x, logits, w13, w2 = case(64, 128, 2048, 768, torch.bfloat16, seed=7, device="cuda")
+    fm.fused_moe(x, logits, w13, w2, 8, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(x, logits, w13, w2, 8, True)
+    x2, logits2, _, _ = case(64, 128, 2048, 768, torch.bfloat16, seed=8, device="cuda")
+    x.copy_(x2)
+    logits.copy_(logits2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = moe64(x2[:16].cpu(), logits2[:16].cpu(), w13.cpu(), w2.cpu(), 8, True)
+    assert rel_error(out[:16].cpu(), ref) < 2e-2
