@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# nanoserve, one image for every role: `serve` (all in one), `frontend`, `scheduler`, `executor`.
+# nanoserve, one image for every role: `serve` (all in one), `frontend`, `scheduler`, `executor`; and, as the
+# stage `gateway`, SMG's image for compose's gateway profile.
 #
 #   make image                  # CPU torch; podman or docker; a local Debian base when no registry answers
 #   make image GPU=1            # PyTorch's CUDA build (hosts with an NVIDIA driver and container toolkit)
@@ -24,6 +25,27 @@ FROM ${BASE_IMAGE} AS python
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
+
+# ------------------------------------------------------------------ the gateway: `--target gateway`
+# SMG (Shepherd Model Gateway), compose's gateway profile: a Rust binary from PyPI, no torch, no model (it
+# takes the tokenizer from the replicas over GetTokenizer). Its version is the one pin, pyproject.toml's
+# `gateway` extra (tomllib: Python 3.11+).
+#   make gateway-image          # or: docker build -t nanoserve-gateway --target gateway .
+FROM python AS gateway
+COPY pyproject.toml /tmp/pyproject.toml
+RUN pip install $(python3 -c "import tomllib; print(*tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['optional-dependencies']['gateway'])") \
+ && rm /tmp/pyproject.toml \
+ && echo "nanoserve:x:10001:10001:nanoserve:/home/nanoserve:/usr/sbin/nologin" >> /etc/passwd \
+ && echo "nanoserve:x:10001:" >> /etc/group \
+ && mkdir -p /home/nanoserve && chown nanoserve:nanoserve /home/nanoserve
+USER nanoserve
+WORKDIR /home/nanoserve
+EXPOSE 30000 29000
+# Ready once a worker is healthy behind it (/readiness answers 503 before).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=1m --retries=3 \
+    CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30000/readiness', timeout=3)"
+ENTRYPOINT ["smg"]
+CMD ["launch", "--help"]
 
 # ------------------------------------------------------------------ torch: one of three stages, by TORCH
 # CPU images drop torch's own tests and its C++ headers (nothing compiles there).

@@ -18,14 +18,15 @@ GPU_PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 PROTOS := $(wildcard protos/*.proto)
 STUBS := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: help install proto model test test-gpu run image compose-test clean
+.PHONY: help install proto model test test-gpu run image gateway-image compose-test clean
 
 help:
 	@echo "make run       install, build stubs, fetch the model, start 'nanoserve serve'"
 	@echo "make test      install, build stubs, fetch the model, run the CPU test suite"
 	@echo "make test-gpu  build stubs and run the tests marked gpu (deps already installed)"
 	@echo "make image     build the container image with podman or docker (GPU=1: PyTorch's CUDA build)"
-	@echo "make compose-test  build the image, run compose.yaml, serve a request, the failure drill"
+	@echo "make gateway-image the gateway's image (SMG, for compose's gateway profile)"
+	@echo "make compose-test  build the images, run compose.yaml, serve a request, the failure drill, the gateway"
 	@echo "make install   create $(VENV) and install nanoserve with its test and convert extras"
 	@echo "make proto     generate the python stubs for protos/*.proto"
 	@echo "make model     fetch and convert the embedded model (cached outside the repo)"
@@ -62,7 +63,10 @@ run: install proto model
 
 # Podman is installed when neither engine is present; see .ci/build-image.sh for GPU, IMAGE, BASE_IMAGE.
 image:
-	GPU=$(GPU) .ci/build-image.sh
+	GPU=$(GPU) TARGET= .ci/build-image.sh
+
+gateway-image:
+	TARGET=gateway .ci/build-image.sh
 
 # The real thing, with every role as a container; not part of `make test` (it builds an image).
 compose-test: install proto model

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make image`: builds the Dockerfile with podman or docker (podman is installed when neither is).
 #   GPU=1       PyTorch's CUDA build instead of a CPU one
-#   IMAGE       the tag (default nanoserve:latest, nanoserve:gpu with GPU=1)
+#   TARGET=gateway  the Dockerfile's gateway stage instead: SMG, for compose's gateway profile (no torch)
+#   IMAGE       the tag (default nanoserve:latest, nanoserve:gpu with GPU=1, nanoserve-gateway:latest for the gateway)
 #   BASE_IMAGE  the base (default the Dockerfile's official Python image). When it cannot be pulled
 #               (no registry reachable), a Debian base is bootstrapped here with the host's apt sources.
 # A CPU image takes the torch wheel that this host's pip resolves from PyTorch's CPU index (or from
@@ -13,7 +14,11 @@ pick_engine
 
 base=${BASE_IMAGE:-$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)}
 torch_version=$(sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile | head -1)
-if [ -n "${GPU:-}" ]; then torch=cuda; tag=${IMAGE:-nanoserve:gpu}; else torch=cpu; tag=${IMAGE:-nanoserve:latest}; fi
+target=()
+if [ "${TARGET:-}" = gateway ]; then torch=none; tag=${IMAGE:-nanoserve-gateway:latest}; target=(--target gateway)
+elif [ -n "${GPU:-}" ]; then torch=cuda; tag=${IMAGE:-nanoserve:gpu}
+else torch=cpu; tag=${IMAGE:-nanoserve:latest}
+fi
 
 SECONDS=0
 if "$ENGINE" image inspect "$base" >/dev/null 2>&1 || timeout 300 "$ENGINE" pull -q "$base" >/dev/null 2>&1; then
@@ -44,7 +49,8 @@ if [ "$torch" = cpu ]; then
 fi
 
 format=(); [ "$ENGINE" = podman ] && format=(--format docker)  # docker format keeps HEALTHCHECK
+torch_arg=(); [ "$torch" = none ] || torch_arg=(--build-arg TORCH="$torch")
 SECONDS=0
-"$ENGINE" build "${format[@]}" -t "$tag" --build-arg BASE_IMAGE="$base" --build-arg TORCH="$torch" .
+"$ENGINE" build "${format[@]}" "${target[@]}" -t "$tag" --build-arg BASE_IMAGE="$base" "${torch_arg[@]}" .
 size=$("$ENGINE" image inspect "$tag" --format '{{.Size}}')
 echo "== built $tag (torch: $torch) in ${SECONDS}s: $((size / 1000000)) MB"

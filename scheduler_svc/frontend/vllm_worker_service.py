@@ -134,8 +134,10 @@ class VllmWorkerService(vllm_engine_pb2_grpc.VllmEngineServicer):
         if self.generation.draining:
             return vllm.HealthCheckResponse(healthy=False, message="the server is shutting down")
         if self.engine.ready is None:
-            return vllm.HealthCheckResponse(healthy=False, message="the engine is not ready: executors are "
-                                                                   "starting or lost")
+            # An error, not healthy=False: SMG takes any answer to HealthCheck as the worker's runtime and then
+            # asks GetModelInfo once; before the engine is ready that fails, and SMG would keep the worker as
+            # model "unknown" with no tokenizer. An error makes it look again later (compose starts SMG first).
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not ready: executors are starting or lost")
         return vllm.HealthCheckResponse(healthy=True, message="serving")
 
     async def _ready(self, context) -> engine_pb2.EngineReady:

@@ -269,8 +269,13 @@ def test_the_compose_gateway_profile_puts_smg_in_front_of_two_replicas():
     for name in ("replica-1", "replica-2"):
         assert services[name]["command"][:1] == ["serve"] and "50051" in services[name]["command"]
         assert gateway["depends_on"][name]["condition"] == "service_healthy"
-    # SMG's version comes from the one pin, pyproject.toml's gateway extra, which the tests run too
-    assert "['optional-dependencies']['gateway']" in gateway["build"]["dockerfile_inline"]
+    assert "volumes" not in gateway  # no model beside SMG: the tokenizer comes over GetTokenizer
+    # SMG's image is the Dockerfile's gateway stage, which installs the one pin, pyproject.toml's gateway extra,
+    # which the tests run too
+    assert gateway["build"]["target"] == "gateway"
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        stage = f.read().split("FROM python AS gateway\n")[1].split("\nFROM ")[0]
+    assert "['optional-dependencies']['gateway']" in stage and 'ENTRYPOINT ["smg"]' in stage
     import importlib.metadata
     import tomllib
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:

@@ -14,6 +14,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from smg_grpc_proto import vllm_engine_pb2 as vllm
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from support.grpc_server import REPO, start_server, wait_serving
 from protos import generation_pb2 as pb
@@ -67,8 +69,14 @@ def test_health_is_not_serving_until_the_executor_has_shaken_hands(tmp_path):
             server.stub.Generate(CAPITAL, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not ready" in err.value.details()
         assert server.stub.Tokenize(pb.TokenizeRequest(text="Hi"), timeout=10).token_ids  # needs no engine
+        # vLLM's worker HealthCheck fails, so that SMG does not register the worker before it can describe it
+        vllm_stub = vllm_engine_pb2_grpc.VllmEngineStub(server.channel)
+        with pytest.raises(grpc.RpcError) as err:
+            vllm_stub.HealthCheck(vllm.HealthCheckRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not ready" in err.value.details()
         wait_serving(server, 180)
         assert server.health("nanoserve.v1.Generation") == SERVING
+        assert vllm_stub.HealthCheck(vllm.HealthCheckRequest(), timeout=10).healthy
     finally:
         assert server.stop() == 0
 

@@ -1,5 +1,6 @@
 """SMG (the pinned `smg` from PyPI) in front of running `nanoserve serve` replicas, for tests: start, wait
-until it serves, talk HTTP (JSON and server-sent events), stop."""
+until it serves, talk HTTP (JSON and server-sent events), stop. `SmgHttp` alone talks to an SMG started
+elsewhere (compose's gateway profile, in tests/compose/check_compose.py)."""
 from __future__ import annotations
 
 import http.client
@@ -22,10 +23,9 @@ def smg_binary() -> str:
 
 
 @dataclass
-class Gateway:
-    proc: subprocess.Popen
+class SmgHttp:
+    """SMG's HTTP API on 127.0.0.1:port."""
     port: int
-    log_path: str
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float = 120.0):
         """(status, parsed JSON or text)."""
@@ -74,6 +74,21 @@ class Gateway:
         finally:
             conn.close()
 
+    def healthy_workers(self) -> int:
+        """How many workers SMG has registered and holds healthy (0 while it does not answer)."""
+        try:
+            status, workers = self.request("GET", "/workers", timeout=5)
+        except (OSError, http.client.HTTPException):
+            return 0
+        return sum(w.get("is_healthy", False) for w in workers.get("workers", [])) if status == 200 else 0
+
+
+@dataclass
+class Gateway(SmgHttp):
+    """An SMG process of the test's own."""
+    proc: subprocess.Popen
+    log_path: str
+
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
@@ -105,15 +120,13 @@ def start_gateway(log_dir, worker_addrs: list[str], model: str, *flags: str, tim
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    gateway = Gateway(proc, port, log_path)
+    gateway = Gateway(port, proc, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"smg exited with {proc.returncode}:\n{gateway.log()[-4000:]}")
         try:
-            status, workers = gateway.request("GET", "/workers", timeout=5)
-            healthy = status == 200 and sum(w.get("is_healthy", False) for w in workers.get("workers", []))
-            if healthy == len(worker_addrs):
+            if gateway.healthy_workers() == len(worker_addrs):
                 status, _ = gateway.request("POST", "/v1/completions",
                                             {"model": model, "prompt": "Hi", "max_tokens": 1}, timeout=60)
                 if status == 200:
