@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
 from executor_svc.model_loader import load_model, read_model_facts
 from kernels.attention.base import AttentionMetadata
 from kernels.attention.torch_backend import TorchAttentionBackend
-from support.tiny_checkpoints import MAKERS, make_tiny_llama, tiny_checkpoint
+from support.tiny_checkpoints import MAKERS, drop_checkpoint_tensor, make_tiny_llama, tiny_checkpoint
 
 KINDS = sorted(MAKERS)
 
@@ -171,10 +170,7 @@ def test_unsupported_architecture_is_named_in_the_error(tmp_path):
 
 def test_a_checkpoint_missing_a_tensor_fails_to_load(tmp_path):
     path = make_tiny_llama(str(tmp_path / "m"))
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    del tensors["model.layers.1.self_attn.v_proj.weight"]
-    save_file(tensors, file, metadata={"format": "pt"})
+    drop_checkpoint_tensor(path, "model.layers.1.self_attn.v_proj.weight")
     with pytest.raises(ValueError, match="qkv_proj"):
         load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
 

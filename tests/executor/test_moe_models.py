@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from executor_svc.model_loader import load_model
 from kernels.attention.torch_backend import TorchAttentionBackend
-from support.tiny_checkpoints import make_tiny_mixtral, make_tiny_qwen3_moe, tiny_checkpoint
+from support.tiny_checkpoints import drop_checkpoint_tensor, make_tiny_mixtral, make_tiny_qwen3_moe, tiny_checkpoint
 
 
 def load(path: str):
@@ -58,10 +58,7 @@ def test_transformers_stacked_expert_layout_loads_the_same_model(tmp_path, tmp_p
 
 def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path):
     path = make_tiny_mixtral(str(tmp_path / "m"))
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    del tensors["model.layers.1.block_sparse_moe.experts.4.w3.weight"]
-    save_file(tensors, file, metadata={"format": "pt"})
+    drop_checkpoint_tensor(path, "model.layers.1.block_sparse_moe.experts.4.w3.weight")
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13"):
         load(path)
 

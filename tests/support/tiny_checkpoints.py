@@ -123,3 +123,12 @@ def tiny_checkpoint(kind: str, tmp_path_factory) -> str:
         os.makedirs(root, exist_ok=True)
         MAKERS[kind](str(path))
     return str(path)
+
+
+def drop_checkpoint_tensor(path: str, name: str) -> None:
+    """Remove one tensor from a tiny checkpoint's model.safetensors (a checkpoint missing a weight)."""
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file, metadata={"format": "pt"})
