@@ -268,11 +268,12 @@ class ModelRunner:
         if not chunks:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
-        lp = None
+        lp = void = None
         if self.config.speculative_method is not None:  # chained verification (DESIGN.md): the step before is in
             SequenceMirrors.settle(chunks)
+            void = _void_of(chunks)
         if inputs.verifies:
-            return self._verify(inputs, chunks)
+            return self._verify(inputs, chunks, void)
         if inputs.sampled is not None:  # sampled inside the decode graph
             token_ids = inputs.sampled
             if inputs.redraw_masked_in is not None:
@@ -307,7 +308,7 @@ class ModelRunner:
             event.record()
         else:
             host = token_ids
-        return PendingStep(seqs, host, lp, event, void=_void_of(chunks))
+        return PendingStep(seqs, host, lp, event, void=void)
 
     def _sample_plain(self, logits: torch.Tensor, chunks: list[ScheduledChunk]):
         """The ordinary sampler over these chunks' logits rows (one each)."""
@@ -321,7 +322,7 @@ class ModelRunner:
             out.top_token_ids = None
         return out
 
-    def _verify(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> PendingStep:
+    def _verify(self, inputs: StepInputs, chunks: list[ScheduledChunk], void: list[bool] | None) -> PendingStep:
         """A step with proposals (speculative decoding): verify them (rank 0), send every rank the verdict, and
         start copying it to the host."""
         seqs = [c.seq for c in chunks]
@@ -350,7 +351,7 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingStep(seqs, both[0], lp, event, num_accepted=both[1], proposals=[c.proposal for c in chunks],
-                           void=_void_of(chunks))
+                           void=void)
 
     def _redraw_masked(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
         """Draw the graph's step again over its logits, temperatures and noise seeds with the rows' token masks
