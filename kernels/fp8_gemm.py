@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
-from kernels.fp8_quant import MIN_SCALE
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations
 from kernels.kv_quant import FP8_DTYPE
 from kernels.triton_runtime import INTERPRET
 
@@ -166,17 +166,25 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     return out if bias is None else out + bias
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
+def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype."""
+    """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
+    x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
+    groups the weight's scales need; else one kernel quantizes it here."""
     from kernels.fp8_gemm_dispatch import choose_backend
 
-    rows = x.reshape(-1, x.shape[-1])
     grouped = w_scale.shape[1] > 1
-    a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
-    n, k = w.shape
-    if choose_backend("block" if grouped else "channel", rows.shape[0], n, k) == "scaled_mm":
-        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, x.dtype, bias)
+    if isinstance(x, QuantizedActivations):
+        a, a_scale, out_dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+        if a_scale.shape[1] != w_scale.shape[1]:
+            raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
     else:
-        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, x.dtype, bias)
-    return out.view(*x.shape[:-1], n)
+        rows = x.reshape(-1, x.shape[-1])
+        a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
+        out_dtype, lead = x.dtype, x.shape[:-1]
+    n, k = w.shape
+    if choose_backend("block" if grouped else "channel", a.shape[0], n, k) == "scaled_mm":
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias)
+    else:
+        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
+    return out.view(*lead, n)
