@@ -181,13 +181,13 @@ def _silu_and_mul_quant_kernel(
         tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
 
 
-def silu_and_mul_quant(x: torch.Tensor, group: int) -> QuantizedActivations:
+def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int = MAX_ROW_TILE) -> QuantizedActivations:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as FP8 [T, I] with a scale per token and `group` columns
-    (group >= I: per token)."""
+    (group >= I: per token); a program holds at most max_cols columns at once (at least one group)."""
     num_rows, inter = x.shape[0], x.shape[1] // 2
     if x.stride(1) != 1:
         x = x.contiguous()
-    num_tiles, tile, per_row = _tiles(inter, group, MAX_ROW_TILE)
+    num_tiles, tile, per_row = _tiles(inter, group, max_cols)
     num_groups = 1 if per_row else triton.cdiv(inter, group)
     q = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
