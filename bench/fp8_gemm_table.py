@@ -229,6 +229,7 @@ def print_fused_producer_table(rows: list[dict]) -> None:
           f"{'silu':>7} {'+quant':>7} {'fused':>7} {'saved':>6}")
     for r in rows:
         u = r["us"]
-        print(f"{r['m']:>5} {r['layout']:>8} {u['norm_plain']:>7.1f} {u['norm_then_quant']:>7.1f} {u['norm_fused']:>7.1f} "
+        print(f"{r['m']:>5} {r['layout']:>8} {u['norm_plain']:>7.1f} {u['norm_then_quant']:>7.1f} "
+              f"{u['norm_fused']:>7.1f} "
               f"{u['norm_then_quant'] - u['norm_fused']:>6.1f} {u['silu_plain']:>7.1f} {u['silu_then_quant']:>7.1f} "
               f"{u['silu_fused']:>7.1f} {u['silu_then_quant'] - u['silu_fused']:>6.1f}")

@@ -63,10 +63,10 @@ def _group_scales(v, PER_ROW: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr,
-    num_rows, dim, eps, num_groups, x_stride, r_stride,
+    dim, eps, num_groups, x_stride, r_stride,
     HAS_RESIDUAL: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -111,7 +111,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     if num_rows > 0:
         _rms_norm_quant_kernel[(num_rows,)](
             x, residual, weight, q, scale, residual_out,
-            num_rows, dim, eps, num_groups, x.stride(0), residual.stride(0),
+            dim, eps, num_groups, x.stride(0), residual.stride(0),
             HAS_RESIDUAL=residual_out is not x, PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
             num_warps=_num_warps(num_tiles * tile),
         )

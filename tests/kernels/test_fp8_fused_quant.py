@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.float64_ops import EPS, rms_norm64, silu_and_mul64
 from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
                                        interpreter, needs_cuda)
 
@@ -26,7 +27,6 @@ if KERNELS_RUN_HERE:
     from kernels import fp8_gemm
     from kernels import fused_ops as fo
 
-EPS = 1e-6
 FP8_MAX = 448.0
 E4M3_HALF_STEP = 2.0**-4  # relative rounding of a normal e4m3 value (3 mantissa bits)
 E4M3_SUBNORMAL_STEP = 2.0**-9  # e4m3's spacing below 2^-6, in units of the scale
@@ -75,18 +75,9 @@ def assert_same_quantization(qa: QuantizedActivations, q_ref: torch.Tensor, scal
     cols = columns_per_scale(qa, group)
     ours = dequantize_rows(qa.q, qa.scale, cols, torch.float64)
     theirs = dequantize_rows(q_ref, scale_ref, cols, torch.float64)
-    step = 2 * E4M3_HALF_STEP * theirs.abs() + E4M3_SUBNORMAL_STEP * qa.scale.double().repeat_interleave(cols, 1)[:, : ours.shape[1]]
+    per_column_scale = qa.scale.double().repeat_interleave(cols, 1)[:, : ours.shape[1]]
+    step = 2 * E4M3_HALF_STEP * theirs.abs() + E4M3_SUBNORMAL_STEP * per_column_scale
     assert ((ours - theirs).abs() <= 1.01 * step + 1e-12).all()
-
-
-def rms_norm64(x, weight, residual=None):
-    h = x.double() if residual is None else x.double() + residual.double()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-
-
-def silu_and_mul64(x):
-    gate, up = x.double().chunk(2, dim=-1)
-    return gate * torch.sigmoid(gate) * up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,4 +296,5 @@ def test_gpu_fused_producers_replayed_from_a_cuda_graph_follow_new_inputs(group)
         (eager_normed, eager_summed), eager_act = run()
         assert torch.equal(summed, eager_summed) and torch.equal(normed.scale, eager_normed.scale)
         assert torch.equal(normed.q.view(torch.uint8), eager_normed.q.view(torch.uint8))
-        assert torch.equal(act.scale, eager_act.scale) and torch.equal(act.q.view(torch.uint8), eager_act.q.view(torch.uint8))
+        assert torch.equal(act.scale, eager_act.scale)
+        assert torch.equal(act.q.view(torch.uint8), eager_act.q.view(torch.uint8))

@@ -134,4 +134,5 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
     assert dispatch.choose_backend("channel", 2, 90, 64) == "triton"  # _scaled_mm needs multiples of 16
     assert dispatch.measured_tiles("channel", 16, 96, 64) == (16, 32, 256, 4, 4)
     assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4)
-    assert dispatch.measured_tiles("channel", 257, 96, 64) is None and dispatch.measured_tiles("block", 1, 96, 64) is None
+    assert dispatch.measured_tiles("channel", 257, 96, 64) is None
+    assert dispatch.measured_tiles("block", 1, 96, 64) is None
