@@ -9,9 +9,9 @@ TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasi
 takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. TILES maps (scheme, N, K)
 to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)), ...] the same way; a shape or M not in it
 takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs
-(`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows to put here. The TABLE rows below are
-those it printed on the H200 (bench/RESULTS.md, 2026-12-03, 22473be), before the tile sweep: Triton's kernel wins
-at small M on the wide products, torch._scaled_mm from M = 64 or 256 on.
+(`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows to put here. The rows below are those the
+sweep printed on the H200 (bench/RESULTS.md, 2026-12-03, 173268d): on its own tiles Triton's kernel wins at
+M <= 16 on every product (and to 64 on gate_up_proj), torch._scaled_mm from there on.
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
@@ -22,17 +22,50 @@ import json
 import os
 
 BACKENDS = ("scaled_mm", "triton")
-DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90): the faster at M >= 256 on every shape
+DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90): the faster from M = 128 on every shape
 TABLE_ENV = "NANOSERVE_FP8_GEMM_TABLE"
 Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 
-TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {
-    (6144, 4096): [(1, "triton"), (16, "triton"), (64, "scaled_mm"), (256, "scaled_mm"), (4096, "scaled_mm")],
-    (4096, 4096): [(1, "triton"), (16, "scaled_mm"), (64, "scaled_mm"), (256, "scaled_mm"), (4096, "scaled_mm")],
-    (24576, 4096): [(1, "triton"), (16, "triton"), (64, "triton"), (256, "scaled_mm"), (4096, "scaled_mm")],
-    (4096, 12288): [(1, "scaled_mm"), (16, "scaled_mm"), (64, "scaled_mm"), (256, "scaled_mm"), (4096, "scaled_mm")],
+TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {  # the sweep's rows, runs of one backend merged
+    (6144, 4096): [(16, "triton"), (4096, "scaled_mm")],
+    (4096, 4096): [(16, "triton"), (4096, "scaled_mm")],
+    (24576, 4096): [(64, "triton"), (4096, "scaled_mm")],
+    (4096, 12288): [(16, "triton"), (4096, "scaled_mm")],
 }
-TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {}
+TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
+    ("channel", 6144, 4096): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 6144, 4096): [
+        (1, (16, 32, 128, 4, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 4096, 4096): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 4096, 4096): [
+        (1, (16, 32, 128, 4, 6)), (16, (16, 32, 128, 4, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 24576, 4096): [
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 24576, 4096): [
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 4096, 12288): [
+        (1, (16, 32, 256, 4, 4)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 4096, 12288): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+}
 
 
 def _lookup(rows, m: int):
