@@ -26,7 +26,8 @@ from kernels.kv_quant import FP8_DTYPE
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
-MAX_ROW_TILE = 4096  # columns one SiLU-and-mul program holds at once (a norm holds its whole row)
+MAX_ROW_TILE = 4096  # columns one SiLU-and-mul program holds at once for scales per group (a norm: its whole row)
+MAX_ONE_PASS_ROW = 16384  # per-token scales: a row up to this wide is held whole, read once (73 registers at 16 warps)
 
 
 def can_quantize_in_groups(group: int, k: int) -> bool:
@@ -152,16 +153,17 @@ def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask):
 @triton.jit
 def _silu_and_mul_quant_kernel(
     x_ptr, q_ptr, scale_ptr, inter, num_groups, x_stride,
-    PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr, TWO_PASSES: tl.constexpr,
 ):
-    # Per token: program (t, 0) reads its row twice (its max, then the quantization; the second read hits L2).
-    # Per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass.
+    # Per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass; so does
+    # program (t, 0) per token when the whole row fits its tile. A wider row per token is read twice (its max,
+    # then the quantization; the second read hits L2).
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, NUM_TILES)
     tile_cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     row_offset = row * x_stride
     out_row = q_ptr + row * inter
-    if PER_ROW:
+    if TWO_PASSES:
         amax = tl.zeros([NUM_TILES, TILE], dtype=tl.float32)
         for start in range(0, inter, NUM_TILES * TILE):
             cols = start + tile_cols
@@ -181,12 +183,15 @@ def _silu_and_mul_quant_kernel(
         tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
 
 
-def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int = MAX_ROW_TILE) -> QuantizedActivations:
+def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None) -> QuantizedActivations:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as FP8 [T, I] with a scale per token and `group` columns
-    (group >= I: per token); a program holds at most max_cols columns at once (at least one group)."""
+    (group >= I: per token); a program holds at most max_cols columns at once (at least one group; by default
+    MAX_ONE_PASS_ROW per token, MAX_ROW_TILE per group)."""
     num_rows, inter = x.shape[0], x.shape[1] // 2
     if x.stride(1) != 1:
         x = x.contiguous()
+    if max_cols is None:
+        max_cols = MAX_ONE_PASS_ROW if group >= inter else MAX_ROW_TILE
     num_tiles, tile, per_row = _tiles(inter, group, max_cols)
     num_groups = 1 if per_row else triton.cdiv(inter, group)
     q = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
@@ -195,6 +200,7 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int = MAX_ROW_TILE
         grid = (num_rows, 1 if per_row else triton.cdiv(num_groups, num_tiles))
         _silu_and_mul_quant_kernel[grid](x, q, scale, inter, num_groups, x.stride(0),
                                          PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
+                                         TWO_PASSES=per_row and num_tiles * tile < inter,
                                          num_warps=_num_warps(num_tiles * tile))
     return QuantizedActivations(q, scale, x.dtype)
 
