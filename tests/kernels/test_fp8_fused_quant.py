@@ -250,7 +250,7 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 @pytest.mark.parametrize("hidden, inter, group", [(4096, 12288, 128), (4096, 12288, 4096), (576, 768, 128),
-                                                  (4096, 6144, 64)])
+                                                  (4096, 6144, 64), (1024, 20000, 1024)])  # per token, two reads
 def test_gpu_fused_producers_write_the_unfused_chains_fp8_and_match_float64(num_tokens, hidden, inter, group):
     dtype = torch.bfloat16
     x = activations(num_tokens, hidden, seed=num_tokens, dtype=dtype, device="cuda")
