@@ -241,6 +241,35 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
 
 
+@interpreter
+def test_under_tensor_parallelism_silu_and_mul_quantizes_this_ranks_slice_in_down_projs_shard_groups():
+    # rank 1 of 2 (its collective left out: this rank's partial sum is compared): intermediate 320 is 160 columns of
+    # down_proj here, so block weights' groups shrink to gcd(128, 160) = 32 (as executor_svc/layers/fp8.py does);
+    # the replicated norm before qkv_proj keeps the full hidden size's groups
+    import math
+    from unittest import mock
+
+    from executor_svc.layers import fp8, linear, parallel
+
+    tp = {"tp_rank": lambda: 1, "tp_size": lambda: 2}
+    with mock.patch.multiple(parallel, **tp), mock.patch.multiple(linear, **tp), \
+            mock.patch.object(linear, "all_reduce", lambda x: x):
+        block = tiny_llama(torch.float32).model.layers[0]
+        assert block.mlp.down_proj.weight.shape == (192, 160)
+        to_fp8(block.self_attn.qkv_proj, 128)
+        to_fp8(block.mlp.gate_up_proj, 128)
+        to_fp8(block.mlp.down_proj, math.gcd(128, 160))
+        model = torch.nn.ModuleList([block])
+        assert fp8.quantize_in_producers(model) == 3
+        assert (block.input_layernorm.fp8_group, block.mlp.act_fn.fp8_group) == (128, 32)
+        x = randn(5, 192, gen=torch.Generator().manual_seed(4), dtype=torch.float32)
+        act = block.mlp.act_fn(block.mlp.gate_up_proj(x))
+        assert act.q.shape == (5, 160) and act.scale.shape == (5, 5)
+        fused = block.mlp(x)
+        block.mlp.act_fn.fp8_group = None
+        torch.testing.assert_close(fused, block.mlp(x), rtol=1e-4, atol=1e-4 * fused.abs().max().item())
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
