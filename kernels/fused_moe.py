@@ -5,7 +5,11 @@ the expert outputs are summed with the router's weights. On a GPU:
 
 1. route: softmax over the router logits and the top-k, renormalised when the model says so (one kernel);
 2. group: the (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
-   BLOCK_M, so that every M tile of the GEMMs belongs to one expert (three small kernels);
+   BLOCK_M, so that every M tile of the GEMMs belongs to one expert. The route kernel counts each expert's
+   pairs as it picks them; then one program plans the tiles, writes the padding ids and, up to
+   SINGLE_PROGRAM_PAIRS pairs (every decode step), scatters the pairs too: with the counts' zero fill, three
+   launches between the router and the GEMMs at decode (a decode step is 48 MoE layers of small kernels,
+   replayed back to back in a CUDA graph, where each node costs a few microseconds however little it does);
 3. gate/up GEMM with SiLU-and-mul fused into its epilogue: h[pair] = silu(x W_gate^T) * (x W_up^T);
 4. down GEMM whose epilogue scales each row by the pair's routing weight;
 5. the sum over a token's k rows (torch).
@@ -39,8 +43,9 @@ from kernels.triton_runtime import INTERPRET
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, stride_t,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -67,19 +72,24 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
         idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
         tl.store(ids_ptr + rows * TOP_K + j, idx, mask=row_ok)
+        if COUNT:  # each expert's pairs, for group_by_expert (saves it a counting pass)
+            tl.atomic_add(counts_ptr + idx, 1, mask=row_ok)
         remaining = tl.where(cols[None, :] == idx[:, None], -1.0, remaining)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract.
+    counts ([E] int32, zeroed), when given, gains each expert's number of picks."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_e = triton.next_power_of_2(num_experts)
     block_t = max(1, min(16, 4096 // block_e))
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+        router_logits, weights, ids, ids if counts is None else counts, num_tokens, num_experts,
+        router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, COUNT=counts is not None, BLOCK_T=block_t,
+        BLOCK_E=block_e, num_warps=4)
     return weights, ids
 
 
@@ -104,27 +114,8 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + expert, 1, mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
-def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_tiles,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert
-    and the padded end."""
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, num_tiles, BLOCK):
-        tile = start + tl.arange(0, BLOCK)
-        # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
-        ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < num_tiles)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit
+def _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs):
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0)
     # the order inside an expert's run is the atomics' order: a row's result does not depend on it
@@ -132,25 +123,70 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.
     tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
-    """Sort the pairs by expert and pad each expert's run to a multiple of block_m: a count, a plan and a
-    scatter kernel after two fills, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
+def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, ids_ptr, sorted_pairs_ptr,
+                       num_experts, num_pairs, num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK: tl.constexpr, SCATTER: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert,
+    the padded end and the padding ids at the end of each run; with SCATTER, the pairs as well."""
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=expert_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    run_start = padded_end - padded
+    tl.store(cursor_ptr + experts, run_start, mask=expert_ok)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, num_tiles, BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
+        ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < num_tiles)
+    # the rows between a run's last pair and its padded end hold the padding id (rows past the padded end are
+    # never read: their tiles exit at once)
+    for row in range(0, BLOCK_M - 1):
+        tl.store(sorted_pairs_ptr + run_start + counts + row, num_pairs, mask=expert_ok & (counts + row < padded))
+    if SCATTER:
+        tl.debug_barrier()  # the cursors stored above, before any thread's atomics advance them
+        for start in range(0, num_pairs, BLOCK_P):
+            _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, start + tl.arange(0, BLOCK_P), num_pairs)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
+    _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), num_pairs)
+
+
+# up to this many (token, slot) pairs, the planning program scatters them too (one launch fewer); past it a
+# grid of programs does, rather than one SM's worth of atomics (a 2k-token prefill has 16k pairs at top-8)
+SINGLE_PROGRAM_PAIRS = 4096
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
+                    counts: torch.Tensor | None = None) -> ExpertGroups:
+    """Sort the pairs by expert and pad each expert's run to a multiple of block_m, in fixed shapes (capacity =
+    P + min(E, P) * (block_m - 1) covers the worst padding). counts: each expert's pairs, as route counted
+    them; without it a kernel counts first."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     device = ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)  # padding rows
-    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block = 256
     grid = (max(1, triton.cdiv(num_pairs, block)),)
-    _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    if counts is None:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, num_experts, capacity // block_m,
-                             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e))
-    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
+    one_program = num_pairs <= SINGLE_PROGRAM_PAIRS
+    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, flat, sorted_pairs, num_experts, num_pairs,
+                             capacity // block_m, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e),
+                             SCATTER=one_program, BLOCK_P=1024, num_warps=4)
+    if not one_program:
+        _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
     return ExpertGroups(sorted_pairs, block_expert, num_padded, num_pairs)
 
 
@@ -345,10 +381,11 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
     if num_tokens == 0:
         return torch.zeros_like(x)
-    weights, ids = route(router_logits, top_k, renormalize)
-    groups = group_by_expert(ids, num_experts, up_tile.block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    weights, ids = route(router_logits, top_k, renormalize, counts)
+    groups = group_by_expert(ids, num_experts, up_tile.block_m, counts)
     h = gate_up_silu(x, w13, groups, top_k, up_tile)
-    if down_tile.block_m != up_tile.block_m:
-        groups = group_by_expert(ids, num_experts, down_tile.block_m)
+    if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups
+        groups = group_by_expert(ids, num_experts, down_tile.block_m, counts)
     y = down_weighted(h, w2, weights.view(-1), groups, down_tile)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

@@ -75,9 +75,11 @@ def test_fused_moe_passes_under_the_interpreter():
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_matches_softmax_top_k(renormalize):
     _, logits, _, _ = case(37, 12, 8, 8, torch.float32, seed=1)
-    weights, ids = fm.route(logits, 3, renormalize)
+    counts = torch.zeros(12, dtype=torch.int32)
+    weights, ids = fm.route(logits, 3, renormalize, counts)
     ref_w, ref_ids = moe_reference.route_ref(logits, 3, renormalize)
     assert torch.equal(ids.long(), ref_ids)
+    assert torch.equal(counts.long(), torch.bincount(ref_ids.flatten(), minlength=12)), "each expert's picks counted"
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
     assert not renormalize or torch.allclose(weights.sum(-1), torch.ones(37))
 
@@ -85,25 +87,37 @@ def test_routing_matches_softmax_top_k(renormalize):
 @interpreter
 @settings(max_examples=12, deadline=None)
 @given(num_experts=st.integers(1, 12), top_k=st.integers(1, 3), num_tokens=st.integers(1, 40),
-       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
-def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed):
-    """Whatever the routing (experts with no token included): every (token, slot) pair sits exactly once in
-    the sorted list, inside a tile of its own expert; each expert's run is padded to the tile; the rows past
-    the padded end, and the padding rows, hold the padding id."""
+       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16), one_program=st.booleans(),
+       counted_by_route=st.booleans())
+def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed,
+                                                               one_program, counted_by_route):
+    """Whatever the routing (experts with no token included), the pairs scattered by the planning program or by a
+    grid, counted by route or by group_by_expert: every (token, slot) pair sits exactly once in the sorted list up
+    to the padded end, inside a tile of its own expert; each expert's run is padded to the tile with the padding
+    id; every tile past the padded end is marked empty (its rows are never read)."""
     top_k = min(top_k, num_experts)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
     ids = torch.where(ids == num_experts // 2, 0, ids).to(torch.int32)  # often leave one expert without a token
-    groups = fm.group_by_expert(ids, num_experts, block_m)
     num_pairs = num_tokens * top_k
-    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
     counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    threshold = fm.SINGLE_PROGRAM_PAIRS
+    fm.SINGLE_PROGRAM_PAIRS = num_pairs if one_program else num_pairs - 1
+    try:
+        groups = fm.group_by_expert(ids, num_experts, block_m, counts.int() if counted_by_route else None)
+    finally:
+        fm.SINGLE_PROGRAM_PAIRS = threshold
+    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
     assert end == int(((counts + block_m - 1) // block_m * block_m).sum())
-    assert len(pairs) >= end and all(p == num_pairs for p in pairs[end:])
-    real = [(i, p) for i, p in enumerate(pairs) if p < num_pairs]
-    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once"
+    assert len(pairs) >= end and groups.block_expert.numel() * block_m == len(pairs)
+    real = [(i, p) for i, p in enumerate(pairs[:end]) if p != num_pairs]
+    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once, the rest padding"
     for i, p in real:
         assert groups.block_expert[i // block_m] == ids.flatten()[p], f"pair {p} in a tile of another expert"
+    starts = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0) - (counts + block_m - 1) // block_m * block_m
+    for e in range(num_experts):  # each run: its pairs first, then padding up to the tile
+        run = pairs[int(starts[e]): int(starts[e]) + int(counts[e])]
+        assert all(p != num_pairs and ids.flatten()[p] == e for p in run)
 
 
 @interpreter
