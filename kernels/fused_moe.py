@@ -73,7 +73,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
         tl.store(ids_ptr + rows * TOP_K + j, idx, mask=row_ok)
         if COUNT:  # each expert's pairs, for group_by_expert (saves it a counting pass)
-            tl.atomic_add(counts_ptr + idx, 1, mask=row_ok)
+            tl.atomic_add(counts_ptr + idx, 1, mask=row_ok, sem="relaxed")
         remaining = tl.where(cols[None, :] == idx[:, None], -1.0, remaining)
 
 
@@ -111,7 +111,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0)
-    tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+    tl.atomic_add(counts_ptr + expert, 1, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs):
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0)
     # the order inside an expert's run is the atomics' order: a row's result does not depend on it
-    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok, sem="relaxed")
     tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
 
 
