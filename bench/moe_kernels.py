@@ -63,7 +63,7 @@ def layer_table(bench, tiny: bool) -> list[dict]:
     print(f"\nfused MoE layer: {e} experts top-{k}, hidden {h}, inter {i}, bf16 "
           f"(roofline {HBM_TB_S} TB/s, {BF16_TFLOP_S:.0f} TFLOP/s)")
     print(f"{'T':>6} {'experts':>7} {'tiles (up; down)':>34} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'% roof':>6}"
-          f" {'torch us':>9} {'x torch':>7} {'rel err':>8}")
+          f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8}")
     rows = []
     for num_tokens in tokens:
         x, logits, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
@@ -79,15 +79,38 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         torch_us = bench.time_us(ref_fn)
         roof_us = max(nbytes / HBM_TB_S / 1e6, flops / BF16_TFLOP_S / 1e6)
         up, down = fm.tiles_for(num_tokens, e, h, i, k)
+        group_us, apart_us = (bench.time_us(lambda: grouping(fm, logits, k, up.block_m, fused), graph=cuda)  # noqa: B023
+                              for fused in (True, False))
         row = {"tokens": num_tokens, "experts_hit": hit, "bytes": nbytes, "flops": flops, "us": us,
                "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
                "torch_us": torch_us, "speedup_vs_torch": torch_us / us, "rel_err_vs_torch": err,
-               "tiles": [list(vars(up).values()), list(vars(down).values())]}
+               "tiles": [list(vars(up).values()), list(vars(down).values())],
+               "route_and_group_us": group_us, "route_and_group_apart_us": apart_us}
         rows.append(row)
         tiles = f"{tuple(row['tiles'][0])}; {tuple(row['tiles'][1])}"
         print(f"{num_tokens:>6} {hit:>7} {tiles:>34} {us:>8.1f} {row['tb_per_s']:>6.2f} {row['tflop_per_s']:>8.1f}"
-              f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}")
+              f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}"
+              f" {group_us:>8.1f} {apart_us:>8.1f}")
+    print("group us: route (counting its picks) and group_by_expert as fused_moe runs them; apart us: the same with "
+          "the count and the scatter each a launch of its own (two more)")
     return rows
+
+
+def grouping(fm, logits, top_k: int, block_m: int, fused: bool):
+    """Routing and grouping as the layer runs them (fused), or with a kernel per step (apart): the launches saved."""
+    import torch
+
+    num_experts = logits.shape[1]
+    if not fused:
+        _, ids = fm.route(logits, top_k, True)
+        threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, -1
+        try:
+            return fm.group_by_expert(ids, num_experts, block_m)
+        finally:
+            fm.SINGLE_PROGRAM_PAIRS = threshold
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=logits.device)
+    _, ids = fm.route(logits, top_k, True, counts)
+    return fm.group_by_expert(ids, num_experts, block_m, counts)
 
 
 def tile_sweep(bench, tiny: bool) -> list[dict]:
