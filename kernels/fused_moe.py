@@ -70,6 +70,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_
     for j in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=1)
         idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        # a row of NaN logits matches no maximum: it still names a real expert, as every id indexes the
+        # counts, the cursors and the weights (a garbage row may compute garbage, never write out of bounds)
+        idx = tl.minimum(idx, num_experts - 1)
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
         tl.store(ids_ptr + rows * TOP_K + j, idx, mask=row_ok)
         if COUNT:  # each expert's pairs, for group_by_expert (saves it a counting pass)

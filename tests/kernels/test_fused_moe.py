@@ -85,6 +85,18 @@ def test_routing_matches_softmax_top_k(renormalize):
 
 
 @interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN arithmetic
+def test_routing_a_row_of_nan_logits_names_real_experts():
+    _, logits, _, _ = case(5, 12, 8, 8, torch.float32, seed=2)
+    logits[2] = float("nan")
+    counts = torch.zeros(12, dtype=torch.int32)
+    _, ids = fm.route(logits, 3, True, counts)
+    assert 0 <= int(ids.min()) and int(ids.max()) < 12, ids[2]
+    assert int(counts.sum()) == 15
+    assert torch.equal(ids[[0, 1, 3, 4]].long(), moe_reference.route_ref(logits[[0, 1, 3, 4]], 3, True)[1])
+
+
+@interpreter
 @settings(max_examples=12, deadline=None)
 @given(num_experts=st.integers(1, 12), top_k=st.integers(1, 3), num_tokens=st.integers(1, 40),
        block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16), one_program=st.booleans(),
