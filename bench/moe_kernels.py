@@ -22,19 +22,25 @@ SWEEP_SHAPES = [SHAPE, {**SHAPE, "inter": 384}]  # one rank's slice at -tp 2 too
 TINY_SHAPE = {"experts": 8, "hidden": 64, "inter": 32, "top_k": 2}
 LAYER_TOKENS = [1, 16, 64, 256, 2048]
 SWEEP_TOKENS = [1, 16, 64, 128, 256, 512, 2048, 16384]
-# (block_m, block_n, block_k, warps, stages)
+# (block_m, block_n, block_k, warps, stages[, group_m]); each fits sm_90's 227 KB of shared memory (checked offline
+# with bench/studies/kernel_sass.py's compile_sm90: gate/up holds two weight tiles a stage, down one)
 CANDIDATES = [
     (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
-    (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 128, 128, 8, 3),
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+    (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3),
 ]
-UP_CANDIDATES = CANDIDATES + [(16, 64, 128, 4, 5), (32, 64, 256, 4, 3), (32, 128, 128, 8, 3), (32, 64, 128, 4, 5)]
-DOWN_CANDIDATES = CANDIDATES + [
-    (16, 128, 256, 4, 3), (16, 256, 128, 4, 3), (16, 256, 128, 8, 3), (16, 256, 64, 4, 4), (16, 128, 128, 4, 4),
-    (16, 128, 128, 8, 3), (16, 64, 256, 4, 4), (32, 128, 256, 4, 3), (32, 128, 256, 8, 3), (32, 256, 128, 8, 3),
-    (32, 256, 64, 8, 4), (32, 128, 64, 4, 5), (32, 128, 128, 4, 4), (32, 128, 128, 8, 4), (32, 64, 256, 4, 3),
-    (32, 256, 128, 4, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 256, 128, 8, 3),
-]
+# prefill tiles whose programs take the N tiles of 8 M tiles together (MoeTile.group_m): the activations of a
+# 16k-token step (64 MB, 200 MB as h) outgrow the L2, and M-fastest programs would read them once per N tile
+PREFILL_GROUPED = [(64, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8)]
+UP_CANDIDATES = CANDIDATES + PREFILL_GROUPED + [
+    (16, 64, 128, 4, 5), (32, 64, 256, 4, 3), (32, 128, 128, 8, 3), (32, 64, 128, 4, 5)]
+# the down GEMM's K (the expert's intermediate size, 768 or 384) is three to six 128-wide steps: wider N and K
+# tiles, fewer stages and more warps are worth trying
+DOWN_CANDIDATES = CANDIDATES + PREFILL_GROUPED + [
+    (64, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 3, 8), (64, 256, 64, 8, 4, 8),
+    (128, 128, 128, 8, 3, 8), (16, 128, 256, 4, 3), (16, 256, 128, 4, 3), (16, 256, 128, 8, 3),
+    (16, 256, 64, 4, 4), (16, 128, 128, 4, 4), (16, 128, 128, 8, 3), (16, 64, 256, 4, 4), (32, 128, 256, 4, 3),
+    (32, 128, 256, 8, 3), (32, 256, 128, 8, 3), (32, 256, 64, 8, 4), (32, 128, 64, 4, 5), (32, 128, 128, 4, 4),
+    (32, 128, 128, 8, 4), (32, 64, 256, 4, 3), (32, 256, 128, 4, 3)]
 
 
 def _inputs(torch, device, shape: dict, num_tokens: int, seed: int):

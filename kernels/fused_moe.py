@@ -199,21 +199,36 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 @triton.jit
+def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of this program in a 1-D grid. GROUP_M 0: M tiles vary fastest (consecutive programs, on
+    the SMs at the same time, read one weight tile: decode, where an expert has a tile or two). Otherwise the N
+    tiles of GROUP_M M tiles run together, so the gathered activation rows of an M tile are read from HBM once
+    for all its N tiles rather than once per N tile (prefill, where the activations outgrow the L2)."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_tiles_m, pid // num_tiles_m
+    in_group = GROUP_M * num_tiles_n
+    first_m = pid // in_group * GROUP_M
+    group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size
+
+
+@triton.jit
 def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """An M tile's pairs (padding rows masked off) and its expert."""
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return pair, pair < num_pairs, tl.load(block_expert_ptr + pid_m).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
@@ -251,15 +266,15 @@ def _gate_up_silu_kernel(
     tl.store(out_ptrs, act * up, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _down_weighted_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
@@ -300,6 +315,7 @@ class MoeTile:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0  # 0: M tiles fastest; else the N tiles of group_m M tiles together (_tile_ids)
 
 
 # (experts, hidden, intermediate per rank, top_k) -> [(most tokens, gate/up tile, down tile), ...] ascending;
@@ -346,8 +362,12 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int, int]:
-    return groups.sorted_pairs.numel() // tile.block_m, triton.cdiv(cols, tile.block_n)
+def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int]:
+    return (_tiles_m(groups, tile) * triton.cdiv(cols, tile.block_n),)
+
+
+def _tiles_m(groups: ExpertGroups, tile: MoeTile) -> int:
+    return groups.sorted_pairs.numel() // tile.block_m
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile) -> torch.Tensor:
@@ -357,8 +377,8 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k
     _gate_up_silu_kernel[_grid(groups, inter, tile)](
         x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps,
+        _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     return h
 
@@ -371,7 +391,8 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
     _down_weighted_kernel[_grid(groups, hidden, tile)](
         h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
+        _tiles_m(groups, tile), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0,
         UPCAST=INTERPRET, PRECISION=_precision(h), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 

@@ -20,8 +20,17 @@ from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_mo
 pytest.importorskip("triton")
 
 if KERNELS_RUN_HERE:
+    import triton
+    import triton.language as tl
+
     from kernels import fused_moe as fm
-    from kernels.fused_moe import MoeTile
+    from kernels.fused_moe import MoeTile, _tile_ids
+
+    @triton.jit
+    def _tile_ids_probe(out_ptr, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+        pid_m, pid_n = _tile_ids(num_tiles_m, num_tiles_n, GROUP_M)
+        tl.store(out_ptr + 2 * tl.program_id(0), pid_m)
+        tl.store(out_ptr + 2 * tl.program_id(0) + 1, pid_n)
 
 
 def moe64(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -148,6 +157,33 @@ def test_fused_moe_matches_float64(dtype, num_tokens, num_experts, top_k, hidden
     ref = moe64(x, logits, w13, w2, top_k, renormalize)
     assert rel_error(out, ref) < max_rel(dtype)
     assert rel_error(moe_reference.fused_moe_ref(x, logits, w13, w2, top_k, renormalize), ref) < max_rel(dtype)
+
+
+@interpreter
+@settings(max_examples=20, deadline=None)
+@given(num_tiles_m=st.integers(1, 20), num_tiles_n=st.integers(1, 5), group_m=st.integers(0, 6))
+def test_each_program_gets_its_own_tile_in_every_order(num_tiles_m, num_tiles_n, group_m):
+    """M tiles fastest (group_m 0), or the N tiles of group_m M tiles together with a shorter last group: the
+    programs of the 1-D grid map onto the (M, N) tiles one to one, and a group's programs share its M tiles."""
+    out = torch.full((num_tiles_m * num_tiles_n, 2), -1, dtype=torch.int32)
+    _tile_ids_probe[(num_tiles_m * num_tiles_n,)](out, num_tiles_m, num_tiles_n, GROUP_M=group_m)
+    tiles = [tuple(t) for t in out.tolist()]
+    assert sorted(tiles) == [(m, n) for m in range(num_tiles_m) for n in range(num_tiles_n)]
+    if group_m:
+        per_group = group_m * num_tiles_n
+        for start in range(0, len(tiles), per_group):
+            assert {m for m, _ in tiles[start: start + per_group]} == set(
+                range(start // num_tiles_n, min(num_tiles_m, start // num_tiles_n + group_m)))
+
+
+@interpreter
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_grouped_tile_orders_match_float64(group_m):
+    """The layer with grouped tile orders (19 tokens top-3 over 4 experts: 8 M tiles of 16; inter 48 and hidden 40:
+    3 N tiles of 16)."""
+    x, logits, w13, w2 = case(19, 4, 40, 48, torch.float32, seed=4)
+    out = fm.fused_moe(x, logits, w13, w2, 3, True, tiles=(MoeTile(16, 16, 16, 1, 1, group_m),) * 2)
+    assert rel_error(out, moe64(x, logits, w13, w2, 3, True)) < max_rel(torch.float32)
 
 
 @interpreter
