@@ -53,7 +53,7 @@ def _inputs(torch, device, shape: dict, num_tokens: int, seed: int):
 
     x = randn(num_tokens, h)
     router = randn(e, h, scale=h ** -0.5)
-    return x, x @ router.t(), randn(e, 2 * i, h, scale=h ** -0.5), randn(e, h, i, scale=i ** -0.5)
+    return x, router, randn(e, 2 * i, h, scale=h ** -0.5), randn(e, h, i, scale=i ** -0.5)
 
 
 def layer_table(bench, tiny: bool) -> list[dict]:
@@ -72,8 +72,9 @@ def layer_table(bench, tiny: bool) -> list[dict]:
           f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8}")
     rows = []
     for num_tokens in tokens:
-        x, logits, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
-        run = lambda: fm.fused_moe(x, logits, w13, w2, k, True)  # noqa: E731
+        x, router, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
+        logits = x @ router.t()
+        run = lambda: fm.fused_moe(x, None, w13, w2, k, True, router_weight=router)  # noqa: E731  (as the server)
         _, ids = fm.route(logits, k, True)
         hit = int(ids.unique().numel())
         nbytes = hit * 3 * i * h * 2 + 2 * num_tokens * h * 2 + e * h * 2
@@ -81,11 +82,12 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         us = bench.time_us(run, graph=cuda and num_tokens <= 256)
         ref_fn = lambda: moe_reference.fused_moe_ref(x, logits, w13, w2, k, True)  # noqa: E731
         ref = ref_fn().float()
-        err = ((run().float() - ref).norm() / ref.norm()).item()
+        # on the same logits: routed from the router weight, a near-tie of the 8th and 9th expert may flip
+        err = ((fm.fused_moe(x, logits, w13, w2, k, True).float() - ref).norm() / ref.norm()).item()
         torch_us = bench.time_us(ref_fn)
         roof_us = max(nbytes / HBM_TB_S / 1e6, flops / BF16_TFLOP_S / 1e6)
         up, down = fm.tiles_for(num_tokens, e, h, i, k)
-        group_us, apart_us = (bench.time_us(lambda: grouping(fm, logits, k, up.block_m, fused), graph=cuda)  # noqa: B023
+        group_us, apart_us = (bench.time_us(lambda: grouping(fm, x, router, k, up.block_m, fused), graph=cuda)  # noqa: B023
                               for fused in (True, False))
         row = {"tokens": num_tokens, "experts_hit": hit, "bytes": nbytes, "flops": flops, "us": us,
                "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
@@ -97,25 +99,25 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         print(f"{num_tokens:>6} {hit:>7} {tiles:>34} {us:>8.1f} {row['tb_per_s']:>6.2f} {row['tflop_per_s']:>8.1f}"
               f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}"
               f" {group_us:>8.1f} {apart_us:>8.1f}")
-    print("group us: route (counting its picks) and group_by_expert as fused_moe runs them; apart us: the same with "
-          "the count and the scatter each a launch of its own (two more)")
+    print("group us: the router, routing and grouping as fused_moe runs them; apart us: the same with the router's "
+          "GEMM (cuBLAS), the count and the scatter each a launch of its own, as at 42a6317 (less its fill of the padding ids)")
     return rows
 
 
-def grouping(fm, logits, top_k: int, block_m: int, fused: bool):
-    """Routing and grouping as the layer runs them (fused), or with a kernel per step (apart): the launches saved."""
+def grouping(fm, x, router, top_k: int, block_m: int, fused: bool):
+    """The router, routing and grouping as the layer runs them (fused), or with a kernel per step (apart)."""
     import torch
 
-    num_experts = logits.shape[1]
+    num_experts = router.shape[0]
     if not fused:
-        _, ids = fm.route(logits, top_k, True)
+        _, ids = fm.route(x @ router.t(), top_k, True)
         threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, -1
         try:
             return fm.group_by_expert(ids, num_experts, block_m)
         finally:
             fm.SINGLE_PROGRAM_PAIRS = threshold
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=logits.device)
-    _, ids = fm.route(logits, top_k, True, counts)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    _, ids = fm.route_hidden(x, router, top_k, True, counts)
     return fm.group_by_expert(ids, num_experts, block_m, counts)
 
 
@@ -147,9 +149,7 @@ def shape_sweep(bench, tiny: bool, shape: dict) -> dict:
     tiny_tile = [fm.MoeTile(16, 16, 16, 1, 1)]
     candidates = {"up": tiny_tile if tiny else [fm.MoeTile(*c) for c in UP_CANDIDATES],
                   "down": tiny_tile if tiny else [fm.MoeTile(*c) for c in DOWN_CANDIDATES]}
-    x_all, _, w13, w2 = _inputs(torch, bench.device, shape, max(tokens), seed=99)
-    gen = torch.Generator(device=bench.device).manual_seed(5)
-    router_w = (torch.randn(e, h, generator=gen, device=bench.device) * h ** -0.5).to(torch.bfloat16)
+    x_all, router_w, w13, w2 = _inputs(torch, bench.device, shape, max(tokens), seed=99)
 
     def timed(fn) -> float:
         if bench.device.type != "cuda":

@@ -43,15 +43,30 @@ from kernels.triton_runtime import INTERPRET
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, stride_t,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
+def _route_kernel(logits_ptr, x_ptr, wr_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, hidden,
+                  stride_t, stride_x, stride_w, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
+                  FROM_HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     mask = row_ok[:, None] & (cols < num_experts)[None, :]
-    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
-                     other=-float("inf")).to(tl.float32)
+    if FROM_HIDDEN:  # the router's GEMM here too: logits = x W_r^T, rounded to the model's dtype as F.linear's are
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k * BLOCK_K + offs_k)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(wr_ptr + cols[None, :] * stride_w + (k * BLOCK_K + offs_k)[:, None],
+                        mask=k_ok[:, None] & (cols < num_experts)[None, :], other=0.0)  # [K, E]
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        logits = tl.where(mask, acc.to(x_ptr.dtype.element_ty).to(tl.float32), -float("inf"))
+    else:
+        logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                         other=-float("inf")).to(tl.float32)
     row_max = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the end: no inf - inf
     p = tl.where(mask, tl.exp(logits - row_max[:, None]), 0.0)
     p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
@@ -85,14 +100,36 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract.
     counts ([E] int32, zeroed), when given, gains each expert's number of picks."""
     num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_e = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 4096 // block_e))
+    return _route(router_logits, router_logits, router_logits, num_tokens, num_experts, top_k, renormalize, counts,
+                  from_hidden=False, block_t=max(1, min(16, 4096 // block_e)), block_e=block_e)
+
+
+# up to this many tokens (every decode step) and experts, the route kernel computes the router's logits itself
+# (one launch fewer a layer; each program reads the whole router weight from L2, which a prefill's thousands
+# of programs would pay for: there cuBLAS computes the logits first)
+ROUTER_IN_KERNEL_TOKENS, ROUTER_IN_KERNEL_EXPERTS = 512, 256
+
+
+def route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                 counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() of the logits x W_r^T (in x's dtype, as F.linear gives them) of hidden states x [T, H]."""
+    num_tokens, (num_experts, hidden) = x.shape[0], router_weight.shape
+    if num_tokens > ROUTER_IN_KERNEL_TOKENS or num_experts > ROUTER_IN_KERNEL_EXPERTS:
+        return route(torch.nn.functional.linear(x, router_weight), top_k, renormalize, counts)
+    return _route(x, x, router_weight, num_tokens, num_experts, top_k, renormalize, counts, from_hidden=True,
+                  block_t=16, block_e=max(16, triton.next_power_of_2(num_experts)), hidden=hidden)  # tl.dot: 16+
+
+
+def _route(logits, x, router_weight, num_tokens: int, num_experts: int, top_k: int, renormalize: bool, counts,
+           from_hidden: bool, block_t: int, block_e: int, hidden: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, weights, ids, ids if counts is None else counts, num_tokens, num_experts,
-        router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, COUNT=counts is not None, BLOCK_T=block_t,
-        BLOCK_E=block_e, num_warps=4)
+        logits, x, router_weight, weights, ids, ids if counts is None else counts, num_tokens, num_experts, hidden,
+        logits.stride(0), x.stride(0), router_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+        COUNT=counts is not None, FROM_HIDDEN=from_hidden, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=64,
+        UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=4)
     return weights, ids
 
 
@@ -397,16 +434,21 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
     return y
 
 
-def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
-    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs."""
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None,
+              router_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs. Routed by
+    router_logits [T, E], or (router_logits None) by the router's weight [E, H]: route_hidden."""
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
     if num_tokens == 0:
         return torch.zeros_like(x)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    weights, ids = route(router_logits, top_k, renormalize, counts)
+    if router_logits is None:
+        weights, ids = route_hidden(x, router_weight, top_k, renormalize, counts)
+    else:
+        weights, ids = route(router_logits, top_k, renormalize, counts)
     groups = group_by_expert(ids, num_experts, up_tile.block_m, counts)
     h = gate_up_silu(x, w13, groups, top_k, up_tile)
     if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups

@@ -94,6 +94,36 @@ def test_routing_matches_softmax_top_k(renormalize):
 
 
 @interpreter
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_routing_from_hidden_states_matches_softmax_top_k_of_their_logits(in_kernel):
+    """route_hidden: the router's GEMM inside the route kernel (decode sizes), or cuBLAS's first (past the
+    threshold); 37 tokens of hidden 40 (a partial K tile) over 12 experts (a partial expert tile)."""
+    gen = torch.Generator().manual_seed(6)
+    x, router = torch.randn(37, 40, generator=gen), torch.randn(12, 40, generator=gen) / 40 ** 0.5
+    threshold = fm.ROUTER_IN_KERNEL_TOKENS
+    fm.ROUTER_IN_KERNEL_TOKENS = 37 if in_kernel else 36
+    try:
+        counts = torch.zeros(12, dtype=torch.int32)
+        weights, ids = fm.route_hidden(x, router, 3, True, counts)
+    finally:
+        fm.ROUTER_IN_KERNEL_TOKENS = threshold
+    ref_w, ref_ids = moe_reference.route_ref(x.double() @ router.double().t(), 3, True)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts.long(), torch.bincount(ref_ids.flatten(), minlength=12))
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_routed_by_the_router_weight_matches_float64(dtype):
+    x, _, w13, w2 = case(6, 8, 64, 32, dtype, seed=11)
+    router = (torch.randn(8, 64, generator=torch.Generator().manual_seed(12)) / 4).to(dtype)
+    out = fm.fused_moe(x, None, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1),) * 2, router_weight=router)
+    logits = x.double() @ router.double().t()
+    assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(dtype)
+
+
+@interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN arithmetic
 def test_routing_a_row_of_nan_logits_names_real_experts():
     _, logits, _, _ = case(5, 12, 8, 8, torch.float32, seed=2)
@@ -206,6 +236,20 @@ def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
     rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
     assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [16, 256, 1024])
+def test_gpu_fused_moe_routed_by_the_router_weight_matches_float64(num_tokens):
+    """The router's GEMM in the route kernel (16, 256 tokens) or in cuBLAS (1024), fp32 (so that no near-tie of the
+    8th and 9th expert flips between the two roundings), at the 30B layer's shape."""
+    x, _, w13, w2 = case(num_tokens, 128, 2048, 768, torch.float32, seed=num_tokens, device="cuda")
+    router = torch.randn(128, 2048, generator=torch.Generator().manual_seed(1)).cuda() / 2048 ** 0.5
+    out = fm.fused_moe(x, None, w13, w2, 8, True, router_weight=router)
+    rows = slice(0, 16)
+    logits = x[rows].double().cpu() @ router.double().cpu().t()
+    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits, w13.cpu(), w2.cpu(), 8, True)) < 1e-4
 
 
 @pytest.mark.gpu
