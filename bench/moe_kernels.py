@@ -87,8 +87,9 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         torch_us = bench.time_us(ref_fn)
         roof_us = max(nbytes / HBM_TB_S / 1e6, flops / BF16_TFLOP_S / 1e6)
         up, down = fm.tiles_for(num_tokens, e, h, i, k)
-        group_us, apart_us = (bench.time_us(lambda: grouping(fm, x, router, k, up.block_m, fused), graph=cuda)  # noqa: B023
-                              for fused in (True, False))
+        group_us, apart_us = (
+            bench.time_us(lambda: grouping(fm, x, router, k, up.block_m, fused), graph=cuda)  # noqa: B023
+            for fused in (True, False))
         row = {"tokens": num_tokens, "experts_hit": hit, "bytes": nbytes, "flops": flops, "us": us,
                "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
                "torch_us": torch_us, "speedup_vs_torch": torch_us / us, "rel_err_vs_torch": err,
@@ -100,7 +101,8 @@ def layer_table(bench, tiny: bool) -> list[dict]:
               f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}"
               f" {group_us:>8.1f} {apart_us:>8.1f}")
     print("group us: the router, routing and grouping as fused_moe runs them; apart us: the same with the router's "
-          "GEMM (cuBLAS), the count and the scatter each a launch of its own, as at 42a6317 (less its fill of the padding ids)")
+          "GEMM (cuBLAS), the count and the scatter each a launch of its own, as at 42a6317 (less its fill of the "
+          "padding ids)")
     return rows
 
 
@@ -159,7 +161,8 @@ def shape_sweep(bench, tiny: bool, shape: dict) -> dict:
     best, table = {}, []
     print(f"\nMoE tile sweep, {e} experts top-{k}, hidden {h}, inter {i} ({len(candidates['up'])} gate/up and "
           f"{len(candidates['down'])} down candidates): best us per token count, both with one M tile")
-    print(f"{'T':>6} {'gate/up tile':>24} {'us':>8} {'down tile':>24} {'us':>8} {'best down, any M tile':>24} {'us':>8}")
+    print(f"{'T':>6} {'gate/up tile':>24} {'us':>8} {'down tile':>24} {'us':>8} {'best down, any M tile':>24}"
+          f" {'us':>8}")
     for num_tokens in tokens:
         x = x_all[:num_tokens].contiguous()
         weights, ids = fm.route(x @ router_w.t(), k, True)

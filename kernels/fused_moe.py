@@ -337,7 +337,8 @@ def _down_weighted_kernel(
         b_ptrs += BLOCK_K
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,8 +416,8 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k
         x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
 
 
