@@ -28,7 +28,7 @@ reference of the whole block (the CPU path) is kernels/moe_reference.py, which n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -385,14 +385,23 @@ def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTil
     return MoeTile(64, 128, 64, 8, 4), MoeTile(64, 128, 64, 8, 4)
 
 
-def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> tuple[MoeTile, MoeTile]:
+def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+              element_size: int = 2) -> tuple[MoeTile, MoeTile]:
     rows = MOE_TILES.get((num_experts, hidden, inter, top_k))
     if not rows or INTERPRET:
-        return default_tiles(num_tokens, top_k, num_experts)
-    for most_tokens, up_tile, down_tile in rows:
-        if num_tokens <= most_tokens:
-            return up_tile, down_tile
-    return rows[-1][1], rows[-1][2]
+        tiles = default_tiles(num_tokens, top_k, num_experts)
+    else:
+        tiles = next(((up, down) for most, up, down in rows if num_tokens <= most), rows[-1][1:])
+    return tuple(for_element_size(tile, element_size) for tile in tiles)
+
+
+def for_element_size(tile: MoeTile, element_size: int) -> MoeTile:
+    """The tiles are sized for 2-byte (bf16) operands; 4-byte ones (an fp32 model: the equivalence tests) halve
+    BLOCK_K, so that each pipeline stage keeps its bytes and fits the shared memory (a gate/up tile of 32 x 64 x
+    128 in fp32 would need 240 KB of sm_90's 227)."""
+    if element_size <= 2 or tile.block_k <= 16:
+        return tile
+    return replace(tile, block_k=max(16, tile.block_k * 2 // element_size))
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -442,7 +451,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Te
     router_logits [T, E], or (router_logits None) by the router's weight [E, H]: route_hidden."""
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
-    up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
+    up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())
     if num_tokens == 0:
         return torch.zeros_like(x)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)

@@ -217,6 +217,14 @@ def test_grouped_tile_orders_match_float64(group_m):
 
 
 @interpreter
+def test_fp32_operands_halve_the_k_tile_so_that_each_stage_keeps_its_bytes():
+    tile = MoeTile(32, 64, 128, 4, 4, 8)
+    assert fm.for_element_size(tile, 2) == tile
+    assert fm.for_element_size(tile, 4) == MoeTile(32, 64, 64, 4, 4, 8)
+    assert fm.for_element_size(MoeTile(16, 16, 16, 1, 1), 4).block_k == 16  # tl.dot's least K
+
+
+@interpreter
 def test_gate_up_and_down_may_use_different_m_tiles():
     x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=3)
     out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
