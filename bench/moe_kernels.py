@@ -9,10 +9,8 @@ CPU path runs) is timed beside it, and its output is the correctness check.
 
 The sweep times each GEMM alone for every tile candidate at token counts from 1 to 16k, at the full shape
 and at the expert slice -tp 2 leaves each rank (inter 384), and prints the best as rows for
-kernels/fused_moe.MOE_TILES. A row's two tiles share their M tile (the pair with the least summed time
-among those that do), so that the pairs are grouped once a layer. The down GEMM gets more candidates than
-gate/up: its K (the expert's intermediate size, 768 or 384) is three to six 128-wide steps, so deep
-pipelines buy little and wide N or K tiles may.
+kernels/fused_moe.MOE_TILES (and writes them as JSON for NANOSERVE_MOE_TILES). A row's two tiles share their
+M tile (the pair with the least summed time among those that do), so that the pairs are grouped once a layer.
 """
 from __future__ import annotations
 
@@ -22,25 +20,25 @@ SWEEP_SHAPES = [SHAPE, {**SHAPE, "inter": 384}]  # one rank's slice at -tp 2 too
 TINY_SHAPE = {"experts": 8, "hidden": 64, "inter": 32, "top_k": 2}
 LAYER_TOKENS = [1, 16, 64, 256, 2048]
 SWEEP_TOKENS = [1, 16, 64, 128, 256, 512, 2048, 16384]
-# (block_m, block_n, block_k, warps, stages[, group_m]); each fits sm_90's 227 KB of shared memory (checked offline
-# with bench/studies/kernel_sass.py's compile_sm90: gate/up holds two weight tiles a stage, down one)
-CANDIDATES = [
-    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3), (16, 128, 64, 4, 4),
-    (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3),
+# (block_m, block_n, block_k, warps, stages[, group_m]), per M tile: a row's two GEMMs share it. Each fits sm_90's
+# 227 KB of shared memory (compiled offline with bench/studies/kernel_sass.py's compile_sm90: gate/up holds two
+# weight tiles a stage, down one). The 42a6317 sweep's winners are all here; the down GEMM, whose K (the expert's
+# intermediate size, 768 or 384) is three to six 128-wide steps, gets wider N and K tiles and more warps; prefill
+# tiles (M 64, 128) also come with group_m 8: the N tiles of 8 M tiles together, as a 16k-token step's gathered
+# activations (64 MB, 200 MB as h) outgrow the L2 and M-fastest programs would read them once per N tile.
+UP_CANDIDATES = [
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3),
+    (32, 64, 128, 4, 4), (32, 128, 128, 8, 3),
+    (64, 64, 64, 4, 4), (64, 128, 64, 8, 4, 8),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 3, 8),
 ]
-# prefill tiles whose programs take the N tiles of 8 M tiles together (MoeTile.group_m): the activations of a
-# 16k-token step (64 MB, 200 MB as h) outgrow the L2, and M-fastest programs would read them once per N tile
-PREFILL_GROUPED = [(64, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8)]
-UP_CANDIDATES = CANDIDATES + PREFILL_GROUPED + [
-    (16, 64, 128, 4, 5), (32, 64, 256, 4, 3), (32, 128, 128, 8, 3), (32, 64, 128, 4, 5)]
-# the down GEMM's K (the expert's intermediate size, 768 or 384) is three to six 128-wide steps: wider N and K
-# tiles, fewer stages and more warps are worth trying
-DOWN_CANDIDATES = CANDIDATES + PREFILL_GROUPED + [
-    (64, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 3, 8), (64, 256, 64, 8, 4, 8),
-    (128, 128, 128, 8, 3, 8), (16, 128, 256, 4, 3), (16, 256, 128, 4, 3), (16, 256, 128, 8, 3),
-    (16, 256, 64, 4, 4), (16, 128, 128, 4, 4), (16, 128, 128, 8, 3), (16, 64, 256, 4, 4), (32, 128, 256, 4, 3),
-    (32, 128, 256, 8, 3), (32, 256, 128, 8, 3), (32, 256, 64, 8, 4), (32, 128, 64, 4, 5), (32, 128, 128, 4, 4),
-    (32, 128, 128, 8, 4), (32, 64, 256, 4, 3), (32, 256, 128, 4, 3)]
+DOWN_CANDIDATES = [
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 128, 128, 8, 3), (16, 128, 256, 4, 3),
+    (16, 256, 128, 8, 3), (16, 64, 256, 4, 3),
+    (32, 128, 128, 4, 3), (32, 128, 128, 8, 4), (32, 128, 256, 8, 3), (32, 256, 128, 8, 3), (32, 64, 256, 4, 3),
+    (64, 128, 64, 8, 4), (64, 128, 64, 8, 4, 8), (64, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3), (128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8),
+]
 
 
 def _inputs(torch, device, shape: dict, num_tokens: int, seed: int):
@@ -69,7 +67,7 @@ def layer_table(bench, tiny: bool) -> list[dict]:
     print(f"\nfused MoE layer: {e} experts top-{k}, hidden {h}, inter {i}, bf16 "
           f"(roofline {HBM_TB_S} TB/s, {BF16_TFLOP_S:.0f} TFLOP/s)")
     print(f"{'T':>6} {'experts':>7} {'tiles (up; down)':>34} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'% roof':>6}"
-          f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8}")
+          f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8} {'same ids':>8}")
     rows = []
     for num_tokens in tokens:
         x, router, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
@@ -77,6 +75,8 @@ def layer_table(bench, tiny: bool) -> list[dict]:
         run = lambda: fm.fused_moe(x, None, w13, w2, k, True, router_weight=router)  # noqa: E731  (as the server)
         _, ids = fm.route(logits, k, True)
         hit = int(ids.unique().numel())
+        # the router's logits in the route kernel against cuBLAS's: the same experts but at bf16 near-ties
+        same_ids = (fm.route_hidden(x, router, k, True)[1] == ids).double().mean().item()
         nbytes = hit * 3 * i * h * 2 + 2 * num_tokens * h * 2 + e * h * 2
         flops = 2 * num_tokens * k * 3 * i * h
         us = bench.time_us(run, graph=cuda and num_tokens <= 256)
@@ -94,15 +94,16 @@ def layer_table(bench, tiny: bool) -> list[dict]:
                "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
                "torch_us": torch_us, "speedup_vs_torch": torch_us / us, "rel_err_vs_torch": err,
                "tiles": [list(vars(up).values()), list(vars(down).values())],
-               "route_and_group_us": group_us, "route_and_group_apart_us": apart_us}
+               "route_and_group_us": group_us, "route_and_group_apart_us": apart_us, "same_ids": same_ids}
         rows.append(row)
         tiles = f"{tuple(row['tiles'][0])}; {tuple(row['tiles'][1])}"
         print(f"{num_tokens:>6} {hit:>7} {tiles:>34} {us:>8.1f} {row['tb_per_s']:>6.2f} {row['tflop_per_s']:>8.1f}"
               f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}"
-              f" {group_us:>8.1f} {apart_us:>8.1f}")
+              f" {group_us:>8.1f} {apart_us:>8.1f} {100 * same_ids:>7.2f}%")
     print("group us: the router, routing and grouping as fused_moe runs them; apart us: the same with the router's "
           "GEMM (cuBLAS), the count and the scatter each a launch of its own, as at 42a6317 (less its fill of the "
-          "padding ids)")
+          "padding ids); same ids: the experts picked with the router's GEMM in the route kernel, against cuBLAS's "
+          "logits")
     return rows
 
 
@@ -123,10 +124,21 @@ def grouping(fm, x, router, top_k: int, block_m: int, fused: bool):
     return fm.group_by_expert(ids, num_experts, block_m, counts)
 
 
-def tile_sweep(bench, tiny: bool) -> list[dict]:
+def tile_sweep(bench, tiny: bool, inters: list[int] | None = None) -> dict:
     """Each GEMM alone, every candidate tile, at token counts from 1 to 16k: the best pair per count, for each
-    shape of SWEEP_SHAPES."""
-    return [shape_sweep(bench, tiny, shape) for shape in ([TINY_SHAPE] if tiny else SWEEP_SHAPES)]
+    shape of SWEEP_SHAPES (or those of these intermediate sizes). The rows go into this process's MOE_TILES (the
+    layer table then runs on them) and, as apply_tiles' JSON, into the result's "tiles"."""
+    from kernels import fused_moe as fm
+
+    shapes = [TINY_SHAPE] if tiny else [s for s in SWEEP_SHAPES if not inters or s["inter"] in inters]
+    sweeps, tiles = [], {}
+    for shape in shapes:
+        sweeps.append(shape_sweep(bench, tiny, shape))
+        key = (shape["experts"], shape["hidden"], shape["inter"], shape["top_k"])
+        tiles.update(fm.tiles_json(key, [(r["tokens"], fm.MoeTile(*r["up"][0]), fm.MoeTile(*r["down"][0]))
+                                         for r in sweeps[-1]["rows"]]))
+    fm.apply_tiles(tiles)
+    return {"shapes": sweeps, "tiles": tiles}
 
 
 def best_pair(results: dict) -> tuple[tuple, tuple]:

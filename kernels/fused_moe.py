@@ -28,6 +28,8 @@ reference of the whole block (the CPU path) is kernels/moe_reference.py, which n
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -371,6 +373,30 @@ MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] =
         (16384, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
     ],
 }
+
+
+# NANOSERVE_MOE_TILES names a JSON file that the sweep wrote (`bench/kernels.py --moe-sweep --moe-tiles-out`): its
+# shapes' rows replace MOE_TILES' own, so that a sweep's choice can run in the engine before it is copied here
+MOE_TILES_ENV = "NANOSERVE_MOE_TILES"
+
+
+def apply_tiles(measured: dict) -> None:
+    """Replace MOE_TILES' rows of the shapes a sweep measured: {"E H I k": [[most tokens, [up tile], [down tile]],
+    ...]}, a tile as MoeTile's fields in order."""
+    for key, rows in measured.items():
+        shape = tuple(int(v) for v in key.split())
+        MOE_TILES[shape] = [(int(most), MoeTile(*up), MoeTile(*down)) for most, up, down in rows]
+
+
+def tiles_json(shape: tuple[int, int, int, int], rows: list[tuple[int, MoeTile, MoeTile]]) -> dict:
+    """apply_tiles' input for one shape's rows."""
+    return {" ".join(map(str, shape)): [[most, list(vars(up).values()), list(vars(down).values())]
+                                        for most, up, down in rows]}
+
+
+if os.environ.get(MOE_TILES_ENV):
+    with open(os.environ[MOE_TILES_ENV]) as f:
+        apply_tiles(json.load(f))
 
 
 def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTile, MoeTile]:

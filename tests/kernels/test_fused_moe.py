@@ -231,6 +231,38 @@ def test_gate_up_and_down_may_use_different_m_tiles():
     assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(torch.float32)
 
 
+@pytest.mark.skipif(INTERPRETING, reason="a child process of its own")
+def test_a_sweeps_tile_rows_replace_the_tables_through_nanoserve_moe_tiles(tmp_path):
+    """The rows the sweep writes (tiles_json, as bench/kernels.py --moe-tiles-out) reach MOE_TILES in a process
+    started with NANOSERVE_MOE_TILES naming them, and replace that shape's rows only."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+from kernels import fused_moe as fm
+rows = [(4, fm.MoeTile(16, 32, 128, 4, 4), fm.MoeTile(16, 64, 256, 4, 3)),
+        (4096, fm.MoeTile(128, 128, 64, 8, 3, 8), fm.MoeTile(128, 256, 64, 8, 3, 8))]
+if sys.argv[1] == "write":
+    print(json.dumps({**fm.tiles_json((128, 2048, 384, 8), rows), **fm.tiles_json((128, 2048, 768, 8), rows[:1])}))
+else:
+    assert fm.MOE_TILES[(128, 2048, 384, 8)] == rows and fm.MOE_TILES[(128, 2048, 768, 8)] == rows[:1]
+    assert fm.tiles_for(9, 128, 2048, 384, 8) == (rows[1][1], rows[1][2])
+    print("applied")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NANOSERVE_MOE_TILES"}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    written = subprocess.run([sys.executable, "-c", script, "write"], capture_output=True, text=True, env=env,
+                             cwd=repo, check=True).stdout
+    (tmp_path / "tiles.json").write_text(written)
+    assert json.loads(written)["128 2048 384 8"][1] == [4096, [128, 128, 64, 8, 3, 8], [128, 256, 64, 8, 3, 8]]
+    env["NANOSERVE_MOE_TILES"] = str(tmp_path / "tiles.json")
+    applied = subprocess.run([sys.executable, "-c", script, "read"], capture_output=True, text=True, env=env, cwd=repo)
+    assert applied.returncode == 0 and applied.stdout.strip() == "applied", applied.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: compiled, at the Qwen3-30B-A3B layer's shape (128 experts, top-8, hidden 2048, inter 768)
 # ---------------------------------------------------------------------------------------------
