@@ -67,61 +67,52 @@ def layer_table(bench, tiny: bool) -> list[dict]:
     print(f"\nfused MoE layer: {e} experts top-{k}, hidden {h}, inter {i}, bf16 "
           f"(roofline {HBM_TB_S} TB/s, {BF16_TFLOP_S:.0f} TFLOP/s)")
     print(f"{'T':>6} {'experts':>7} {'tiles (up; down)':>34} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'% roof':>6}"
-          f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8} {'same ids':>8}")
+          f" {'torch us':>9} {'x torch':>7} {'rel err':>8} {'group us':>8} {'apart us':>8}")
     rows = []
     for num_tokens in tokens:
         x, router, w13, w2 = _inputs(torch, bench.device, shape, num_tokens, seed=num_tokens)
         logits = x @ router.t()
-        run = lambda: fm.fused_moe(x, None, w13, w2, k, True, router_weight=router)  # noqa: E731  (as the server)
+        run = lambda: fm.fused_moe(x, logits, w13, w2, k, True)  # noqa: E731
         _, ids = fm.route(logits, k, True)
         hit = int(ids.unique().numel())
-        # the router's logits in the route kernel against cuBLAS's: the same experts but at bf16 near-ties
-        same_ids = (fm.route_hidden(x, router, k, True)[1] == ids).double().mean().item()
         nbytes = hit * 3 * i * h * 2 + 2 * num_tokens * h * 2 + e * h * 2
         flops = 2 * num_tokens * k * 3 * i * h
         us = bench.time_us(run, graph=cuda and num_tokens <= 256)
         ref_fn = lambda: moe_reference.fused_moe_ref(x, logits, w13, w2, k, True)  # noqa: E731
         ref = ref_fn().float()
-        # on the same logits: routed from the router weight, a near-tie of the 8th and 9th expert may flip
-        err = ((fm.fused_moe(x, logits, w13, w2, k, True).float() - ref).norm() / ref.norm()).item()
+        err = ((run().float() - ref).norm() / ref.norm()).item()
         torch_us = bench.time_us(ref_fn)
         roof_us = max(nbytes / HBM_TB_S / 1e6, flops / BF16_TFLOP_S / 1e6)
         up, down = fm.tiles_for(num_tokens, e, h, i, k)
         group_us, apart_us = (
-            bench.time_us(lambda: grouping(fm, x, router, k, up.block_m, fused), graph=cuda)  # noqa: B023
+            bench.time_us(lambda: grouping(fm, logits, k, up.block_m, fused), graph=cuda)  # noqa: B023
             for fused in (True, False))
         row = {"tokens": num_tokens, "experts_hit": hit, "bytes": nbytes, "flops": flops, "us": us,
                "tb_per_s": nbytes / us / 1e6, "tflop_per_s": flops / us / 1e6, "roofline_fraction": roof_us / us,
                "torch_us": torch_us, "speedup_vs_torch": torch_us / us, "rel_err_vs_torch": err,
                "tiles": [list(vars(up).values()), list(vars(down).values())],
-               "route_and_group_us": group_us, "route_and_group_apart_us": apart_us, "same_ids": same_ids}
+               "route_and_group_us": group_us, "route_and_group_apart_us": apart_us}
         rows.append(row)
         tiles = f"{tuple(row['tiles'][0])}; {tuple(row['tiles'][1])}"
         print(f"{num_tokens:>6} {hit:>7} {tiles:>34} {us:>8.1f} {row['tb_per_s']:>6.2f} {row['tflop_per_s']:>8.1f}"
               f" {100 * row['roofline_fraction']:>5.0f}% {torch_us:>9.1f} {row['speedup_vs_torch']:>7.1f} {err:>8.1e}"
-              f" {group_us:>8.1f} {apart_us:>8.1f} {100 * same_ids:>7.2f}%")
-    print("group us: the router, routing and grouping as fused_moe runs them; apart us: the same with the router's "
-          "GEMM (cuBLAS), the count and the scatter each a launch of its own, as at 42a6317 (less its fill of the "
-          "padding ids); same ids: the experts picked with the router's GEMM in the route kernel, against cuBLAS's "
-          "logits")
+              f" {group_us:>8.1f} {apart_us:>8.1f}")
+    print("group us: routing and grouping as fused_moe runs them (route_and_group); apart us: the same as four "
+          "launches after route (the counts' fill, a count, a plan and a scatter kernel), as at 42a6317 less its "
+          "fill of the padding ids")
     return rows
 
 
-def grouping(fm, x, router, top_k: int, block_m: int, fused: bool):
-    """The router, routing and grouping as the layer runs them (fused), or with a kernel per step (apart)."""
-    import torch
-
-    num_experts = router.shape[0]
-    if not fused:
-        _, ids = fm.route(x @ router.t(), top_k, True)
-        threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, -1
-        try:
-            return fm.group_by_expert(ids, num_experts, block_m)
-        finally:
-            fm.SINGLE_PROGRAM_PAIRS = threshold
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    _, ids = fm.route_hidden(x, router, top_k, True, counts)
-    return fm.group_by_expert(ids, num_experts, block_m, counts)
+def grouping(fm, logits, top_k: int, block_m: int, fused: bool):
+    """Routing and grouping as the layer runs them (fused), or with a kernel per step (apart)."""
+    if fused:
+        return fm.route_and_group(logits, top_k, True, block_m)
+    _, ids = fm.route(logits, top_k, True)
+    threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, -1
+    try:
+        return fm.group_by_expert(ids, logits.shape[1], block_m)
+    finally:
+        fm.SINGLE_PROGRAM_PAIRS = threshold
 
 
 def tile_sweep(bench, tiny: bool, inters: list[int] | None = None) -> dict:

@@ -5,11 +5,11 @@ the expert outputs are summed with the router's weights. On a GPU:
 
 1. route: softmax over the router logits and the top-k, renormalised when the model says so (one kernel);
 2. group: the (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
-   BLOCK_M, so that every M tile of the GEMMs belongs to one expert. The route kernel counts each expert's
-   pairs as it picks them; then one program plans the tiles, writes the padding ids and, up to
-   SINGLE_PROGRAM_PAIRS pairs (every decode step), scatters the pairs too: with the counts' zero fill, three
-   launches between the router and the GEMMs at decode (a decode step is 48 MoE layers of small kernels,
-   replayed back to back in a CUDA graph, where each node costs a few microseconds however little it does);
+   BLOCK_M, so that every M tile of the GEMMs belongs to one expert. Up to SINGLE_PROGRAM_PAIRS pairs (every
+   decode step) one program counts them, plans the tiles, writes the padding ids and scatters the pairs: one
+   launch after the route kernel (a decode step is 48 MoE layers of small kernels replayed back to back in a
+   CUDA graph, where each node costs a few microseconds however little it does). Past it the route kernel
+   counts as it picks, and the plan and a grid of scattering programs follow;
 3. gate/up GEMM with SiLU-and-mul fused into its epilogue: h[pair] = silu(x W_gate^T) * (x W_up^T);
 4. down GEMM whose epilogue scales each row by the pair's routing weight;
 5. the sum over a token's k rows (torch).
@@ -45,30 +45,15 @@ from kernels.triton_runtime import INTERPRET
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_kernel(logits_ptr, x_ptr, wr_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, hidden,
-                  stride_t, stride_x, stride_w, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
-                  FROM_HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, stride_t,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     mask = row_ok[:, None] & (cols < num_experts)[None, :]
-    if FROM_HIDDEN:  # the router's GEMM here too: logits = x W_r^T, rounded to the model's dtype as F.linear's are
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k * BLOCK_K + offs_k)[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(wr_ptr + cols[None, :] * stride_w + (k * BLOCK_K + offs_k)[:, None],
-                        mask=k_ok[:, None] & (cols < num_experts)[None, :], other=0.0)  # [K, E]
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        logits = tl.where(mask, acc.to(x_ptr.dtype.element_ty).to(tl.float32), -float("inf"))
-    else:
-        logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
-                         other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                     other=-float("inf")).to(tl.float32)
     row_max = tl.where(row_ok, tl.max(logits, axis=1), 0.0)  # rows past the end: no inf - inf
     p = tl.where(mask, tl.exp(logits - row_max[:, None]), 0.0)
     p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
@@ -102,36 +87,14 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract.
     counts ([E] int32, zeroed), when given, gains each expert's number of picks."""
     num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_e = triton.next_power_of_2(num_experts)
-    return _route(router_logits, router_logits, router_logits, num_tokens, num_experts, top_k, renormalize, counts,
-                  from_hidden=False, block_t=max(1, min(16, 4096 // block_e)), block_e=block_e)
-
-
-# up to this many tokens (every decode step) and experts, the route kernel computes the router's logits itself
-# (one launch fewer a layer; each program reads the whole router weight from L2, which a prefill's thousands
-# of programs would pay for: there cuBLAS computes the logits first)
-ROUTER_IN_KERNEL_TOKENS, ROUTER_IN_KERNEL_EXPERTS = 512, 256
-
-
-def route_hidden(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-                 counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """route() of the logits x W_r^T (in x's dtype, as F.linear gives them) of hidden states x [T, H]."""
-    num_tokens, (num_experts, hidden) = x.shape[0], router_weight.shape
-    if num_tokens > ROUTER_IN_KERNEL_TOKENS or num_experts > ROUTER_IN_KERNEL_EXPERTS:
-        return route(torch.nn.functional.linear(x, router_weight), top_k, renormalize, counts)
-    return _route(x, x, router_weight, num_tokens, num_experts, top_k, renormalize, counts, from_hidden=True,
-                  block_t=16, block_e=max(16, triton.next_power_of_2(num_experts)), hidden=hidden)  # tl.dot: 16+
-
-
-def _route(logits, x, router_weight, num_tokens: int, num_experts: int, top_k: int, renormalize: bool, counts,
-           from_hidden: bool, block_t: int, block_e: int, hidden: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    block_t = max(1, min(16, 4096 // block_e))
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        logits, x, router_weight, weights, ids, ids if counts is None else counts, num_tokens, num_experts, hidden,
-        logits.stride(0), x.stride(0), router_weight.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
-        COUNT=counts is not None, FROM_HIDDEN=from_hidden, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=64,
-        UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=4)
+        router_logits, weights, ids, ids if counts is None else counts, num_tokens, num_experts,
+        router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, COUNT=counts is not None, BLOCK_T=block_t,
+        BLOCK_E=block_e, num_warps=4)
     return weights, ids
 
 
@@ -168,12 +131,20 @@ def _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs):
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
 def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, ids_ptr, sorted_pairs_ptr,
                        num_experts, num_pairs, num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK: tl.constexpr, SCATTER: tl.constexpr, BLOCK_P: tl.constexpr):
+                       BLOCK: tl.constexpr, COUNT: tl.constexpr, SCATTER: tl.constexpr, BLOCK_P: tl.constexpr):
     """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert,
-    the padded end and the padding ids at the end of each run; with SCATTER, the pairs as well."""
+    the padded end and the padding ids at the end of each run; with COUNT, each expert's pairs counted first
+    (else read from counts); with SCATTER, the pairs scattered as well."""
     experts = tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
-    counts = tl.load(counts_ptr + experts, mask=expert_ok, other=0)
+    if COUNT:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, num_pairs, BLOCK_P):
+            offs = start + tl.arange(0, BLOCK_P)
+            ok = offs < num_pairs
+            counts += tl.histogram(tl.load(ids_ptr + offs, mask=ok, other=0), BLOCK_E, mask=ok)
+    else:
+        counts = tl.load(counts_ptr + experts, mask=expert_ok, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     run_start = padded_end - padded
@@ -199,8 +170,10 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.
     _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), num_pairs)
 
 
-# up to this many (token, slot) pairs, the planning program scatters them too (one launch fewer); past it a
-# grid of programs does, rather than one SM's worth of atomics (a 2k-token prefill has 16k pairs at top-8)
+# up to this many (token, slot) pairs (every decode step), one program counts, plans and scatters them: one
+# launch after the route kernel, where a count, a plan and a scatter kernel after a fill were four (a decode step
+# replays 48 layers of small kernels in a CUDA graph, ~3-4 us a node on the H200: bench/RESULTS.md). Past it a grid
+# of programs scatters, rather than one SM's worth of atomics (a 2k-token prefill has 16k pairs at top-8).
 SINGLE_PROGRAM_PAIRS = 4096
 
 
@@ -208,14 +181,15 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
                     counts: torch.Tensor | None = None) -> ExpertGroups:
     """Sort the pairs by expert and pad each expert's run to a multiple of block_m, in fixed shapes (capacity =
     P + min(E, P) * (block_m - 1) covers the worst padding). counts: each expert's pairs, as route counted
-    them; without it a kernel counts first."""
+    them; without it the planning program (up to SINGLE_PROGRAM_PAIRS) or a kernel counts first."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     device = ids.device
     block = 256
     grid = (max(1, triton.cdiv(num_pairs, block)),)
-    if counts is None:
+    one_program = num_pairs <= SINGLE_PROGRAM_PAIRS
+    if counts is None and not one_program:
         counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
         _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
@@ -223,9 +197,9 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    one_program = num_pairs <= SINGLE_PROGRAM_PAIRS
-    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, flat, sorted_pairs, num_experts, num_pairs,
-                             capacity // block_m, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e),
+    _plan_tiles_kernel[(1,)](cursor if counts is None else counts, cursor, block_expert, num_padded, flat,
+                             sorted_pairs, num_experts, num_pairs, capacity // block_m, BLOCK_M=block_m,
+                             BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e), COUNT=counts is None,
                              SCATTER=one_program, BLOCK_P=1024, num_warps=4)
     if not one_program:
         _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
@@ -359,18 +333,19 @@ class MoeTile:
 
 
 # (experts, hidden, intermediate per rank, top_k) -> [(most tokens, gate/up tile, down tile), ...] ascending;
-# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep`
-# (each GEMM timed alone at that token count; H200, 2026-12-03, 42a6317).
+# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep` (each
+# GEMM timed alone at that token count; the two tiles of a row share their M tile; H200, 2026-12-03, c8035ad).
+# The -tp 2 slice (128, 2048, 384, 8) is in the sweep but not measured yet: it takes default_tiles.
 MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] = {
     (128, 2048, 768, 8): [  # Qwen3-30B-A3B at one rank
-        (1, MoeTile(16, 32, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
-        (16, MoeTile(16, 32, 128, 4, 4), MoeTile(16, 64, 128, 4, 4)),
-        (64, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 128, 128, 4, 3)),
-        (128, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
-        (256, MoeTile(32, 64, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
-        (512, MoeTile(64, 64, 64, 4, 4), MoeTile(64, 128, 64, 8, 4)),
-        (2048, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
-        (16384, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+        (1, MoeTile(16, 32, 128, 4, 4, 0), MoeTile(16, 128, 128, 4, 3, 0)),
+        (16, MoeTile(16, 32, 128, 4, 4, 0), MoeTile(16, 32, 128, 4, 4, 0)),
+        (64, MoeTile(16, 128, 128, 4, 3, 0), MoeTile(16, 128, 128, 4, 3, 0)),
+        (128, MoeTile(16, 128, 128, 4, 3, 0), MoeTile(16, 64, 128, 4, 4, 0)),
+        (256, MoeTile(32, 128, 128, 8, 3, 0), MoeTile(32, 128, 128, 4, 3, 0)),
+        (512, MoeTile(64, 128, 64, 8, 4, 8), MoeTile(64, 128, 64, 8, 4, 8)),
+        (2048, MoeTile(128, 128, 64, 8, 3, 8), MoeTile(128, 128, 64, 8, 3, 8)),
+        (16384, MoeTile(128, 128, 64, 8, 3, 8), MoeTile(128, 256, 64, 8, 3, 8)),
     ],
 }
 
@@ -470,22 +445,26 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
     return y
 
 
-def fused_moe(x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None,
-              router_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs. Routed by
-    router_logits [T, E], or (router_logits None) by the router's weight [E, H]: route_hidden."""
+def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """(weights, ids, groups, counts): route, then group by expert, in the fewest launches. Decode: the planning
+    program counts (counts None); prefill: route counts as it picks, into a zeroed buffer (no counting pass)."""
+    num_tokens, num_experts = router_logits.shape
+    counts = None
+    if num_tokens * top_k > SINGLE_PROGRAM_PAIRS:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=router_logits.device)
+    weights, ids = route(router_logits, top_k, renormalize, counts)
+    return weights, ids, group_by_expert(ids, num_experts, block_m, counts), counts
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
+    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs."""
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())
     if num_tokens == 0:
         return torch.zeros_like(x)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    if router_logits is None:
-        weights, ids = route_hidden(x, router_weight, top_k, renormalize, counts)
-    else:
-        weights, ids = route(router_logits, top_k, renormalize, counts)
-    groups = group_by_expert(ids, num_experts, up_tile.block_m, counts)
+    weights, ids, groups, counts = route_and_group(router_logits, top_k, renormalize, up_tile.block_m)
     h = gate_up_silu(x, w13, groups, top_k, up_tile)
     if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups
         groups = group_by_expert(ids, num_experts, down_tile.block_m, counts)

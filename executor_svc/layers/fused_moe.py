@@ -41,12 +41,11 @@ class FusedMoE(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, self.inter_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)  # in the model's dtype, as HF
         w13, w2 = self.experts.w13, self.experts.w2
-        if moe_kernels is not None and x.is_cuda:  # the router's logits inside the kernels (route_hidden)
-            out = moe_kernels.fused_moe(x.contiguous(), None, w13, w2, self.top_k, self.renormalize,
-                                        router_weight=self.gate.weight)
+        if moe_kernels is not None and x.is_cuda:
+            out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize)
         else:
-            logits = F.linear(x, self.gate.weight)  # in the model's dtype, as HF
             out = fused_moe_ref(x, logits, w13, w2, self.top_k, self.renormalize)
         return all_reduce(out)
 

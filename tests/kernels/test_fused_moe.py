@@ -94,36 +94,6 @@ def test_routing_matches_softmax_top_k(renormalize):
 
 
 @interpreter
-@pytest.mark.parametrize("in_kernel", [True, False])
-def test_routing_from_hidden_states_matches_softmax_top_k_of_their_logits(in_kernel):
-    """route_hidden: the router's GEMM inside the route kernel (decode sizes), or cuBLAS's first (past the
-    threshold); 37 tokens of hidden 40 (a partial K tile) over 12 experts (a partial expert tile)."""
-    gen = torch.Generator().manual_seed(6)
-    x, router = torch.randn(37, 40, generator=gen), torch.randn(12, 40, generator=gen) / 40 ** 0.5
-    threshold = fm.ROUTER_IN_KERNEL_TOKENS
-    fm.ROUTER_IN_KERNEL_TOKENS = 37 if in_kernel else 36
-    try:
-        counts = torch.zeros(12, dtype=torch.int32)
-        weights, ids = fm.route_hidden(x, router, 3, True, counts)
-    finally:
-        fm.ROUTER_IN_KERNEL_TOKENS = threshold
-    ref_w, ref_ids = moe_reference.route_ref(x.double() @ router.double().t(), 3, True)
-    assert torch.equal(ids.long(), ref_ids)
-    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
-    assert torch.equal(counts.long(), torch.bincount(ref_ids.flatten(), minlength=12))
-
-
-@interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_routed_by_the_router_weight_matches_float64(dtype):
-    x, _, w13, w2 = case(6, 8, 64, 32, dtype, seed=11)
-    router = (torch.randn(8, 64, generator=torch.Generator().manual_seed(12)) / 4).to(dtype)
-    out = fm.fused_moe(x, None, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1),) * 2, router_weight=router)
-    logits = x.double() @ router.double().t()
-    assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(dtype)
-
-
-@interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN arithmetic
 def test_routing_a_row_of_nan_logits_names_real_experts():
     _, logits, _, _ = case(5, 12, 8, 8, torch.float32, seed=2)
@@ -225,6 +195,18 @@ def test_fp32_operands_halve_the_k_tile_so_that_each_stage_keeps_its_bytes():
 
 
 @interpreter
+def test_each_tile_table_row_groups_the_pairs_once():
+    """Both GEMMs of a MOE_TILES row share their M tile (else fused_moe groups the pairs a second time), rows
+    ascend, and every tile is one the kernels take (powers of two, tl.dot's least 16)."""
+    for shape, rows in fm.MOE_TILES.items():
+        assert [most for most, _, _ in rows] == sorted({most for most, _, _ in rows}), shape
+        for most, up, down in rows:
+            assert up.block_m == down.block_m, (shape, most)
+            for t in (up, down):
+                assert all(v >= 16 and v & (v - 1) == 0 for v in (t.block_m, t.block_n, t.block_k)), (shape, t)
+
+
+@interpreter
 def test_gate_up_and_down_may_use_different_m_tiles():
     x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=3)
     out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
@@ -280,16 +262,15 @@ def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [16, 256, 1024])
-def test_gpu_fused_moe_routed_by_the_router_weight_matches_float64(num_tokens):
-    """The router's GEMM in the route kernel (16, 256 tokens) or in cuBLAS (1024), fp32 (so that no near-tie of the
-    8th and 9th expert flips between the two roundings), at the 30B layer's shape."""
-    x, _, w13, w2 = case(num_tokens, 128, 2048, 768, torch.float32, seed=num_tokens, device="cuda")
-    router = torch.randn(128, 2048, generator=torch.Generator().manual_seed(1)).cuda() / 2048 ** 0.5
-    out = fm.fused_moe(x, None, w13, w2, 8, True, router_weight=router)
+@pytest.mark.parametrize("num_tokens", [16, 1024])
+def test_gpu_fused_moe_in_fp32_matches_float64(num_tokens):
+    """An fp32 model (the equivalence tests' dtype): its tiles halve BLOCK_K to fit the shared memory; 16 tokens
+    (one program groups them) and 1,024 (route counts, a grid scatters), at the 30B layer's shape."""
+    x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.float32, seed=num_tokens, device="cuda")
+    out = fm.fused_moe(x, logits, w13, w2, 8, True)
     rows = slice(0, 16)
-    logits = x[rows].double().cpu() @ router.double().cpu().t()
-    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits, w13.cpu(), w2.cpu(), 8, True)) < 1e-4
+    ref = moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)
+    assert rel_error(out[rows].cpu(), ref) < 1e-4
 
 
 @pytest.mark.gpu
