@@ -172,7 +172,7 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.
 
 # up to this many (token, slot) pairs (every decode step), one program counts, plans and scatters them: one
 # launch after the route kernel, where a count, a plan and a scatter kernel after a fill were four (a decode step
-# replays 48 layers of small kernels in a CUDA graph, ~3-4 us a node on the H200: bench/RESULTS.md). Past it a grid
+# replays 48 layers of small kernels in a CUDA graph, ~3 us a node on the H200: bench/RESULTS.md). Past it a grid
 # of programs scatters, rather than one SM's worth of atomics (a 2k-token prefill has 16k pairs at top-8).
 SINGLE_PROGRAM_PAIRS = 4096
 
