@@ -207,6 +207,20 @@ def test_each_tile_table_row_groups_the_pairs_once():
 
 
 @interpreter
+@pytest.mark.parametrize("single_program_pairs", [4096, 4])
+def test_the_prefill_grouping_path_matches_float64(single_program_pairs):
+    """Past SINGLE_PROGRAM_PAIRS (lowered to 4 here: 9 tokens top-2) route counts as it picks and a grid scatters;
+    with both GEMMs on different M tiles, the regrouping reuses route's counts."""
+    x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=5)
+    threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, single_program_pairs
+    try:
+        out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
+    finally:
+        fm.SINGLE_PROGRAM_PAIRS = threshold
+    assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(torch.float32)
+
+
+@interpreter
 def test_gate_up_and_down_may_use_different_m_tiles():
     x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=3)
     out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
