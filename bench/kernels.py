@@ -52,6 +52,10 @@ def parse_args() -> argparse.Namespace:
                    help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
     p.add_argument("--moe-sweep", action="store_true", help="also sweep the fused MoE GEMM tiles (bench/moe_kernels.py)")
     p.add_argument("--moe-only", action="store_true", help="only the fused MoE layer (and its sweep), no attention")
+    p.add_argument("--moe-sweep-inter", type=int, nargs="+", default=None, metavar="I",
+                   help="sweep only these expert intermediate sizes (768: Qwen3-30B-A3B; 384: its -tp 2 slice)")
+    p.add_argument("--moe-tiles-out", default=None, metavar="JSON",
+                   help="write the sweep's MOE_TILES rows here (the engine takes them from NANOSERVE_MOE_TILES)")
     p.add_argument("--fp8-gemm", action="store_true",
                    help="only the FP8 GEMM table (bench/fp8_gemm_table.py: Qwen3-8B's GEMMs, fp8 vs bf16) and the "
                         "fused FP8 producers' table")
@@ -88,7 +92,9 @@ def main() -> None:
     results = {"device": bench.device_name, "copy": bench.copy_bandwidth()}
     print(f"device: {bench.device_name}; d2d copy {results['copy']['tb_per_s']:.2f} TB/s (read + write)")
     if args.moe_sweep:  # first: the layer table below then runs on the tiles it found (when pasted in)
-        results["moe_sweep"] = moe_kernels.tile_sweep(bench, args.tiny)
+        results["moe_sweep"] = moe_kernels.tile_sweep(bench, args.tiny, args.moe_sweep_inter)
+        if args.moe_tiles_out:
+            Path(args.moe_tiles_out).write_text(json.dumps(results["moe_sweep"]["tiles"]))
     results["moe_layer"] = moe_kernels.layer_table(bench, args.tiny)
     if not args.moe_only:
         results["decode"] = bench.decode()

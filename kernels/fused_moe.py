@@ -5,7 +5,11 @@ the expert outputs are summed with the router's weights. On a GPU:
 
 1. route: softmax over the router logits and the top-k, renormalised when the model says so (one kernel);
 2. group: the (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of
-   BLOCK_M, so that every M tile of the GEMMs belongs to one expert (three small kernels);
+   BLOCK_M, so that every M tile of the GEMMs belongs to one expert. Up to SINGLE_PROGRAM_PAIRS pairs (every
+   decode step) one program counts them, plans the tiles, writes the padding ids and scatters the pairs: one
+   launch after the route kernel (a decode step is 48 MoE layers of small kernels replayed back to back in a
+   CUDA graph, where each node costs a few microseconds however little it does). Past it the route kernel
+   counts as it picks, and the plan and a grid of scattering programs follow;
 3. gate/up GEMM with SiLU-and-mul fused into its epilogue: h[pair] = silu(x W_gate^T) * (x W_up^T);
 4. down GEMM whose epilogue scales each row by the pair's routing weight;
 5. the sum over a token's k rows (torch).
@@ -24,7 +28,9 @@ reference of the whole block (the CPU path) is kernels/moe_reference.py, which n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -39,8 +45,9 @@ from kernels.triton_runtime import INTERPRET
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t,
-                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_tokens, num_experts, stride_t,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -65,21 +72,29 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
     for j in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=1)
         idx = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        # a row of NaN logits matches no maximum: it still names a real expert, as every id indexes the
+        # counts, the cursors and the weights (a garbage row may compute garbage, never write out of bounds)
+        idx = tl.minimum(idx, num_experts - 1)
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
         tl.store(ids_ptr + rows * TOP_K + j, idx, mask=row_ok)
+        if COUNT:  # each expert's pairs, for group_by_expert (saves it a counting pass)
+            tl.atomic_add(counts_ptr + idx, 1, mask=row_ok, sem="relaxed")
         remaining = tl.where(cols[None, :] == idx[:, None], -1.0, remaining)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int32) from router logits [T, E]; route_ref's contract.
+    counts ([E] int32, zeroed), when given, gains each expert's number of picks."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     block_e = triton.next_power_of_2(num_experts)
     block_t = max(1, min(16, 4096 // block_e))
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+        router_logits, weights, ids, ids if counts is None else counts, num_tokens, num_experts,
+        router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, COUNT=counts is not None, BLOCK_T=block_t,
+        BLOCK_E=block_e, num_warps=4)
     return weights, ids
 
 
@@ -101,56 +116,93 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0)
-    tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+    tl.atomic_add(counts_ptr + expert, 1, mask=ok, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
-def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_tiles,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert
-    and the padded end."""
+@triton.jit
+def _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, offs, num_pairs):
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    # the order inside an expert's run is the atomics' order: a row's result does not depend on it
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok, sem="relaxed")
+    tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles"])
+def _plan_tiles_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, ids_ptr, sorted_pairs_ptr,
+                       num_experts, num_pairs, num_tiles, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK: tl.constexpr, COUNT: tl.constexpr, SCATTER: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program: each expert's padded run start (the cursor the scatter advances), every tile's expert,
+    the padded end and the padding ids at the end of each run; with COUNT, each expert's pairs counted first
+    (else read from counts); with SCATTER, the pairs scattered as well."""
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    expert_ok = experts < num_experts
+    if COUNT:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, num_pairs, BLOCK_P):
+            offs = start + tl.arange(0, BLOCK_P)
+            ok = offs < num_pairs
+            counts += tl.histogram(tl.load(ids_ptr + offs, mask=ok, other=0), BLOCK_E, mask=ok)
+    else:
+        counts = tl.load(counts_ptr + experts, mask=expert_ok, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + experts, padded_end - padded, mask=experts < num_experts)
+    run_start = padded_end - padded
+    tl.store(cursor_ptr + experts, run_start, mask=expert_ok)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
     for start in range(0, num_tiles, BLOCK):
         tile = start + tl.arange(0, BLOCK)
         # a tile's expert: how many runs end at or before its first row (past the last run: clamped)
         ended = tl.sum((padded_end[None, :] <= (tile * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + tile, tl.minimum(ended, num_experts - 1), mask=tile < num_tiles)
+    # the rows between a run's last pair and its padded end hold the padding id (rows past the padded end are
+    # never read: their tiles exit at once)
+    for row in range(0, BLOCK_M - 1):
+        tl.store(sorted_pairs_ptr + run_start + counts + row, num_pairs, mask=expert_ok & (counts + row < padded))
+    if SCATTER:
+        tl.debug_barrier()  # the cursors stored above, before any thread's atomics advance them
+        for start in range(0, num_pairs, BLOCK_P):
+            _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, start + tl.arange(0, BLOCK_P), num_pairs)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_pairs_ptr, num_pairs, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < num_pairs
-    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
-    # the order inside an expert's run is the atomics' order: a row's result does not depend on it
-    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
-    tl.store(sorted_pairs_ptr + slot, offs, mask=ok)
+    _scatter_pairs(ids_ptr, cursor_ptr, sorted_pairs_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), num_pairs)
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
-    """Sort the pairs by expert and pad each expert's run to a multiple of block_m: a count, a plan and a
-    scatter kernel after two fills, in fixed shapes (capacity = P + min(E, P) * (block_m - 1) covers the worst padding)."""
+# up to this many (token, slot) pairs (every decode step), one program counts, plans and scatters them: one
+# launch after the route kernel, where a count, a plan and a scatter kernel after a fill were four (a decode step
+# replays 48 layers of small kernels in a CUDA graph, ~3 us a node on the H200: bench/RESULTS.md). Past it a grid
+# of programs scatters, rather than one SM's worth of atomics (a 2k-token prefill has 16k pairs at top-8).
+SINGLE_PROGRAM_PAIRS = 4096
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
+                    counts: torch.Tensor | None = None) -> ExpertGroups:
+    """Sort the pairs by expert and pad each expert's run to a multiple of block_m, in fixed shapes (capacity =
+    P + min(E, P) * (block_m - 1) covers the worst padding). counts: each expert's pairs, as route counted
+    them; without it the planning program (up to SINGLE_PROGRAM_PAIRS) or a kernel counts first."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
     device = ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)  # padding rows
-    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block = 256
     grid = (max(1, triton.cdiv(num_pairs, block)),)
-    _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    one_program = num_pairs <= SINGLE_PROGRAM_PAIRS
+    if counts is None and not one_program:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        _count_kernel[grid](flat, counts, num_pairs, BLOCK=block)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
-    _plan_tiles_kernel[(1,)](counts, cursor, block_expert, num_padded, num_experts, capacity // block_m,
-                             BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e))
-    _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
+    _plan_tiles_kernel[(1,)](cursor if counts is None else counts, cursor, block_expert, num_padded, flat,
+                             sorted_pairs, num_experts, num_pairs, capacity // block_m, BLOCK_M=block_m,
+                             BLOCK_E=block_e, BLOCK=max(1, 8192 // block_e), COUNT=counts is None,
+                             SCATTER=one_program, BLOCK_P=1024, num_warps=4)
+    if not one_program:
+        _scatter_kernel[grid](flat, cursor, sorted_pairs, num_pairs, BLOCK=block)
     return ExpertGroups(sorted_pairs, block_expert, num_padded, num_pairs)
 
 
@@ -160,21 +212,36 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
 
 
 @triton.jit
+def _tile_ids(num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of this program in a 1-D grid. GROUP_M 0: M tiles vary fastest (consecutive programs, on
+    the SMs at the same time, read one weight tile: decode, where an expert has a tile or two). Otherwise the N
+    tiles of GROUP_M M tiles run together, so the gathered activation rows of an M tile are read from HBM once
+    for all its N tiles rather than once per N tile (prefill, where the activations outgrow the L2)."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_tiles_m, pid // num_tiles_m
+    in_group = GROUP_M * num_tiles_n
+    first_m = pid // in_group * GROUP_M
+    group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size
+
+
+@triton.jit
 def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """An M tile's pairs (padding rows masked off) and its expert."""
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return pair, pair < num_pairs, tl.load(block_expert_ptr + pid_m).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
@@ -212,15 +279,15 @@ def _gate_up_silu_kernel(
     tl.store(out_ptrs, act * up, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _down_weighted_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
@@ -246,7 +313,8 @@ def _down_weighted_kernel(
         b_ptrs += BLOCK_K
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None], mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,23 +329,49 @@ class MoeTile:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0  # 0: M tiles fastest; else the N tiles of group_m M tiles together (_tile_ids)
 
 
 # (experts, hidden, intermediate per rank, top_k) -> [(most tokens, gate/up tile, down tile), ...] ascending;
-# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep`
-# (each GEMM timed alone at that token count; H200, 2026-12-03, 42a6317).
+# a step of more tokens than the last row uses the last row. Rows printed by `bench/kernels.py --moe-sweep` (each
+# GEMM timed alone at that token count; the two tiles of a row share their M tile; H200, 2026-12-03, c8035ad).
+# The -tp 2 slice (128, 2048, 384, 8) is in the sweep but not measured yet: it takes default_tiles.
 MOE_TILES: dict[tuple[int, int, int, int], list[tuple[int, MoeTile, MoeTile]]] = {
     (128, 2048, 768, 8): [  # Qwen3-30B-A3B at one rank
-        (1, MoeTile(16, 32, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
-        (16, MoeTile(16, 32, 128, 4, 4), MoeTile(16, 64, 128, 4, 4)),
-        (64, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 128, 128, 4, 3)),
-        (128, MoeTile(16, 128, 128, 4, 3), MoeTile(16, 32, 128, 4, 4)),
-        (256, MoeTile(32, 64, 128, 4, 4), MoeTile(32, 128, 128, 4, 3)),
-        (512, MoeTile(64, 64, 64, 4, 4), MoeTile(64, 128, 64, 8, 4)),
-        (2048, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
-        (16384, MoeTile(128, 128, 64, 8, 3), MoeTile(128, 256, 64, 8, 3)),
+        (1, MoeTile(16, 32, 128, 4, 4, 0), MoeTile(16, 128, 128, 4, 3, 0)),
+        (16, MoeTile(16, 32, 128, 4, 4, 0), MoeTile(16, 32, 128, 4, 4, 0)),
+        (64, MoeTile(16, 128, 128, 4, 3, 0), MoeTile(16, 128, 128, 4, 3, 0)),
+        (128, MoeTile(16, 128, 128, 4, 3, 0), MoeTile(16, 64, 128, 4, 4, 0)),
+        (256, MoeTile(32, 128, 128, 8, 3, 0), MoeTile(32, 128, 128, 4, 3, 0)),
+        (512, MoeTile(64, 128, 64, 8, 4, 8), MoeTile(64, 128, 64, 8, 4, 8)),
+        (2048, MoeTile(128, 128, 64, 8, 3, 8), MoeTile(128, 128, 64, 8, 3, 8)),
+        (16384, MoeTile(128, 128, 64, 8, 3, 8), MoeTile(128, 256, 64, 8, 3, 8)),
     ],
 }
+
+
+# NANOSERVE_MOE_TILES names a JSON file that the sweep wrote (`bench/kernels.py --moe-sweep --moe-tiles-out`): its
+# shapes' rows replace MOE_TILES' own, so that a sweep's choice can run in the engine before it is copied here
+MOE_TILES_ENV = "NANOSERVE_MOE_TILES"
+
+
+def apply_tiles(measured: dict) -> None:
+    """Replace MOE_TILES' rows of the shapes a sweep measured: {"E H I k": [[most tokens, [up tile], [down tile]],
+    ...]}, a tile as MoeTile's fields in order."""
+    for key, rows in measured.items():
+        shape = tuple(int(v) for v in key.split())
+        MOE_TILES[shape] = [(int(most), MoeTile(*up), MoeTile(*down)) for most, up, down in rows]
+
+
+def tiles_json(shape: tuple[int, int, int, int], rows: list[tuple[int, MoeTile, MoeTile]]) -> dict:
+    """apply_tiles' input for one shape's rows."""
+    return {" ".join(map(str, shape)): [[most, list(vars(up).values()), list(vars(down).values())]
+                                        for most, up, down in rows]}
+
+
+if os.environ.get(MOE_TILES_ENV):
+    with open(os.environ[MOE_TILES_ENV]) as f:
+        apply_tiles(json.load(f))
 
 
 def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTile, MoeTile]:
@@ -292,14 +386,23 @@ def default_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeTil
     return MoeTile(64, 128, 64, 8, 4), MoeTile(64, 128, 64, 8, 4)
 
 
-def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> tuple[MoeTile, MoeTile]:
+def tiles_for(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+              element_size: int = 2) -> tuple[MoeTile, MoeTile]:
     rows = MOE_TILES.get((num_experts, hidden, inter, top_k))
     if not rows or INTERPRET:
-        return default_tiles(num_tokens, top_k, num_experts)
-    for most_tokens, up_tile, down_tile in rows:
-        if num_tokens <= most_tokens:
-            return up_tile, down_tile
-    return rows[-1][1], rows[-1][2]
+        tiles = default_tiles(num_tokens, top_k, num_experts)
+    else:
+        tiles = next(((up, down) for most, up, down in rows if num_tokens <= most), rows[-1][1:])
+    return tuple(for_element_size(tile, element_size) for tile in tiles)
+
+
+def for_element_size(tile: MoeTile, element_size: int) -> MoeTile:
+    """The tiles are sized for 2-byte (bf16) operands; 4-byte ones (an fp32 model: the equivalence tests) halve
+    BLOCK_K, so that each pipeline stage keeps its bytes and fits the shared memory (a gate/up tile of 32 x 64 x
+    128 in fp32 would need 240 KB of sm_90's 227)."""
+    if element_size <= 2 or tile.block_k <= 16:
+        return tile
+    return replace(tile, block_k=max(16, tile.block_k * 2 // element_size))
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -307,8 +410,12 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int, int]:
-    return groups.sorted_pairs.numel() // tile.block_m, triton.cdiv(cols, tile.block_n)
+def _grid(groups: ExpertGroups, cols: int, tile: MoeTile) -> tuple[int]:
+    return (_tiles_m(groups, tile) * triton.cdiv(cols, tile.block_n),)
+
+
+def _tiles_m(groups: ExpertGroups, tile: MoeTile) -> int:
+    return groups.sorted_pairs.numel() // tile.block_m
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile) -> torch.Tensor:
@@ -318,9 +425,9 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k
     _gate_up_silu_kernel[_grid(groups, inter, tile)](
         x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x), num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
 
 
@@ -332,9 +439,21 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
     _down_weighted_kernel[_grid(groups, hidden, tile)](
         h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
+        _tiles_m(groups, tile), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0,
         UPCAST=INTERPRET, PRECISION=_precision(h), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
+
+
+def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """(weights, ids, groups, counts): route, then group by expert, in the fewest launches. Decode: the planning
+    program counts (counts None); prefill: route counts as it picks, into a zeroed buffer (no counting pass)."""
+    num_tokens, num_experts = router_logits.shape
+    counts = None
+    if num_tokens * top_k > SINGLE_PROGRAM_PAIRS:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=router_logits.device)
+    weights, ids = route(router_logits, top_k, renormalize, counts)
+    return weights, ids, group_by_expert(ids, num_experts, block_m, counts), counts
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -342,13 +461,12 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs."""
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
-    up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k)
+    up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())
     if num_tokens == 0:
         return torch.zeros_like(x)
-    weights, ids = route(router_logits, top_k, renormalize)
-    groups = group_by_expert(ids, num_experts, up_tile.block_m)
+    weights, ids, groups, counts = route_and_group(router_logits, top_k, renormalize, up_tile.block_m)
     h = gate_up_silu(x, w13, groups, top_k, up_tile)
-    if down_tile.block_m != up_tile.block_m:
-        groups = group_by_expert(ids, num_experts, down_tile.block_m)
+    if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups
+        groups = group_by_expert(ids, num_experts, down_tile.block_m, counts)
     y = down_weighted(h, w2, weights.view(-1), groups, down_tile)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

@@ -20,8 +20,17 @@ from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_mo
 pytest.importorskip("triton")
 
 if KERNELS_RUN_HERE:
+    import triton
+    import triton.language as tl
+
     from kernels import fused_moe as fm
-    from kernels.fused_moe import MoeTile
+    from kernels.fused_moe import MoeTile, _tile_ids
+
+    @triton.jit
+    def _tile_ids_probe(out_ptr, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
+        pid_m, pid_n = _tile_ids(num_tiles_m, num_tiles_n, GROUP_M)
+        tl.store(out_ptr + 2 * tl.program_id(0), pid_m)
+        tl.store(out_ptr + 2 * tl.program_id(0) + 1, pid_n)
 
 
 def moe64(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -75,35 +84,61 @@ def test_fused_moe_passes_under_the_interpreter():
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_matches_softmax_top_k(renormalize):
     _, logits, _, _ = case(37, 12, 8, 8, torch.float32, seed=1)
-    weights, ids = fm.route(logits, 3, renormalize)
+    counts = torch.zeros(12, dtype=torch.int32)
+    weights, ids = fm.route(logits, 3, renormalize, counts)
     ref_w, ref_ids = moe_reference.route_ref(logits, 3, renormalize)
     assert torch.equal(ids.long(), ref_ids)
+    assert torch.equal(counts.long(), torch.bincount(ref_ids.flatten(), minlength=12)), "each expert's picks counted"
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
     assert not renormalize or torch.allclose(weights.sum(-1), torch.ones(37))
 
 
 @interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaN arithmetic
+def test_routing_a_row_of_nan_logits_names_real_experts():
+    _, logits, _, _ = case(5, 12, 8, 8, torch.float32, seed=2)
+    logits[2] = float("nan")
+    counts = torch.zeros(12, dtype=torch.int32)
+    _, ids = fm.route(logits, 3, True, counts)
+    assert 0 <= int(ids.min()) and int(ids.max()) < 12, ids[2]
+    assert int(counts.sum()) == 15
+    assert torch.equal(ids[[0, 1, 3, 4]].long(), moe_reference.route_ref(logits[[0, 1, 3, 4]], 3, True)[1])
+
+
+@interpreter
 @settings(max_examples=12, deadline=None)
 @given(num_experts=st.integers(1, 12), top_k=st.integers(1, 3), num_tokens=st.integers(1, 40),
-       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
-def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed):
-    """Whatever the routing (experts with no token included): every (token, slot) pair sits exactly once in
-    the sorted list, inside a tile of its own expert; each expert's run is padded to the tile; the rows past
-    the padded end, and the padding rows, hold the padding id."""
+       block_m=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16), one_program=st.booleans(),
+       counted_by_route=st.booleans())
+def test_grouping_puts_each_pair_once_in_a_tile_of_its_expert(num_experts, top_k, num_tokens, block_m, seed,
+                                                               one_program, counted_by_route):
+    """Whatever the routing (experts with no token included), the pairs scattered by the planning program or by a
+    grid, counted by route or by group_by_expert: every (token, slot) pair sits exactly once in the sorted list up
+    to the padded end, inside a tile of its own expert; each expert's run is padded to the tile with the padding
+    id; every tile past the padded end is marked empty (its rows are never read)."""
     top_k = min(top_k, num_experts)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
     ids = torch.where(ids == num_experts // 2, 0, ids).to(torch.int32)  # often leave one expert without a token
-    groups = fm.group_by_expert(ids, num_experts, block_m)
     num_pairs = num_tokens * top_k
-    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
     counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    threshold = fm.SINGLE_PROGRAM_PAIRS
+    fm.SINGLE_PROGRAM_PAIRS = num_pairs if one_program else num_pairs - 1
+    try:
+        groups = fm.group_by_expert(ids, num_experts, block_m, counts.int() if counted_by_route else None)
+    finally:
+        fm.SINGLE_PROGRAM_PAIRS = threshold
+    pairs, end = groups.sorted_pairs.tolist(), int(groups.num_padded)
     assert end == int(((counts + block_m - 1) // block_m * block_m).sum())
-    assert len(pairs) >= end and all(p == num_pairs for p in pairs[end:])
-    real = [(i, p) for i, p in enumerate(pairs) if p < num_pairs]
-    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once"
+    assert len(pairs) >= end and groups.block_expert.numel() * block_m == len(pairs)
+    real = [(i, p) for i, p in enumerate(pairs[:end]) if p != num_pairs]
+    assert sorted(p for _, p in real) == list(range(num_pairs)), "each pair exactly once, the rest padding"
     for i, p in real:
         assert groups.block_expert[i // block_m] == ids.flatten()[p], f"pair {p} in a tile of another expert"
+    starts = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0) - (counts + block_m - 1) // block_m * block_m
+    for e in range(num_experts):  # each run: its pairs first, then padding up to the tile
+        run = pairs[int(starts[e]): int(starts[e]) + int(counts[e])]
+        assert all(p != num_pairs and ids.flatten()[p] == e for p in run)
 
 
 @interpreter
@@ -125,10 +160,104 @@ def test_fused_moe_matches_float64(dtype, num_tokens, num_experts, top_k, hidden
 
 
 @interpreter
+@settings(max_examples=20, deadline=None)
+@given(num_tiles_m=st.integers(1, 20), num_tiles_n=st.integers(1, 5), group_m=st.integers(0, 6))
+def test_each_program_gets_its_own_tile_in_every_order(num_tiles_m, num_tiles_n, group_m):
+    """M tiles fastest (group_m 0), or the N tiles of group_m M tiles together with a shorter last group: the
+    programs of the 1-D grid map onto the (M, N) tiles one to one, and a group's programs share its M tiles."""
+    out = torch.full((num_tiles_m * num_tiles_n, 2), -1, dtype=torch.int32)
+    _tile_ids_probe[(num_tiles_m * num_tiles_n,)](out, num_tiles_m, num_tiles_n, GROUP_M=group_m)
+    tiles = [tuple(t) for t in out.tolist()]
+    assert sorted(tiles) == [(m, n) for m in range(num_tiles_m) for n in range(num_tiles_n)]
+    if group_m:
+        per_group = group_m * num_tiles_n
+        for start in range(0, len(tiles), per_group):
+            assert {m for m, _ in tiles[start: start + per_group]} == set(
+                range(start // num_tiles_n, min(num_tiles_m, start // num_tiles_n + group_m)))
+
+
+@interpreter
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_grouped_tile_orders_match_float64(group_m):
+    """The layer with grouped tile orders (19 tokens top-3 over 4 experts: 8 M tiles of 16; inter 48 and hidden 40:
+    3 N tiles of 16)."""
+    x, logits, w13, w2 = case(19, 4, 40, 48, torch.float32, seed=4)
+    out = fm.fused_moe(x, logits, w13, w2, 3, True, tiles=(MoeTile(16, 16, 16, 1, 1, group_m),) * 2)
+    assert rel_error(out, moe64(x, logits, w13, w2, 3, True)) < max_rel(torch.float32)
+
+
+@interpreter
+def test_fp32_operands_halve_the_k_tile_so_that_each_stage_keeps_its_bytes():
+    tile = MoeTile(32, 64, 128, 4, 4, 8)
+    assert fm.for_element_size(tile, 2) == tile
+    assert fm.for_element_size(tile, 4) == MoeTile(32, 64, 64, 4, 4, 8)
+    assert fm.for_element_size(MoeTile(16, 16, 16, 1, 1), 4).block_k == 16  # tl.dot's least K
+
+
+@interpreter
+def test_each_tile_table_row_groups_the_pairs_once():
+    """Both GEMMs of a MOE_TILES row share their M tile (else fused_moe groups the pairs a second time), rows
+    ascend, and every tile is one the kernels take (powers of two, tl.dot's least 16)."""
+    for shape, rows in fm.MOE_TILES.items():
+        assert [most for most, _, _ in rows] == sorted({most for most, _, _ in rows}), shape
+        for most, up, down in rows:
+            assert up.block_m == down.block_m, (shape, most)
+            for t in (up, down):
+                assert all(v >= 16 and v & (v - 1) == 0 for v in (t.block_m, t.block_n, t.block_k)), (shape, t)
+
+
+@interpreter
+@pytest.mark.parametrize("single_program_pairs", [4096, 4])
+def test_the_prefill_grouping_path_matches_float64(single_program_pairs):
+    """Past SINGLE_PROGRAM_PAIRS (lowered to 4 here: 9 tokens top-2) route counts as it picks and a grid scatters;
+    with both GEMMs on different M tiles, the regrouping reuses route's counts."""
+    x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=5)
+    threshold, fm.SINGLE_PROGRAM_PAIRS = fm.SINGLE_PROGRAM_PAIRS, single_program_pairs
+    try:
+        out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
+    finally:
+        fm.SINGLE_PROGRAM_PAIRS = threshold
+    assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(torch.float32)
+
+
+@interpreter
 def test_gate_up_and_down_may_use_different_m_tiles():
     x, logits, w13, w2 = case(9, 6, 32, 32, torch.float32, seed=3)
     out = fm.fused_moe(x, logits, w13, w2, 2, True, tiles=(MoeTile(16, 16, 16, 1, 1), MoeTile(32, 32, 32, 1, 1)))
     assert rel_error(out, moe64(x, logits, w13, w2, 2, True)) < max_rel(torch.float32)
+
+
+@interpreter
+def test_a_sweeps_tile_rows_replace_the_tables_through_nanoserve_moe_tiles(tmp_path):
+    """The rows the sweep writes (tiles_json, as bench/kernels.py --moe-tiles-out) reach MOE_TILES in a process
+    started with NANOSERVE_MOE_TILES naming them, and replace that shape's rows only."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+from kernels import fused_moe as fm
+rows = [(4, fm.MoeTile(16, 32, 128, 4, 4), fm.MoeTile(16, 64, 256, 4, 3)),
+        (4096, fm.MoeTile(128, 128, 64, 8, 3, 8), fm.MoeTile(128, 256, 64, 8, 3, 8))]
+if sys.argv[1] == "write":
+    print(json.dumps({**fm.tiles_json((128, 2048, 384, 8), rows), **fm.tiles_json((128, 2048, 768, 8), rows[:1])}))
+else:
+    assert fm.MOE_TILES[(128, 2048, 384, 8)] == rows and fm.MOE_TILES[(128, 2048, 768, 8)] == rows[:1]
+    assert fm.tiles_for(9, 128, 2048, 384, 8) == (rows[1][1], rows[1][2])
+    print("applied")
+"""
+    # compiled-mode imports in processes of their own (the interpreter would take default_tiles)
+    env = {k: v for k, v in os.environ.items() if k not in ("NANOSERVE_MOE_TILES", "TRITON_INTERPRET")}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    written = subprocess.run([sys.executable, "-c", script, "write"], capture_output=True, text=True, env=env,
+                             cwd=repo, check=True).stdout
+    (tmp_path / "tiles.json").write_text(written)
+    assert json.loads(written)["128 2048 384 8"][1] == [4096, [128, 128, 64, 8, 3, 8], [128, 256, 64, 8, 3, 8]]
+    env["NANOSERVE_MOE_TILES"] = str(tmp_path / "tiles.json")
+    applied = subprocess.run([sys.executable, "-c", script, "read"], capture_output=True, text=True, env=env, cwd=repo)
+    assert applied.returncode == 0 and applied.stdout.strip() == "applied", applied.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +273,19 @@ def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
     rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
     assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [16, 1024])
+def test_gpu_fused_moe_in_fp32_matches_float64(num_tokens):
+    """An fp32 model (the equivalence tests' dtype): its tiles halve BLOCK_K to fit the shared memory; 16 tokens
+    (one program groups them) and 1,024 (route counts, a grid scatters), at the 30B layer's shape."""
+    x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.float32, seed=num_tokens, device="cuda")
+    out = fm.fused_moe(x, logits, w13, w2, 8, True)
+    rows = slice(0, 16)
+    ref = moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)
+    assert rel_error(out[rows].cpu(), ref) < 1e-4
 
 
 @pytest.mark.gpu
