@@ -11,13 +11,57 @@ SEARCH_WINDOW = 4096  # the most recent tokens searched for a match
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens: the continuation of the most recent earlier occurrence of the longest suffix of
     token_ids of n_min..n_max tokens that occurred before. Empty when none did."""
-    length = len(token_ids)
+    return propose_in_window(np.asarray(token_ids[-SEARCH_WINDOW:], dtype=np.int64), k, n_min, n_max)
+
+
+class TokenArray:
+    """A sequence's tokens as a numpy array, grown as they are appended: converting a list of thousands of ids
+    at every step cost more than the search (~100 us for 1,000 tokens)."""
+
+    __slots__ = ("buf", "size")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def window(self, known: list[int], tokens: list[int]) -> np.ndarray:
+        """The last SEARCH_WINDOW of tokens, whose first len(known) are known (the sequence's, which only grow)
+        and the rest assumed (steps in flight)."""
+        n = len(known)
+        if n < self.size:  # not the list it mirrored: start again
+            self.size = 0
+        if n > len(self.buf):
+            grown = np.empty(max(n, 2 * len(self.buf)), dtype=np.int64)
+            grown[: self.size] = self.buf[: self.size]
+            self.buf = grown
+        if n > self.size:
+            self.buf[self.size: n] = known[self.size: n]
+            self.size = n
+        tail = tokens[n:]
+        if not tail:
+            return self.buf[max(0, n - SEARCH_WINDOW): n]
+        keep = max(0, SEARCH_WINDOW - len(tail))
+        return np.concatenate([self.buf[max(0, n - keep): n], np.asarray(tail[-SEARCH_WINDOW:], dtype=np.int64)])
+
+
+def ngram_proposer(n_min: int, n_max: int):
+    """A Proposer (speculator.py) keeping each sequence's tokens as an array (Sequence.proposer_cache)."""
+    def propose(seq, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < n_min + 1:
+            return []
+        cache = seq.proposer_cache
+        if not isinstance(cache, TokenArray):
+            cache = seq.proposer_cache = TokenArray()
+        return propose_in_window(cache.window(seq.token_ids, tokens), k, n_min, n_max)
+    return propose
+
+
+def propose_in_window(arr: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """propose_ngram over the window's tokens, an int64 array."""
+    length = len(arr)
     if k <= 0 or length < n_min + 1:
         return []
     n_max = min(n_max, length - 1)
-    window = token_ids[-SEARCH_WINDOW:]  # bounds a step's cost on long sequences
-    arr = np.asarray(window, dtype=np.int64)
-    offset = length - len(arr)
     last = arr[-1]
     # candidate ends: earlier positions holding the last token (not the last position itself)
     ends = np.flatnonzero(arr[:-1] == last)
@@ -38,5 +82,5 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     if best < n_min:
         return []
     # the most recent occurrence among the longest matches
-    end = int(ends[np.flatnonzero(match == best)[-1]]) + offset
-    return token_ids[end + 1: end + 1 + k]
+    end = int(ends[np.flatnonzero(match == best)[-1]])
+    return arr[end + 1: end + 1 + k].tolist()

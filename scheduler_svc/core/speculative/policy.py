@@ -1,0 +1,99 @@
+"""How many tokens a sequence proposes in a step, from how well its proposals have fared: speculation where it
+pays, plain decodes where it does not.
+
+Each sequence keeps decayed counts of its proposals' verdicts: `hits` (proposals accepted) and `misses` (verdicts
+that stopped short, a failed guess of a pending input included), so alpha = hits / (hits + misses) estimates the
+chance that a proposal is accepted given the ones before it were (the acceptance of a geometric run), starting
+from an optimistic prior so that a new sequence tries. Proposing k tokens then yields 1 + alpha + ... + alpha^k
+tokens on average, and costs one verifying step (a little dearer than a plain decode, more per row) plus, when
+verification is planned ahead of its verdict (async scheduling), one void step whenever the verdict is short
+(probability 1 - alpha^k): the step planned on all k being accepted yields nothing (DESIGN.md section 14). The
+sequence proposes the k that yields the most tokens per step, or nothing when no k beats a plain decode:
+copying runs (editing, quoting) get up to K tokens, plain chat (alpha near 0.5) stops paying verifications.
+
+A verdict that accepts nothing backs the sequence off exponentially (2, 4, ... up to 32 plain decodes); a
+sequence that declines (no k pays) waits DECLINE_STEPS decodes, and its counts decay meanwhile towards the
+prior, so it tries again later. Finding nothing to propose costs no step, so it backs nothing off.
+"""
+from __future__ import annotations
+
+from scheduler_svc.core.sequence import Sequence
+
+# Prior of a sequence with no verdicts yet: worth PRIOR_WEIGHT verdicts at alpha PRIOR_ACCEPTANCE.
+PRIOR_ACCEPTANCE = 0.75
+PRIOR_WEIGHT = 1.0
+DECAY = 0.7  # each verdict (and each declined step) keeps this share of the counts: recent verdicts weigh most
+# A verifying step's cost in plain decode steps: VERIFY_STEP_COST, plus VERIFY_ROW_COST per proposed token.
+# bench/step_profile.py --verify measures both (DESIGN.md section 14 has the figures).
+VERIFY_STEP_COST = 1.05
+VERIFY_ROW_COST = 0.02
+MIN_GAIN = 1.02  # a proposal must beat a plain decode by this much (tokens per step) to be made
+MAX_BACKOFF_STEPS = 32  # after consecutive verdicts that accepted nothing: 2, 4, 8, ... capped here
+DECLINE_STEPS = 4  # plain decodes after a step where no k paid
+
+
+def acceptance(seq: Sequence) -> float:
+    """The estimated chance that a proposal is accepted, given the ones before it were."""
+    hits = seq.speculation_hits + PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    return hits / (hits + seq.speculation_misses + (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT)
+
+
+def expected_gain(alpha: float, k: int, planned_ahead: bool) -> float:
+    """Tokens per step (a plain decode: 1) of proposing k tokens accepted each with chance alpha in turn."""
+    if k <= 0:
+        return 1.0
+    tokens, run = 1.0, 1.0
+    for _ in range(k):
+        run *= alpha
+        tokens += run
+    cost = VERIFY_STEP_COST + VERIFY_ROW_COST * k + (1.0 - run if planned_ahead else 0.0)
+    return tokens / cost
+
+
+def best_num_tokens(alpha: float, max_tokens: int, planned_ahead: bool) -> int:
+    """The k in 0..max_tokens with the most tokens per step; 0 unless it beats a plain decode by MIN_GAIN."""
+    best, best_gain = 0, MIN_GAIN
+    for k in range(1, max_tokens + 1):
+        gain = expected_gain(alpha, k, planned_ahead)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+def backoff_steps(failures: int) -> int:
+    """Plain decodes after the failures-th verdict in a row that accepted nothing."""
+    return min(2 ** failures, MAX_BACKOFF_STEPS)
+
+
+class SpeculationPolicy:
+    def __init__(self, max_tokens: int, planned_ahead: bool) -> None:
+        self.max_tokens = max_tokens  # K, --num-speculative-tokens
+        self.planned_ahead = planned_ahead  # verification is planned ahead of its verdict: a short one voids a step
+
+    def num_tokens(self, seq: Sequence) -> int:
+        """How many tokens seq proposes in this step (0: a plain decode); counts down its backoff."""
+        if seq.speculation_backoff > 0:
+            seq.speculation_backoff -= 1
+            return 0
+        k = best_num_tokens(acceptance(seq), self.max_tokens, self.planned_ahead)
+        if k == 0:  # not worth it now: wait, and let the prior weigh more when it tries again
+            seq.speculation_backoff = DECLINE_STEPS
+            seq.speculation_hits *= DECAY
+            seq.speculation_misses *= DECAY
+        return k
+
+    @staticmethod
+    def record(seq: Sequence, num_proposed: int, num_accepted: int, guess: bool | None = None) -> None:
+        """A verdict: num_accepted of num_proposed proposals accepted. guess: whether the step's proposals followed
+        a right guess of its pending input (None: it had no guess); after a wrong one they were dropped unverified,
+        which counts as one miss, and a right one as one hit."""
+        guess_failed = guess is False
+        hits = 0 if guess_failed else num_accepted + (guess is True)
+        short = guess_failed or num_accepted < num_proposed
+        seq.speculation_hits = seq.speculation_hits * DECAY + hits
+        seq.speculation_misses = seq.speculation_misses * DECAY + short
+        if guess_failed or num_accepted == 0:
+            seq.speculation_failures += 1
+            seq.speculation_backoff = backoff_steps(seq.speculation_failures)
+        else:
+            seq.speculation_failures = 0
