@@ -22,7 +22,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
-from executor_svc.speculative_verify import verify_chunks
+from executor_svc.speculative_verify import greedy_rows, greedy_verdict, verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -248,15 +248,23 @@ class ModelRunner:
         """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
+        greedy = greedy_rows(rows.sampling_chunks)
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
             inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
-        else:  # the graph's own draw is not used: verification samples from its logits
-            inputs = decode_graph_inputs(rows, self.graphs, bucket, None)
+        else:  # greedy rows: the graph's draw at temperature 0 is each row's argmax; otherwise it is not used
+            columns = None
+            if greedy and self.graphs.samples:
+                columns = {"temperature": np.zeros(rows.num_decodes, dtype=np.float32),
+                           "noise_seeds": np.zeros(rows.num_decodes, dtype=np.int64)}
+            inputs = decode_graph_inputs(rows, self.graphs, bucket, columns)
             hidden = self.graphs.run(bucket, rows.num_decodes)
             inputs.logits = self.graphs.logits[: rows.num_decodes] if self.graphs.samples \
                 else self.model.compute_logits(hidden)
+            if columns is not None:
+                inputs.sampled = self.graphs.sampled[: rows.num_decodes]
         inputs.verifies = True
+        inputs.greedy_verify = greedy
         return inputs
 
     @torch.inference_mode()
@@ -327,7 +335,11 @@ class ModelRunner:
         start copying it to the host."""
         seqs = [c.seq for c in chunks]
         lp = None
-        if self.rank == 0:
+        if self.rank == 0 and inputs.greedy_verify:  # each row's argmax decides (the graph's, when it drew them)
+            argmax = inputs.sampled if inputs.sampled is not None else inputs.logits.argmax(dim=-1)
+            verdict = greedy_verdict(argmax, chunks, self.staging.upload)
+            both = torch.stack([verdict.token_ids, verdict.num_accepted])
+        elif self.rank == 0:
             verdict = verify_chunks(inputs.logits, chunks, self.facts.vocab_size, self.staging.upload,
                                     self._sample_plain, self.sampler._generators, self._noise_rng)
             both = torch.stack([verdict.token_ids, verdict.num_accepted])

@@ -92,6 +92,34 @@ def row_uniforms(rows: list[SamplingRow], positions: list[int], device: torch.de
     return uniforms
 
 
+def greedy_rows(chunks: list[ScheduledChunk]) -> bool:
+    """Whether every chunk of a verifying step samples greedily and plainly (no penalty, logprobs or token mask):
+    its verdict then needs each row's argmax alone (greedy_verdict), which a decode graph computes in place."""
+    return all(c.seq.sampling_row.greedy and c.seq.sampling_row.plain and c.token_mask is None and not c.late_mask
+               for c in chunks)
+
+
+def greedy_verdict(argmax: torch.Tensor, chunks: list[ScheduledChunk], upload: Upload) -> Verdict:
+    """A step of greedy chunks verified from each logits row's argmax (int64 [rows], 1 + K rows per chunk with
+    proposals, in chunk order): proposal j is accepted while every one before it was and it is row j's argmax; the
+    chunk yields the argmax of the row after its accepted ones (a void chunk, or one whose guess failed, its first
+    row's). The same tokens as the plain sampler's greedy draw, in one upload and a few kernels, no host sync."""
+    counts = np.fromiter((len(c.proposal) for c in chunks), dtype=np.int64, count=len(chunks))
+    first_row = np.zeros(len(chunks), dtype=np.int64)
+    np.cumsum(1 + counts[:-1], out=first_row[1:])
+    k = np.where([c.void or c.proposals_dropped for c in chunks], 0, counts)  # proposals verified
+    k_max = max(1, int(k.max()))
+    index = first_row[:, None] + np.minimum(np.arange(k_max + 1), k[:, None])  # [C, K_max + 1] rows
+    drafts = np.full((len(chunks), k_max), -1, dtype=np.int64)  # -1 past a chunk's proposals: never accepted
+    for i in np.flatnonzero(k):
+        drafts[i, : k[i]] = chunks[i].proposal
+    dev = upload({"index": index, "drafts": drafts}, "verify")
+    picked = argmax[dev["index"]]  # [C, K_max + 1]
+    num_accepted = (picked[:, :k_max] == dev["drafts"]).cumprod(dim=1).sum(dim=1)
+    token_ids = picked.gather(1, num_accepted[:, None]).squeeze(1)
+    return Verdict(token_ids, num_accepted)
+
+
 def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size: int, upload: Upload,
                   sample_plain: Callable[[torch.Tensor, list[ScheduledChunk]], object],
                   generators: dict, rng: np.random.Generator | None = None) -> Verdict:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.sampler import Sampler, SamplingBatch
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from executor_svc.speculative_verify import rejection_sample, target_probs, verify_chunks
+from executor_svc.speculative_verify import (greedy_rows, greedy_verdict, rejection_sample, target_probs,
+                                             verify_chunks)
 from protos import engine_pb2
 from support.tiny_checkpoints import tiny_checkpoint
 
@@ -221,3 +224,49 @@ def test_a_dropped_chunk_and_a_verified_one_share_a_step():
     dropped.proposals_dropped = True  # all its proposals are right, but its guess was not
     verdict = verify_chunks(logits, [verified, dropped], 50, host_upload, plain_sampler(greedy, 50), {})
     assert verdict.num_accepted.tolist() == [3, 0] and verdict.token_ids.tolist() == [best[3], best[4]]
+
+
+GREEDY = engine_pb2.SamplingOptions(temperature=0.0)
+
+
+@st.composite
+def greedy_steps(draw):
+    """A step of greedy chunks: each with 0..5 proposals that follow the argmax for a drawn number of rows and
+    then go wrong (or not), some void or with a failed guess; with logits to match."""
+    vocab = 11
+    chunks, logits = [], []
+    for i in range(draw(st.integers(1, 5))):
+        k = draw(st.integers(0, 5))
+        rows = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+        best = rows.argmax(dim=-1).tolist()
+        right = draw(st.integers(0, k))
+        proposal = best[:right] + [(b + 1) % vocab for b in best[right:k]]
+        c = chunk(i, GREEDY, proposal)
+        c.void = bool(k) and draw(st.booleans()) and draw(st.booleans())
+        c.proposals_dropped = bool(k) and not c.void and draw(st.booleans()) and draw(st.booleans())
+        chunks.append(c)
+        logits.append(rows)
+    return torch.cat(logits), chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(greedy_steps())
+def test_the_greedy_verdict_from_row_argmaxes_equals_the_full_verification(step):
+    logits, chunks = step
+    assert greedy_rows(chunks)
+    full = verify_chunks(logits, chunks, logits.shape[1], host_upload, plain_sampler(GREEDY, logits.shape[1]), {})
+    fast = greedy_verdict(logits.argmax(dim=-1), chunks, host_upload)
+    assert fast.num_accepted.tolist() == full.num_accepted.tolist()
+    # a void chunk yields nothing, so its token is free; every other one must match
+    live = [i for i, c in enumerate(chunks) if not c.void]
+    assert [fast.token_ids.tolist()[i] for i in live] == [full.token_ids.tolist()[i] for i in live]
+
+
+def test_a_step_with_sampled_logprob_or_masked_rows_takes_the_full_verification():
+    plain = chunk(0, GREEDY, [1, 2])
+    assert greedy_rows([plain])
+    assert not greedy_rows([plain, chunk(1, engine_pb2.SamplingOptions(temperature=0.7), [1])])
+    assert not greedy_rows([plain, chunk(2, engine_pb2.SamplingOptions(temperature=0.0, logprobs=2), [])])
+    masked = chunk(3, GREEDY, [])
+    masked.late_mask = True
+    assert not greedy_rows([plain, masked])
