@@ -21,8 +21,9 @@ from scheduler_svc.core.sequence import Sequence
 
 # Prior of a sequence with no verdicts yet: worth PRIOR_WEIGHT verdicts at alpha PRIOR_ACCEPTANCE.
 PRIOR_ACCEPTANCE = 0.75
-PRIOR_WEIGHT = 1.0
-DECAY = 0.7  # each verdict (and each declined step) keeps this share of the counts: recent verdicts weigh most
+PRIOR_WEIGHT = 4.0
+DECAY = 0.7  # each verdict keeps this share of the counts: recent verdicts weigh most
+DECLINE_DECAY = 0.85  # and each declined step this share, so the prior slowly takes over again
 # A verifying step's cost in plain decode steps: VERIFY_STEP_COST, plus VERIFY_ROW_COST per proposed token.
 # bench/step_profile.py --verify measures both (DESIGN.md section 14 has the figures).
 VERIFY_STEP_COST = 1.05
@@ -78,8 +79,8 @@ class SpeculationPolicy:
         k = best_num_tokens(acceptance(seq), self.max_tokens, self.planned_ahead)
         if k == 0:  # not worth it now: wait, and let the prior weigh more when it tries again
             seq.speculation_backoff = DECLINE_STEPS
-            seq.speculation_hits *= DECAY
-            seq.speculation_misses *= DECAY
+            seq.speculation_hits *= DECLINE_DECAY
+            seq.speculation_misses *= DECLINE_DECAY
         return k
 
     @staticmethod
