@@ -113,6 +113,9 @@ class ModelRunner:
         self._pinned_sampled: dict[int, torch.Tensor] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
+        # steps launched since the last one with proposals: a chunk can be void, or its guess fail, only while a
+        # step with proposals may still be in flight before it (speculative decoding, DESIGN.md section 14)
+        self._steps_since_proposals = 1 << 30
         f = self.facts
         layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
                           f.head_dim, self.kv_cache_dtype, self.device)
@@ -207,7 +210,9 @@ class ModelRunner:
         if not chunks:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
+        self._steps_since_proposals += 1
         if any(c.proposal for c in chunks):
+            self._steps_since_proposals = 0
             rows = verification_rows(chunks, self.block_size, self.prev_rows)
             if rows is not None:
                 return self._launch_rows(rows)
@@ -277,7 +282,11 @@ class ModelRunner:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
         lp = void = None
-        if self.config.speculative_method is not None:  # chained verification (DESIGN.md): the step before is in
+        # chained verification (DESIGN.md): the step before is in; a plain step far from any with proposals (a
+        # large batch, where speculation pauses) skips the walk over its chunks. Steps in flight: at most
+        # max_steps_in_flight, one more while constrained sequences run
+        if self.config.speculative_method is not None and \
+                self._steps_since_proposals <= self.config.max_steps_in_flight + 2:
             SequenceMirrors.settle(chunks)
             void = _void_of(chunks)
         if inputs.verifies:
