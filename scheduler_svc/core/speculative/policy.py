@@ -17,6 +17,8 @@ prior, so it tries again later. Finding nothing to propose costs no step, so it 
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from scheduler_svc.core.sequence import Sequence
 
 # Prior of a sequence with no verdicts yet: worth PRIOR_WEIGHT verdicts at alpha PRIOR_ACCEPTANCE.
@@ -51,6 +53,7 @@ def expected_gain(alpha: float, k: int, planned_ahead: bool) -> float:
     return tokens / cost
 
 
+@lru_cache(maxsize=8192)  # asked per sequence and step, with alpha rounded to 0.001
 def best_num_tokens(alpha: float, max_tokens: int, planned_ahead: bool) -> int:
     """The k in 0..max_tokens with the most tokens per step; 0 unless it beats a plain decode by MIN_GAIN."""
     best, best_gain = 0, MIN_GAIN
@@ -76,7 +79,7 @@ class SpeculationPolicy:
         if seq.speculation_backoff > 0:
             seq.speculation_backoff -= 1
             return 0
-        k = best_num_tokens(acceptance(seq), self.max_tokens, self.planned_ahead)
+        k = best_num_tokens(round(acceptance(seq), 3), self.max_tokens, self.planned_ahead)
         if k == 0:  # not worth it now: wait, and let the prior weigh more when it tries again
             seq.speculation_backoff = DECLINE_STEPS
             seq.speculation_hits *= DECLINE_DECAY
