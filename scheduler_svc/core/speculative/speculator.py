@@ -49,7 +49,8 @@ class Speculator:
         self.counters = SpeculationCounters(accepted_per_position=[0] * num_tokens)
 
     @staticmethod
-    def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int, planned_ahead: bool = False) -> "Speculator":
+    def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int,
+              planned_ahead: bool = False) -> "Speculator":
         return Speculator(num_tokens, ngram_proposer(n_min, n_max), max_batch_size, planned_ahead)
 
     def active(self, num_running: int) -> bool:
