@@ -59,7 +59,8 @@ class NgramIndex:
             self.ends.clear()
             self.indexed = 0
         ends = self.ends
-        for end in range(self.indexed, len(known) - 1):
+        # ends before the search window never count: a long prompt is indexed from its last SEARCH_WINDOW tokens
+        for end in range(max(self.indexed, len(known) - 1 - SEARCH_WINDOW), len(known) - 1):
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
                 ends[tuple(known[end - n + 1: end + 1])] = end
         self.indexed = max(self.indexed, len(known) - 1)
