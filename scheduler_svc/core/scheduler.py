@@ -195,6 +195,11 @@ class Scheduler:
         # a step of decodes and verifications runs as one row per token: at most max_num_seqs keeps it in the decode
         # CUDA graphs (DESIGN.md section 14)
         rows_left = self.config.max_num_seqs - len(running)
+        # how many tokens each decoding sequence proposes (core/speculative/policy.py); absent: a plain decode
+        planned = self.speculator.policy.plan(
+            [s for s in running if s.speculate and s.in_executor and (not s.verifying or chain and self._chains(s))
+             and len(s.token_ids) + s.num_placeholders - s.num_computed_tokens == 1], len(running)) \
+            if speculating else {}
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             seq = running[i]
@@ -213,7 +218,7 @@ class Scheduler:
             proposal, guess = (), -1
             if speculating and seq.speculate and num_new == 1 and not is_new:
                 # how many it proposes (0: a plain decode, planned ahead of its samples under async scheduling)
-                k = min(self.speculator.policy.num_tokens(seq), budget - 1, rows_left)
+                k = min(planned.get(seq.seq_id, 0), budget - 1, rows_left)
                 if k <= 0:
                     pass
                 elif not placeholders:

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler_svc.core.speculative.policy import (DECLINE_STEPS, MAX_BACKOFF_STEPS, SpeculationPolicy, acceptance,
-                                                   backoff_steps, best_num_tokens, expected_gain)
+                                                   backoff_steps, best_num_tokens, expected_gain, tokens_and_cost)
 from test_scheduler import make_seq
 
 
@@ -76,11 +76,11 @@ def test_a_declining_sequence_waits_and_then_tries_again():
     assert any(policy.num_tokens(seq) for _ in range(200))
 
 
-@given(st.floats(0.0, 1.0), st.integers(1, 16), st.booleans())
-def test_the_chosen_count_is_the_best_within_k_and_beats_a_plain_decode(alpha, max_tokens, planned_ahead):
-    k = best_num_tokens(alpha, max_tokens, planned_ahead)
+@given(st.floats(0.0, 1.0), st.integers(1, 16), st.booleans(), st.integers(1, 64))
+def test_the_chosen_count_is_the_best_within_k_and_beats_a_plain_decode(alpha, max_tokens, planned_ahead, batch):
+    k = best_num_tokens(alpha, max_tokens, planned_ahead, batch)
     assert 0 <= k <= max_tokens
-    gains = [expected_gain(alpha, j, planned_ahead) for j in range(max_tokens + 1)]
+    gains = [expected_gain(alpha, j, planned_ahead, batch) for j in range(max_tokens + 1)]
     assert gains[k] == max(gains) or k == 0
     if k:
         assert gains[k] > 1.0
@@ -102,3 +102,47 @@ def test_the_estimate_stays_a_probability_and_the_backoff_bounded(verdicts):
         assert 0.0 < acceptance(seq) < 1.0
         assert 0 <= seq.speculation_backoff <= MAX_BACKOFF_STEPS
         assert 0 <= policy.num_tokens(seq) <= 8
+
+
+def seqs_with_acceptance(n: int, hits: float, misses: float) -> list:
+    seqs = []
+    for i in range(n):
+        seq = make_seq([1, 2, 3, 4])
+        seq.seq_id = 100 + i
+        seq.speculation_hits, seq.speculation_misses = hits, misses
+        seqs.append(seq)
+    return seqs
+
+
+def test_a_batch_of_copying_sequences_verifies_and_a_batch_of_chatting_ones_does_not():
+    policy = SpeculationPolicy(8, planned_ahead=True)
+    copying = seqs_with_acceptance(16, hits=30.0, misses=1.0)  # alpha ~0.93
+    assert set(policy.plan(copying, 16)) == {s.seq_id for s in copying}
+    chatting = seqs_with_acceptance(16, hits=1.0, misses=4.0)  # alpha 0.44: most proposals rejected
+    assert policy.plan(chatting, 16) == {}
+
+
+def test_one_sequence_may_verify_alone_in_a_small_batch_but_not_in_a_large_one():
+    policy = SpeculationPolicy(8, planned_ahead=True)
+    (fresh,) = seqs_with_acceptance(1, hits=0.0, misses=0.0)  # the prior: alpha 0.75
+    assert policy.plan([fresh], 1) and policy.plan([fresh], 2)
+    # in a step of 64 running sequences its overhead, which all of them wait for, outweighs what it saves
+    assert policy.plan([fresh], 64) == {}
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 40.0), st.floats(0.0, 40.0)), min_size=1, max_size=16),
+       st.integers(1, 64))
+def test_a_step_verifies_only_when_its_proposals_save_more_than_its_overhead_costs(counts, extra):
+    policy = SpeculationPolicy(8, planned_ahead=True)
+    seqs = [seqs_with_acceptance(1, h, m)[0] for h, m in counts]
+    for i, seq in enumerate(seqs):
+        seq.seq_id = i
+    batch = len(seqs) + extra - 1
+    planned = policy.plan(seqs, batch)
+    saved = 0.0
+    for seq in seqs:
+        if seq.seq_id in planned:
+            tokens, cost = tokens_and_cost(acceptance(seq), planned[seq.seq_id], True, batch)
+            assert tokens > cost  # each one that proposes gains on its own
+            saved += tokens - cost
+    assert not planned or saved > 0.15 * batch
