@@ -7,14 +7,15 @@ the same tokens (the test suite checks they are equal).
 
 Each concurrency c runs c requests of a workload at once (the prompts repeat when c exceeds them); TPOT is
 the batch's wall time over the tokens each request generated (time to first token included). One engine per
-setting (off, ngram), warmed up first: a short chat batch, then at each concurrency an editing batch that
+setting, n-gram first, then off (which can then explain the differences, below), each warmed up first: a short chat batch, then at each concurrency an editing batch that
 speculates, so the verification path's first-use costs (kernels compiled for its row counts, the rejection
 sampler's first calls) fall before the measured waves. Prints a table and writes JSON (--out).
 
 Where a row's tokens differ from the plain engine's (bf16 on a GPU: a batch of other shape runs other GEMM tiles),
 the plain engine generates that row's requests again, untimed, with the top-5 logprobs (requests with logprobs
 never speculate), and the table says where the first difference is and whether it is a near-tie there: both
-tokens in the plain engine's top 5, within NEAR_TIE_NATS (the project's standard for a flipped token).
+tokens in the plain engine's top 5, within NEAR_TIE_NATS (the project's standard for a flipped token). In bf16
+the gap is also worth reading in bf16 units: a logit between 16 and 32 is a multiple of 0.125.
 """
 from __future__ import annotations
 
