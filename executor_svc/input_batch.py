@@ -31,7 +31,7 @@ class StepInputs:
     # the graph bucket whose in-graph draw ignored this step's token masks: sample() draws again with them
     redraw_masked_in: int | None = None
     verifies: bool = False  # some chunk carries proposals: sample() verifies them (executor_svc/speculative_verify.py)
-    greedy_verify: bool = False  # and every chunk is greedy: each row's argmax decides (greedy_verdict)
+    verify_from_draws: bool = False  # and one draw per row decides: sampled (or argmax) ids (verdict_from_draws)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
-from executor_svc.speculative_verify import greedy_rows, greedy_verdict, verify_chunks
+from executor_svc.speculative_verify import plain_rows, verdict_from_draws, verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -253,15 +253,16 @@ class ModelRunner:
         """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
-        greedy = greedy_rows(rows.sampling_chunks)
+        chunks = rows.sampling_chunks
+        plain = plain_rows(chunks)
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
             inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
-        else:  # greedy rows: the graph's draw at temperature 0 is each row's argmax; otherwise it is not used
+        else:  # plain rows: the graph's own draw of each row decides (verdict_from_draws); otherwise it is not used
             columns = None
-            if greedy and self.graphs.samples:
-                columns = {"temperature": np.zeros(rows.num_decodes, dtype=np.float32),
-                           "noise_seeds": np.zeros(rows.num_decodes, dtype=np.int64)}
+            if plain and self.graphs.samples:
+                row_options = [c.seq.sampling_row for c in chunks for _ in range(1 + len(c.proposal))]
+                columns = plain_sampling_columns(row_options, self._noise_rng)
             inputs = decode_graph_inputs(rows, self.graphs, bucket, columns)
             hidden = self.graphs.run(bucket, rows.num_decodes)
             inputs.logits = self.graphs.logits[: rows.num_decodes] if self.graphs.samples \
@@ -269,7 +270,9 @@ class ModelRunner:
             if columns is not None:
                 inputs.sampled = self.graphs.sampled[: rows.num_decodes]
         inputs.verifies = True
-        inputs.greedy_verify = greedy
+        # without the graph's draws, greedy rows still need only their argmax; sampled ones take verify_chunks
+        inputs.verify_from_draws = plain and (inputs.sampled is not None
+                                              or all(c.seq.sampling_row.greedy for c in chunks))
         return inputs
 
     @torch.inference_mode()
@@ -344,9 +347,9 @@ class ModelRunner:
         start copying it to the host."""
         seqs = [c.seq for c in chunks]
         lp = None
-        if self.rank == 0 and inputs.greedy_verify:  # each row's argmax decides (the graph's, when it drew them)
-            argmax = inputs.sampled if inputs.sampled is not None else inputs.logits.argmax(dim=-1)
-            verdict = greedy_verdict(argmax, chunks, self.staging.upload)
+        if self.rank == 0 and inputs.verify_from_draws:  # one draw per row decides (the graph's, or the argmax)
+            draws = inputs.sampled if inputs.sampled is not None else inputs.logits.argmax(dim=-1)
+            verdict = verdict_from_draws(draws, chunks, self.staging.upload)
             both = torch.stack([verdict.token_ids, verdict.num_accepted])
         elif self.rank == 0:
             verdict = verify_chunks(inputs.logits, chunks, self.facts.vocab_size, self.staging.upload,

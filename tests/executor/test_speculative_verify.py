@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from executor_svc.sampler import Sampler, SamplingBatch
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from executor_svc.speculative_verify import (greedy_rows, greedy_verdict, rejection_sample, target_probs,
+from executor_svc.speculative_verify import (plain_rows, rejection_sample, target_probs, verdict_from_draws,
                                              verify_chunks)
 from protos import engine_pb2
 from support.tiny_checkpoints import tiny_checkpoint
@@ -253,20 +253,44 @@ def greedy_steps(draw):
 @given(greedy_steps())
 def test_the_greedy_verdict_from_row_argmaxes_equals_the_full_verification(step):
     logits, chunks = step
-    assert greedy_rows(chunks)
+    assert plain_rows(chunks)
     full = verify_chunks(logits, chunks, logits.shape[1], host_upload, plain_sampler(GREEDY, logits.shape[1]), {})
-    fast = greedy_verdict(logits.argmax(dim=-1), chunks, host_upload)
+    fast = verdict_from_draws(logits.argmax(dim=-1), chunks, host_upload)
     assert fast.num_accepted.tolist() == full.num_accepted.tolist()
     # a void chunk yields nothing, so its token is free; every other one must match
     live = [i for i, c in enumerate(chunks) if not c.void]
     assert [fast.token_ids.tolist()[i] for i in live] == [full.token_ids.tolist()[i] for i in live]
 
 
-def test_a_step_with_sampled_logprob_or_masked_rows_takes_the_full_verification():
+def test_a_step_with_filtered_seeded_logprob_or_masked_rows_takes_the_full_verification():
     plain = chunk(0, GREEDY, [1, 2])
-    assert greedy_rows([plain])
-    assert not greedy_rows([plain, chunk(1, engine_pb2.SamplingOptions(temperature=0.7), [1])])
-    assert not greedy_rows([plain, chunk(2, engine_pb2.SamplingOptions(temperature=0.0, logprobs=2), [])])
-    masked = chunk(3, GREEDY, [])
+    assert plain_rows([plain, chunk(1, engine_pb2.SamplingOptions(temperature=0.7), [1])])
+    assert not plain_rows([plain, chunk(2, engine_pb2.SamplingOptions(temperature=0.7, top_k=5), [1])])
+    assert not plain_rows([plain, chunk(3, engine_pb2.SamplingOptions(temperature=0.7, seed=3), [1])])
+    assert not plain_rows([plain, chunk(4, engine_pb2.SamplingOptions(temperature=0.0, logprobs=2), [])])
+    masked = chunk(5, GREEDY, [])
     masked.late_mask = True
-    assert not greedy_rows([plain, masked])
+    assert not plain_rows([plain, masked])
+
+
+def test_the_verdict_from_one_draw_per_row_keeps_the_target_distribution(tiny_logits):
+    """What a decode graph does for plain sampled rows: each row drawn from its own distribution (here by
+    torch.multinomial), a proposal accepted while the draws equal the proposals; for point-mass (n-gram) proposals
+    this is rejection sampling, so the tokens follow the target at each position."""
+    logits, proposal = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0)
+    vocab = logits.shape[1]
+    probs = target_probs(logits, [chunk(0, options, proposal).seq.sampling_row] * 3, vocab)
+    chunks = [chunk(i, options, proposal) for i in range(DRAWS)]
+    assert plain_rows(chunks)
+    torch.manual_seed(0)
+    draws = torch.multinomial(probs.repeat(DRAWS, 1).float(), 1).squeeze(1)
+    verdict = verdict_from_draws(draws, chunks, host_upload)
+    accepted, last = verdict.num_accepted, verdict.token_ids
+    d = torch.tensor(proposal)
+    first = torch.where(accepted >= 1, d[0], last)
+    second = torch.where(accepted >= 2, d[1], torch.where(accepted == 1, last, -1))
+    assert 0.02 < (accepted >= 1).float().mean() < 0.98, "the proposal should be accepted only sometimes"
+    assert chi_square_p(torch.bincount(first, minlength=vocab), probs[0]) > 1e-3
+    after = second[first == proposal[0]]
+    assert chi_square_p(torch.bincount(after, minlength=vocab), probs[1]) > 1e-3
