@@ -7,9 +7,15 @@ the same tokens (the test suite checks they are equal).
 
 Each concurrency c runs c requests of a workload at once (the prompts repeat when c exceeds them); TPOT is
 the batch's wall time over the tokens each request generated (time to first token included). One engine per
-setting (off, ngram), warmed up first: a short chat batch, then at each concurrency an editing batch that
+setting, n-gram first, then off (which can then explain the differences, below), each warmed up first: a short chat batch, then at each concurrency an editing batch that
 speculates, so the verification path's first-use costs (kernels compiled for its row counts, the rejection
 sampler's first calls) fall before the measured waves. Prints a table and writes JSON (--out).
+
+Where a row's tokens differ from the plain engine's (bf16 on a GPU: a batch of other shape runs other GEMM tiles),
+the plain engine generates that row's requests again, untimed, with the top-5 logprobs (requests with logprobs
+never speculate), and the table says where the first difference is and whether it is a near-tie there: both
+tokens in the plain engine's top 5, within NEAR_TIE_NATS (the project's standard for a flipped token). In bf16
+the gap is also worth reading in bf16 units: a logit between 16 and 32 is a multiple of 0.125.
 """
 from __future__ import annotations
 
@@ -44,6 +50,45 @@ WORKLOADS = {
 }
 
 
+NEAR_TIE_NATS = 0.02
+TOP_LOGPROBS = 5
+
+
+def first_difference(plain: list[int], other: list[int], top: list) -> dict | None:
+    """Where other first leaves plain, and whether plain's top-5 there (engine_pb2.TokenLogprobs per position, or
+    none) call it a near-tie. None when they are equal."""
+    at = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if at is None and len(plain) == len(other):
+        return None
+    if at is None:
+        return {"position": min(len(plain), len(other)), "near_tie": False, "gap_nats": None}
+    found = {"position": at, "plain_token": plain[at], "other_token": other[at], "near_tie": False, "gap_nats": None}
+    if at < len(top):
+        lp = dict(zip(top[at].top_token_ids, top[at].top_logprobs))
+        if plain[at] in lp and other[at] in lp:
+            found["gap_nats"] = lp[plain[at]] - lp[other[at]]
+            found["near_tie"] = found["gap_nats"] <= NEAR_TIE_NATS
+    return found
+
+
+def explain_differences(llm: LLM, requests: list[list[int]], max_tokens: int, plain: list[list[int]],
+                        other: list[list[int]]) -> list[dict | None]:
+    """For each request whose tokens differ: its first difference, judged by the plain engine's top-5 logprobs,
+    generated again (untimed) by llm, a plain engine. A request whose logprob run itself left the timed plain
+    tokens is reported as such (rerun_differs)."""
+    differing = [i for i, (a, b) in enumerate(zip(plain, other)) if a != b]
+    found: list[dict | None] = [None] * len(requests)
+    if not differing:
+        return found
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
+    results = llm.generate([requests[i] for i in differing], params, use_tqdm=False)
+    for i, r in zip(differing, results):
+        out = r.outputs[0]
+        found[i] = first_difference(plain[i], other[i], out.logprobs)
+        found[i]["rerun_differs"] = list(out.token_ids) != plain[i]
+    return found
+
+
 def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[int], concurrency: list[int]) -> int:
     """Runs every path the measured waves take once: plain decode and prefill, and (with speculation on)
     verification at each measured batch size. Returns the verifying steps it ran."""
@@ -56,7 +101,9 @@ def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[i
 
 
 def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]],
-                warmup_prompt: list[int]) -> list[dict]:
+                warmup_prompt: list[int], other: list[dict] | None = None) -> list[dict]:
+    """One engine's rows. other: the speculative engine's rows, in the same order, when this one is the plain
+    engine: it then explains, untimed, where each row's tokens differ from them (explain_differences)."""
     config = engine_config_from_args(args)
     config.speculative_method = method
     engine_args = {k: v for k, v in vars(config).items() if k != "model"}
@@ -88,9 +135,23 @@ def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]],
                                                                             [0] * len(after.accepted_per_position))],
                              "tokens": [r.outputs[0].token_ids for r in results]})
                 r = rows[-1]
+                if other is not None:
+                    r["differences"] = explain_differences(llm, requests, args.max_tokens, r["tokens"],
+                                                           other[len(rows) - 1]["tokens"])
                 print(f"  {r['method']:<6}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
                       f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
     return rows
+
+
+def describe(differences: list[dict | None] | None) -> str:
+    """A row's differing requests in a few words: how many, how many are near-ties, each first difference."""
+    found = [d for d in differences or [] if d is not None]
+    if not found:
+        return ""
+    ties = sum(d["near_tie"] for d in found)
+    first = ", ".join(f"@{d['position']}" + ("" if d["gap_nats"] is None else f" {d['gap_nats']:.3f}n")
+                      + (" rerun differs" if d.get("rerun_differs") else "") for d in found[:4])
+    return f" ({len(found)} differ, {ties} near-tie{'s' if ties != 1 else ''}: {first})"
 
 
 def main() -> None:
@@ -108,8 +169,8 @@ def main() -> None:
                for name in args.workloads.split(",")}
     # Not one of the measured prompts: a text to copy, which n-gram proposals predict from the first tokens.
     warmup_prompt = tokenizer.encode_chat([{"role": "user", "content": f"Copy this text exactly: {CODE}"}])
-    off = run_setting(args, None, prompts, warmup_prompt)
     on = run_setting(args, "ngram", prompts, warmup_prompt)
+    off = run_setting(args, None, prompts, warmup_prompt, other=on)
     print(f"\nspeculative decoding, n-gram K={config.num_speculative_tokens} (ngram {config.ngram_min}.."
           f"{config.ngram_max}), max batch {config.speculative_max_batch_size}, {args.max_tokens} tokens each")
     print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
@@ -119,7 +180,7 @@ def main() -> None:
         b["same_tokens_as_off"] = same
         print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}{b['tok_per_s']:>13.1f}"
               f"{b['tok_per_s'] / a['tok_per_s']:>7.2f}{a['tpot_ms']:>9.1f}m{b['tpot_ms']:>11.1f}m"
-              f"{b['acceptance']:>8.2f}{b['mean_accepted_length']:>9.2f}  {same}")
+              f"{b['acceptance']:>8.2f}{b['mean_accepted_length']:>9.2f}  {same}{describe(a.get('differences'))}")
     with open(args.out, "w") as f:
         json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, "ngram": on}, f, indent=1)
 

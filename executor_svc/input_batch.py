@@ -31,6 +31,7 @@ class StepInputs:
     # the graph bucket whose in-graph draw ignored this step's token masks: sample() draws again with them
     redraw_masked_in: int | None = None
     verifies: bool = False  # some chunk carries proposals: sample() verifies them (executor_svc/speculative_verify.py)
+    verify_from_draws: bool = False  # and one draw per row decides: sampled (or argmax) ids (verdict_from_draws)
 
 
 @dataclass
@@ -124,8 +125,7 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
     chunk order, as verification reads them. None when some chunk is neither (a prefill chunk): host_inputs."""
     bs = block_size
     ids: list[int] = []
-    positions: list[int] = []
-    tables: list[np.ndarray] = []
+    starts, ends, tables = [], [], []
     fill_at, fill_from = [], []
     for c in chunks:
         seq = c.seq
@@ -142,15 +142,22 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
         else:
             ids.append(seq.token_ids[c.start])
         ids.extend(c.proposal)
-        positions.extend(range(c.start, c.end))
-        tables.extend([seq.block_array] * (c.end - c.start))
+        starts.append(c.start)
+        ends.append(c.end)
+        tables.append(seq.block_array)
     num_rows = len(ids)
-    pos = np.asarray(positions, dtype=np.int64)
+    first = np.asarray(starts, dtype=np.int64)
+    last = np.asarray(ends, dtype=np.int64)
+    # each row's chunk; row r of chunk i sits at position starts[i] + (r - its chunk's first row)
+    chunk = np.repeat(np.arange(len(chunks)), last - first)
+    first_row = np.cumsum(last - first) - (last - first)
+    pos = first[chunk] + np.arange(num_rows) - first_row[chunk]
     k_lens = pos + 1
-    block_tables = _block_tables(tables, -(-k_lens // bs))
+    chunk_tables = _block_tables(tables, -(-last // bs))  # a row reads its chunk's table up to its own length
+    block_tables = chunk_tables[chunk]
     arrays = {
         "input_ids": np.asarray(ids, dtype=np.int64), "positions": pos,
-        "slot_mapping": slot_mapping(block_tables, np.arange(num_rows), pos, bs),
+        "slot_mapping": slot_mapping(chunk_tables, chunk, pos, bs),
         "cu_seqlens_q": np.arange(num_rows + 1, dtype=np.int32), "seqlens_k": k_lens.astype(np.int32),
         "block_tables": block_tables, "logits_indices": np.arange(num_rows, dtype=np.int64),
         "decode_order": np.argsort(-k_lens, kind="stable").astype(np.int32),

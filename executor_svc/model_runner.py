@@ -22,7 +22,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
-from executor_svc.speculative_verify import verify_chunks
+from executor_svc.speculative_verify import plain_rows, verdict_from_draws, verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -113,6 +113,9 @@ class ModelRunner:
         self._pinned_sampled: dict[int, torch.Tensor] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last sampled step's ids, on the device
         self.prev_rows: dict[int, int] = {}  # seq_id -> row in prev_sampled
+        # steps launched since the last one with proposals: a chunk can be void, or its guess fail, only while a
+        # step with proposals may still be in flight before it (speculative decoding, DESIGN.md section 14)
+        self._steps_since_proposals = 1 << 30
         f = self.facts
         layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
                           f.head_dim, self.kv_cache_dtype, self.device)
@@ -207,7 +210,9 @@ class ModelRunner:
         if not chunks:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
+        self._steps_since_proposals += 1
         if any(c.proposal for c in chunks):
+            self._steps_since_proposals = 0
             rows = verification_rows(chunks, self.block_size, self.prev_rows)
             if rows is not None:
                 return self._launch_rows(rows)
@@ -248,15 +253,26 @@ class ModelRunner:
         """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
+        chunks = rows.sampling_chunks
+        plain = plain_rows(chunks)
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
             inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
-        else:  # the graph's own draw is not used: verification samples from its logits
-            inputs = decode_graph_inputs(rows, self.graphs, bucket, None)
+        else:  # plain rows: the graph's own draw of each row decides (verdict_from_draws); otherwise it is not used
+            columns = None
+            if plain and self.graphs.samples:
+                row_options = [c.seq.sampling_row for c in chunks for _ in range(1 + len(c.proposal))]
+                columns = plain_sampling_columns(row_options, self._noise_rng)
+            inputs = decode_graph_inputs(rows, self.graphs, bucket, columns)
             hidden = self.graphs.run(bucket, rows.num_decodes)
             inputs.logits = self.graphs.logits[: rows.num_decodes] if self.graphs.samples \
                 else self.model.compute_logits(hidden)
+            if columns is not None:
+                inputs.sampled = self.graphs.sampled[: rows.num_decodes]
         inputs.verifies = True
+        # without the graph's draws, greedy rows still need only their argmax; sampled ones take verify_chunks
+        inputs.verify_from_draws = plain and (inputs.sampled is not None
+                                              or all(c.seq.sampling_row.greedy for c in chunks))
         return inputs
 
     @torch.inference_mode()
@@ -269,7 +285,11 @@ class ModelRunner:
             return PendingStep([], None, None, None)
         seqs = [c.seq for c in chunks]
         lp = void = None
-        if self.config.speculative_method is not None:  # chained verification (DESIGN.md): the step before is in
+        # chained verification (DESIGN.md): the step before is in; a plain step far from any with proposals (a
+        # large batch, where speculation pauses) skips the walk over its chunks. Steps in flight: at most
+        # max_steps_in_flight, one more while constrained sequences run
+        if self.config.speculative_method is not None and \
+                self._steps_since_proposals <= self.config.max_steps_in_flight + 2:
             SequenceMirrors.settle(chunks)
             void = _void_of(chunks)
         if inputs.verifies:
@@ -327,7 +347,11 @@ class ModelRunner:
         start copying it to the host."""
         seqs = [c.seq for c in chunks]
         lp = None
-        if self.rank == 0:
+        if self.rank == 0 and inputs.verify_from_draws:  # one draw per row decides (the graph's, or the argmax)
+            draws = inputs.sampled if inputs.sampled is not None else inputs.logits.argmax(dim=-1)
+            verdict = verdict_from_draws(draws, chunks, self.staging.upload)
+            both = torch.stack([verdict.token_ids, verdict.num_accepted])
+        elif self.rank == 0:
             verdict = verify_chunks(inputs.logits, chunks, self.facts.vocab_size, self.staging.upload,
                                     self._sample_plain, self.sampler._generators, self._noise_rng)
             both = torch.stack([verdict.token_ids, verdict.num_accepted])

@@ -92,6 +92,39 @@ def row_uniforms(rows: list[SamplingRow], positions: list[int], device: torch.de
     return uniforms
 
 
+def plain_rows(chunks: list[ScheduledChunk]) -> bool:
+    """Whether every chunk of a verifying step samples plainly: greedy or temperature alone (no filter, penalty,
+    seed or logprobs) and no token mask. Its verdict then needs one draw per row from the row's own distribution
+    (verdict_from_draws), which a decode graph makes in place: the argmax for a greedy row."""
+    return all(c.seq.sampling_row.plain and c.token_mask is None and not c.late_mask for c in chunks)
+
+
+def verdict_from_draws(draws: torch.Tensor, chunks: list[ScheduledChunk], upload: Upload) -> Verdict:
+    """A step of plain chunks (plain_rows) verified from one independent draw per logits row, x_j ~ p_j (int64
+    [rows]: 1 + K rows per chunk with proposals, in chunk order; the argmax for greedy rows): proposal d_j is
+    accepted while every one before it was and x_j == d_j, and the chunk yields the draw of the row after its
+    accepted ones (a void chunk, or one whose guess failed, its first row's).
+
+    For a point-mass proposal (n-gram) this is rejection sampling itself: d_j is accepted with probability p_j(d_j),
+    and a rejected row's draw is p_j given x_j != d_j, i.e. max(0, p_j - onehot(d_j)) renormalized, the residual;
+    greedy rows accept exactly the argmax and yield it, the plain sampler's greedy tokens. One upload of two small
+    index arrays and a few kernels, no host sync, no distributions over the vocabulary."""
+    counts = np.fromiter((len(c.proposal) for c in chunks), dtype=np.int64, count=len(chunks))
+    first_row = np.zeros(len(chunks), dtype=np.int64)
+    np.cumsum(1 + counts[:-1], out=first_row[1:])
+    k = np.where([c.void or c.proposals_dropped for c in chunks], 0, counts)  # proposals verified
+    k_max = max(1, int(k.max()))
+    index = first_row[:, None] + np.minimum(np.arange(k_max + 1), k[:, None])  # [C, K_max + 1] rows
+    drafts = np.full((len(chunks), k_max), -1, dtype=np.int64)  # -1 past a chunk's proposals: never accepted
+    for i in np.flatnonzero(k):
+        drafts[i, : k[i]] = chunks[i].proposal
+    dev = upload({"index": index, "drafts": drafts}, "verify")
+    picked = draws[dev["index"]]  # [C, K_max + 1]
+    num_accepted = (picked[:, :k_max] == dev["drafts"]).cumprod(dim=1).sum(dim=1)
+    token_ids = picked.gather(1, num_accepted[:, None]).squeeze(1)
+    return Verdict(token_ids, num_accepted)
+
+
 def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size: int, upload: Upload,
                   sample_plain: Callable[[torch.Tensor, list[ScheduledChunk]], object],
                   generators: dict, rng: np.random.Generator | None = None) -> Verdict:

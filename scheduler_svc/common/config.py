@@ -63,8 +63,8 @@ class EngineConfig:
     kv_cache_rotation: str = "none"  # one of KV_CACHE_ROTATIONS; used with kv_cache_dtype fp8 or int8
     quantization: str | None = None  # "fp8": quantize a plain checkpoint's Linear weights at load
     speculative_method: str | None = None  # one of SPECULATIVE_METHODS; None: no speculative decoding
-    num_speculative_tokens: int = 4  # tokens proposed per sequence and step, verified in one forward
-    ngram_min: int = 1  # n-gram proposals: the shortest suffix matched earlier in the sequence
+    num_speculative_tokens: int = 8  # at most, per sequence and step (policy.py picks), verified in one forward
+    ngram_min: int = 3  # n-gram proposals: the shortest suffix matched earlier (shorter ones mostly miss)
     ngram_max: int = 4  # and the longest (tried first)
     speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
 

@@ -33,12 +33,6 @@ RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WA
                                        SequenceStatus.FINISHED)
 
 
-# A sequence that had nothing to propose, or whose proposals were all rejected, decodes plainly for this many
-# steps before it proposes again: a verification costs more than a decode (on the CPU about twice; on a GPU little,
-# but it waits for its last token, while plain decodes are planned ahead of their samples under async scheduling).
-SPECULATION_BACKOFF_STEPS = 8
-
-
 def _queue_order(seq: Sequence) -> tuple[int, int]:
     """Waiting and swapped sequences are served by priority, then arrival."""
     return seq.priority, seq.arrival_order
@@ -68,7 +62,7 @@ class Scheduler:
             config.vocab_size, fill_threads)
         self.counters = SchedulerCounters()
         self.speculator = Speculator.ngram(config.num_speculative_tokens, config.ngram_min, config.ngram_max,
-                                           config.speculative_max_batch_size) \
+                                           config.speculative_max_batch_size, config.chain_verifications) \
             if config.speculative_method == "ngram" else None
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)
@@ -198,6 +192,14 @@ class Scheduler:
         speculating = self.speculator is not None and self.speculator.active(len(running))
         tracks = self.speculator is not None  # speculating sequences keep their steps in flight (steps_in_flight)
         chain = self.config.chain_verifications
+        # a step of decodes and verifications runs as one row per token: at most max_num_seqs keeps it in the decode
+        # CUDA graphs (DESIGN.md section 14)
+        rows_left = self.config.max_num_seqs - len(running)
+        # how many tokens each decoding sequence proposes (core/speculative/policy.py); absent: a plain decode
+        planned = self.speculator.policy.plan(
+            [s for s in running if s.speculate and s.in_executor and (not s.verifying or chain and self._chains(s))
+             and len(s.token_ids) + s.num_placeholders - s.num_computed_tokens == 1], len(running)) \
+            if speculating else {}
         i = 0
         while i < len(running) and budget > 0:  # the hot loop: a few hundred decodes per step
             seq = running[i]
@@ -215,23 +217,22 @@ class Scheduler:
             is_new = not seq.in_executor
             proposal, guess = (), -1
             if speculating and seq.speculate and num_new == 1 and not is_new:
-                if seq.speculation_backoff > 0:  # a plain decode, planned ahead of its samples (async scheduling)
-                    seq.speculation_backoff -= 1
+                # how many it proposes (0: a plain decode, planned ahead of its samples under async scheduling)
+                k = min(planned.get(seq.seq_id, 0), budget - 1, rows_left)
+                if k <= 0:
+                    pass
                 elif not placeholders:
-                    proposal = self._proposal(seq, seq.token_ids, end, budget - 1)
-                    if not proposal:
-                        seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
+                    proposal = self._proposal(seq, seq.token_ids, end, k)
                 elif chain and self._chains(seq):  # proposals after a guess of the token in flight
                     assumed = self._assumed_tokens(seq)
                     if assumed is not None:
-                        guessed = self._proposal(seq, assumed, end, budget - 1, guess=True)
+                        guessed = self._proposal(seq, assumed, end, k, guess=True)
                         if guessed:
                             guess, proposal = guessed[0], guessed[1:]
-                        else:
-                            seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
                 else:  # a proposal needs every token: wait for the one in flight rather than plan ahead of it
                     i += 1
                     continue
+                rows_left -= len(proposal)
             if proposal:  # lookahead slots for the proposals; _proposal checked the room: they never preempt
                 bm.allocate(seq, end + len(proposal))
                 seq.verifying = True
@@ -262,11 +263,11 @@ class Scheduler:
         return budget
 
     def _proposal(self, seq: Sequence, tokens: list[int], end: int, room: int, guess: bool = False) -> list[int]:
-        """Tokens to verify after seq's last one (computed up to end), within room more tokens of the step's
-        budget, the sequence's length limit (the step then adds at most len + 1 tokens) and the free blocks.
-        tokens: the sequence's tokens, or those assumed while steps are in flight. guess: the first token returned
-        guesses the pending input, the rest follow it (empty unless at least one follows)."""
-        k = min(self.speculator.num_tokens, room, self.stop_rules[seq.seq_id].max_num_tokens - end - 1)
+        """Tokens to verify after seq's last one (computed up to end): at most room (what the policy asks, within
+        the step's budget), within the sequence's length limit (the step then adds at most len + 1 tokens) and the
+        free blocks. tokens: the sequence's tokens, or those assumed while steps are in flight. guess: the first
+        token returned guesses the pending input, the rest follow it (empty unless at least one follows)."""
+        k = min(room, self.stop_rules[seq.seq_id].max_num_tokens - end - 1)
         if k <= 0:
             return []
         proposal = self.speculator.propose(seq, tokens, k + guess)[:k + guess]
@@ -397,8 +398,8 @@ class Scheduler:
         self.speculator.record(len(s.proposal), len(accepted))
         seq.num_proposed_tokens += len(s.proposal)
         seq.num_accepted_tokens += len(accepted)
-        if not accepted:
-            seq.speculation_backoff = SPECULATION_BACKOFF_STEPS
+        guessed = None if s.guess < 0 else s.start < len(seq.token_ids) and seq.token_ids[s.start] == s.guess
+        self.speculator.policy.record(seq, k, len(accepted), guessed)
         reason, new = UNFINISHED, [*accepted, token]
         for n, t in enumerate(new, 1):
             seq.token_ids.append(t)

@@ -50,7 +50,11 @@ class Sequence:
     verifying: bool = False  # a step verifying its proposals is in flight (unless chained, nothing is planned until back)
     num_proposed_tokens: int = 0  # over its life, for its usage
     num_accepted_tokens: int = 0
-    speculation_backoff: int = 0  # plain decodes before it proposes again (nothing to propose, or all rejected)
+    speculation_backoff: int = 0  # plain decodes before it proposes again (core/speculative/policy.py)
+    speculation_hits: float = 0.0  # its proposals' verdicts, decayed: accepted proposals (policy.py)
+    speculation_misses: float = 0.0  # and verdicts that stopped short
+    speculation_failures: int = 0  # verdicts in a row that accepted nothing
+    proposer_cache: object = None  # the proposer's own per-sequence state (ngram.py: its tokens as an array)
     blocks_kept: int = -1  # the executors' mirror is cut to this many blocks by the next plan; -1: nothing to cut
     # async verification: its sampling steps in flight, oldest first (void ones too, until they are answered)
     steps_in_flight: list = field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.core.speculative.ngram import propose_ngram
+from scheduler_svc.core.speculative.ngram import ngram_proposer, propose_ngram
 
 
 def test_the_continuation_of_the_longest_earlier_match_is_proposed():
@@ -42,3 +42,27 @@ def test_a_proposal_continues_an_earlier_occurrence_of_the_longest_matching_suff
     end = max(e for n, e in matches.items() if n == longest)
     assert proposal == tokens[end + 1: end + 1 + k]
     assert 1 <= len(proposal) <= k
+
+
+class GrowingSeq:
+    """What the engine's proposer reads of a sequence: its known tokens and its per-sequence cache."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.proposer_cache = None
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60), cuts=st.lists(st.integers(0, 60), max_size=4),
+       tail=st.lists(st.integers(0, 4), max_size=8), k=st.integers(0, 6), n_min=st.integers(1, 3),
+       extra=st.integers(0, 3))
+def test_the_engines_index_proposes_what_the_reference_search_does_as_tokens_are_appended(tokens, cuts, tail, k,
+                                                                                           n_min, extra):
+    """The index grows with the sequence (asked at several lengths on the way) and searches assumed tokens (steps
+    in flight) after the known ones directly."""
+    propose = ngram_proposer(n_min, n_min + extra)
+    seq = GrowingSeq()
+    for cut in sorted(cuts) + [len(tokens)]:
+        seq.token_ids = tokens[:cut]
+        assumed = seq.token_ids + tail
+        assert propose(seq, assumed, k) == propose_ngram(assumed, k, n_min, n_min + extra)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from protos import engine_pb2
-from scheduler_svc.core.scheduler import SPECULATION_BACKOFF_STEPS
+from scheduler_svc.core.speculative.policy import backoff_steps
 from scheduler_svc.core.speculative.speculator import can_speculate
 from scheduler_svc.core.step_plan import build_step_plan
 from test_scheduler import make_scheduler, make_seq
@@ -51,7 +51,7 @@ def test_rejected_lookahead_blocks_go_back_and_the_executors_hear_of_it():
     plan = build_step_plan(1, out)
     assert len(seq.block_table) == 6 and list(plan.cached.proposed_token_ids) == [9, 5, 6]  # 9 known, 3 proposed
     sched.postprocess(out, {seq.seq_id: 1})  # none accepted
-    assert len(seq.block_table) == 5 and seq.blocks_kept == 5 and seq.speculation_backoff == SPECULATION_BACKOFF_STEPS
+    assert len(seq.block_table) == 5 and seq.blocks_kept == 5 and seq.speculation_backoff == backoff_steps(1)
     out = sched.schedule()
     plan = build_step_plan(2, out)
     assert list(plan.cached.num_blocks_kept) == [5] and seq.blocks_kept == -1

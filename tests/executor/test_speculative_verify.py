@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.sampler import Sampler, SamplingBatch
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from executor_svc.speculative_verify import rejection_sample, target_probs, verify_chunks
+from executor_svc.speculative_verify import (plain_rows, rejection_sample, target_probs, verdict_from_draws,
+                                             verify_chunks)
 from protos import engine_pb2
 from support.tiny_checkpoints import tiny_checkpoint
 
@@ -221,3 +224,73 @@ def test_a_dropped_chunk_and_a_verified_one_share_a_step():
     dropped.proposals_dropped = True  # all its proposals are right, but its guess was not
     verdict = verify_chunks(logits, [verified, dropped], 50, host_upload, plain_sampler(greedy, 50), {})
     assert verdict.num_accepted.tolist() == [3, 0] and verdict.token_ids.tolist() == [best[3], best[4]]
+
+
+GREEDY = engine_pb2.SamplingOptions(temperature=0.0)
+
+
+@st.composite
+def greedy_steps(draw):
+    """A step of greedy chunks: each with 0..5 proposals that follow the argmax for a drawn number of rows and
+    then go wrong (or not), some void or with a failed guess; with logits to match."""
+    vocab = 11
+    chunks, logits = [], []
+    for i in range(draw(st.integers(1, 5))):
+        k = draw(st.integers(0, 5))
+        rows = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16))))
+        best = rows.argmax(dim=-1).tolist()
+        right = draw(st.integers(0, k))
+        proposal = best[:right] + [(b + 1) % vocab for b in best[right:k]]
+        c = chunk(i, GREEDY, proposal)
+        c.void = bool(k) and draw(st.booleans()) and draw(st.booleans())
+        c.proposals_dropped = bool(k) and not c.void and draw(st.booleans()) and draw(st.booleans())
+        chunks.append(c)
+        logits.append(rows)
+    return torch.cat(logits), chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(greedy_steps())
+def test_the_greedy_verdict_from_row_argmaxes_equals_the_full_verification(step):
+    logits, chunks = step
+    assert plain_rows(chunks)
+    full = verify_chunks(logits, chunks, logits.shape[1], host_upload, plain_sampler(GREEDY, logits.shape[1]), {})
+    fast = verdict_from_draws(logits.argmax(dim=-1), chunks, host_upload)
+    assert fast.num_accepted.tolist() == full.num_accepted.tolist()
+    # a void chunk yields nothing, so its token is free; every other one must match
+    live = [i for i, c in enumerate(chunks) if not c.void]
+    assert [fast.token_ids.tolist()[i] for i in live] == [full.token_ids.tolist()[i] for i in live]
+
+
+def test_a_step_with_filtered_seeded_logprob_or_masked_rows_takes_the_full_verification():
+    plain = chunk(0, GREEDY, [1, 2])
+    assert plain_rows([plain, chunk(1, engine_pb2.SamplingOptions(temperature=0.7), [1])])
+    assert not plain_rows([plain, chunk(2, engine_pb2.SamplingOptions(temperature=0.7, top_k=5), [1])])
+    assert not plain_rows([plain, chunk(3, engine_pb2.SamplingOptions(temperature=0.7, seed=3), [1])])
+    assert not plain_rows([plain, chunk(4, engine_pb2.SamplingOptions(temperature=0.0, logprobs=2), [])])
+    masked = chunk(5, GREEDY, [])
+    masked.late_mask = True
+    assert not plain_rows([plain, masked])
+
+
+def test_the_verdict_from_one_draw_per_row_keeps_the_target_distribution(tiny_logits):
+    """What a decode graph does for plain sampled rows: each row drawn from its own distribution (here by
+    torch.multinomial), a proposal accepted while the draws equal the proposals; for point-mass (n-gram) proposals
+    this is rejection sampling, so the tokens follow the target at each position."""
+    logits, proposal = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0)
+    vocab = logits.shape[1]
+    probs = target_probs(logits, [chunk(0, options, proposal).seq.sampling_row] * 3, vocab)
+    chunks = [chunk(i, options, proposal) for i in range(DRAWS)]
+    assert plain_rows(chunks)
+    torch.manual_seed(0)
+    draws = torch.multinomial(probs.repeat(DRAWS, 1).float(), 1).squeeze(1)
+    verdict = verdict_from_draws(draws, chunks, host_upload)
+    accepted, last = verdict.num_accepted, verdict.token_ids
+    d = torch.tensor(proposal)
+    first = torch.where(accepted >= 1, d[0], last)
+    second = torch.where(accepted >= 2, d[1], torch.where(accepted == 1, last, -1))
+    assert 0.02 < (accepted >= 1).float().mean() < 0.98, "the proposal should be accepted only sometimes"
+    assert chi_square_p(torch.bincount(first, minlength=vocab), probs[0]) > 1e-3
+    after = second[first == proposal[0]]
+    assert chi_square_p(torch.bincount(after, minlength=vocab), probs[1]) > 1e-3

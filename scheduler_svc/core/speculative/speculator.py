@@ -13,7 +13,8 @@ from typing import Callable
 
 from protos import engine_pb2
 from scheduler_svc.core.sequence import Sequence
-from scheduler_svc.core.speculative.ngram import propose_ngram
+from scheduler_svc.core.speculative.ngram import ngram_proposer
+from scheduler_svc.core.speculative.policy import SpeculationPolicy
 
 # (a sequence, its tokens (known, or assumed while its steps are in flight), how many at most) -> tokens proposed
 # to follow them
@@ -40,15 +41,17 @@ def can_speculate(add: engine_pb2.AddRequest) -> bool:
 
 
 class Speculator:
-    def __init__(self, num_tokens: int, propose: Proposer, max_batch_size: int) -> None:
+    def __init__(self, num_tokens: int, propose: Proposer, max_batch_size: int, planned_ahead: bool = False) -> None:
         self.num_tokens = num_tokens  # K: proposals per sequence and step, at most
         self.propose = propose
         self.max_batch_size = max_batch_size
+        self.policy = SpeculationPolicy(num_tokens, planned_ahead)  # how many each sequence proposes (policy.py)
         self.counters = SpeculationCounters(accepted_per_position=[0] * num_tokens)
 
     @staticmethod
-    def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int) -> "Speculator":
-        return Speculator(num_tokens, lambda seq, tokens, k: propose_ngram(tokens, k, n_min, n_max), max_batch_size)
+    def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int,
+              planned_ahead: bool = False) -> "Speculator":
+        return Speculator(num_tokens, ngram_proposer(n_min, n_max), max_batch_size, planned_ahead)
 
     def active(self, num_running: int) -> bool:
         """Speculation pays while a step is bound by launches and weight reads, i.e. at small batches."""
