@@ -144,13 +144,23 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
         ids.extend(c.proposal)
         positions.extend(range(c.start, c.end))
         tables.extend([seq.block_array] * (c.end - c.start))
+    host = one_token_rows(ids, positions, tables, bs, fill_at, fill_from)
+    host.sampling_chunks, host.verifies = list(chunks), True
+    return host
+
+
+def one_token_rows(ids: list[int], positions, tables: list[np.ndarray], block_size: int, fill_at: list[int],
+                   fill_from: list[int]) -> HostInputs:
+    """Rows of one token each, row i at positions[i] over block table tables[i] (seeing the context up to it), with
+    a logits row each; fill_at/fill_from: rows whose input is on the device (a step's ids before). Attention runs
+    them as decodes."""
     num_rows = len(ids)
     pos = np.asarray(positions, dtype=np.int64)
     k_lens = pos + 1
-    block_tables = _block_tables(tables, -(-k_lens // bs))
+    block_tables = _block_tables(tables, -(-k_lens // block_size))
     arrays = {
         "input_ids": np.asarray(ids, dtype=np.int64), "positions": pos,
-        "slot_mapping": slot_mapping(block_tables, np.arange(num_rows), pos, bs),
+        "slot_mapping": slot_mapping(block_tables, np.arange(num_rows), pos, block_size),
         "cu_seqlens_q": np.arange(num_rows + 1, dtype=np.int32), "seqlens_k": k_lens.astype(np.int32),
         "block_tables": block_tables, "logits_indices": np.arange(num_rows, dtype=np.int64),
         "decode_order": np.argsort(-k_lens, kind="stable").astype(np.int32),
@@ -158,7 +168,7 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
     if fill_at:
         arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
         arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-    return HostInputs(arrays, list(chunks), 1, int(k_lens.max()), num_rows, verifies=True)
+    return HostInputs(arrays, [], 1, int(k_lens.max()), num_rows)
 
 
 def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
@@ -170,9 +180,10 @@ def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarra
 
 
 def device_inputs(host: HostInputs, staging: PinnedStaging, block_size: int,
-                  prev_sampled: torch.Tensor | None) -> StepInputs:
-    """The step's inputs on the device, in one copy; prev_sampled: the previous step's ids, on the device."""
-    dev = staging.upload(host.arrays)
+                  prev_sampled: torch.Tensor | None, group: str = "inputs") -> StepInputs:
+    """The step's inputs on the device, in one copy; prev_sampled: the previous step's ids, on the device.
+    group: the staging buffer (a forward of its own in the same step needs another: the draft model's)."""
+    dev = staging.upload(host.arrays, group)
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
         block_tables=dev["block_tables"], max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,

@@ -143,7 +143,8 @@ def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size
     dev = upload(arrays, "verify")
     probs = target_probs(logits[dev["spec_rows"]], rows, vocab_size, upload, rng)
     accepted, yielded = rejection_sample(probs, dev["greedy"], dev["drafts"],
-                                         row_uniforms(rows, positions, device, generators))
+                                         row_uniforms(rows, positions, device, generators),
+                                         _draft_probs([chunks[i] for i in spec], probs.shape[1]))
     padded = torch.cat([accepted, accepted.new_zeros(1)])[dev["index"]]  # [C, K_max]
     num_accepted = padded.long().cumprod(dim=1).sum(dim=1)
     token_ids = torch.empty(len(chunks), dtype=torch.int64, device=device)
@@ -158,6 +159,15 @@ def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size
             logprobs = _scatter_rows(len(chunks), dev["plain"], (out.sampled_logprobs, out.sampled_ranks,
                                                                  out.top_token_ids, out.top_logprobs))
     return Verdict(token_ids, counts, logprobs)
+
+
+def _draft_probs(chunks: list[ScheduledChunk], vocab_size: int) -> torch.Tensor | None:
+    """A draft model's q rows aligned with the verified rows (K per chunk, then a zero row for the token after
+    them, which has no proposal); None for n-gram proposals (point masses)."""
+    if all(c.draft_probs is None for c in chunks):
+        return None
+    zero = chunks[0].draft_probs.new_zeros(1, vocab_size)
+    return torch.cat([part for c in chunks for part in (c.draft_probs, zero)])
 
 
 def _scatter_rows(n: int, where: torch.Tensor, parts: tuple) -> tuple:
