@@ -38,9 +38,12 @@ def check_draft_model(target_dir: str, draft_dir: str, tensor_parallel_size: int
     if draft.get("vocab_size") != target.get("vocab_size"):
         raise ValueError(f"--draft-model vocab_size {draft.get('vocab_size')} differs from the target's "
                          f"{target.get('vocab_size')}: its proposals would not be the target's token ids")
-    target_tok = _read_json(target_dir, "tokenizer.json", "the model")
-    draft_tok = _read_json(draft_dir, "tokenizer.json", "--draft-model")
-    if _tokenizer_identity(draft_tok) != _tokenizer_identity(target_tok):
+    has = [os.path.isfile(os.path.join(d, "tokenizer.json")) for d in (target_dir, draft_dir)]
+    if has[0] != has[1]:  # (a target without one serves token ids only: so must its draft)
+        raise ValueError(f"--draft-model {'has no' if has[0] else 'has a'} tokenizer.json, the target "
+                         f"{'has one' if has[0] else 'has none'}: they must share the tokenizer")
+    if has[0] and _tokenizer_identity(_read_json(draft_dir, "tokenizer.json", "--draft-model")) != \
+            _tokenizer_identity(_read_json(target_dir, "tokenizer.json", "the model")):
         raise ValueError("--draft-model tokenizer (tokenizer.json: vocab, merges or added_tokens) differs from the "
                          "target's: the same ids would be different text")
     heads = draft.get("num_attention_heads", 0)
