@@ -78,14 +78,16 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, chunks: list[ScheduledChunk], generators: dict, rng: np.random.Generator) -> None:
-        """Fill each chunk with num_draft its proposal (host token ids) and, on rank 0, draft_probs (float64
-        [num_draft, V]: q_1..q_k, the distributions they were drawn from)."""
+        """Fill each chunk with num_draft its proposal (host token ids) and, on rank 0 where some row samples,
+        draft_probs (float64 [num_draft, V]: q_1..q_k, the distributions they were drawn from; greedy rows are
+        verified against the target's argmax alone, so an all-greedy step computes none)."""
         drafting = [c for c in chunks if c.num_draft]
         k_max = max(c.num_draft for c in drafting)
         vocab = self.facts.vocab_size
         rows = [c.seq.sampling_row for c in drafting]
         batch = uniforms = None
-        if self.rank == 0:
+        samples = self.rank == 0 and not all(r.greedy for r in rows)
+        if samples:
             batch = self._sampling_batch(rows, rng, 0)
             generated = [len(c.seq.token_ids) - c.seq.num_prompt_tokens + DRAFT_SEED_STREAM for c in drafting]
             uniforms = row_uniforms([r for r in rows for _ in range(k_max)],
@@ -100,10 +102,12 @@ class DraftModel:
             if j > 0:
                 if len(live) < active.numel():
                     active = torch.as_tensor(live, device=self.device)
-                    if self.rank == 0:
+                    if samples:
                         batch = self._sampling_batch([rows[i] for i in live], rng, j)
                 logits = self._one_token_step([drafting[i] for i in live], j, drafts[active, j - 1])
-            if self.rank == 0:
+            if self.rank == 0 and not samples:
+                token = logits.argmax(dim=-1)
+            elif samples:
                 q = tempered_and_filtered(logits.float(), batch).softmax(dim=-1).double()
                 cdf = q.cumsum(dim=-1)
                 drawn = torch.searchsorted(cdf, uniforms[active, j:j + 1] * cdf[:, -1:], right=True).squeeze(1)
@@ -119,7 +123,7 @@ class DraftModel:
         host = drafts.tolist()  # the verification's inputs: the host builds them (the one wait of a draft step)
         for i, c in enumerate(drafting):
             c.proposal = host[i][: c.num_draft]
-        if self.rank == 0:
+        if samples:
             per_chunk: list[list[torch.Tensor]] = [[] for _ in drafting]
             for j, q in enumerate(probs):
                 live = [i for i, c in enumerate(drafting) if c.num_draft > j]
