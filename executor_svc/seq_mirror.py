@@ -178,7 +178,8 @@ class SequenceMirrors:
                 f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
         chunk.pending_input = chunk.needs_pending_token
         if num_draft and (proposal or not chunk.samples or chunk.pending_input or end - start != num_draft + 1):
-            raise RuntimeError(f"seq {seq.seq_id}: a draft proposes after a decode whose every input is known, alone")
+            raise RuntimeError(f"seq {seq.seq_id}: {num_draft} draft proposals in tokens [{start}, {end}): they follow "
+                               "a one-token decode of its last known token only")
         if proposal and (not chunk.samples or chunk.pending_input and (guess < 0 or end - start != len(proposal) + 1)):
             raise RuntimeError(f"seq {seq.seq_id}: proposals to verify after a chunk that does not sample, or "
                                "after a pending token without a guess of it")

@@ -44,7 +44,9 @@ def test_a_draft_under_cuda_graphs_gives_the_eager_and_the_plain_greedy_tokens(e
                             draft_model=embedded_model, num_speculative_tokens=k, enforce_eager=True, **ENGINE)
         assert tokens(graphs) == tokens(plain) == tokens(eager), f"K={k}"
         assert stats.num_accepted_tokens >= 0.95 * stats.num_proposed_tokens > 0
-    random_draft = make_tiny_draft(str(tmp_path / "draft"), embedded_model)
+    # head_dim 64, as the kernels' production tiles expect
+    random_draft = make_tiny_draft(str(tmp_path / "draft"), embedded_model, hidden_size=256, intermediate_size=512,
+                                   num_attention_heads=4, num_key_value_heads=2)
     graphs, stats = generate(embedded_model, chat_prompts, GREEDY, speculative_method="draft",
                              draft_model=random_draft, num_speculative_tokens=3, **ENGINE)
     assert tokens(graphs) == tokens(plain)
