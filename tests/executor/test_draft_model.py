@@ -1,0 +1,71 @@
+"""The draft model's one-token steps through its decode graphs' static inputs propose what its eager steps propose.
+On the CPU the graph is replayed by running its captured forward over the same static buffers (no CUDA): the
+staging, the gather of each step's input from the previous draw, positions, slots and block tables are the
+graphs' own; tests/e2e/test_gpu_draft_speculation.py runs the real graphs on CUDA."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
+from protos import engine_pb2
+from support.tiny_checkpoints import tiny_checkpoint
+
+BLOCK = 16
+
+
+class ReplayedByForward(DecodeGraphs):
+    """DecodeGraphs whose replay is its captured forward run again, eagerly, over the same static buffers."""
+
+    def capture(self) -> None:
+        self.graphs = {bs: None for bs in self.buckets}
+
+    def run(self, bs: int, b: int) -> torch.Tensor:
+        self._forward(bs)
+        return self.hidden[:b]
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    from executor_svc.draft_model import DraftModel
+    from executor_svc.pinned_staging import PinnedStaging
+    from scheduler_svc.common.config import EngineConfig
+
+    config = EngineConfig(model=tiny_checkpoint("llama", tmp_path_factory), device="cpu", block_size=BLOCK,
+                          speculative_method="draft", draft_model=tiny_checkpoint("qwen2", tmp_path_factory),
+                          num_speculative_tokens=4, max_num_batched_tokens=40)
+    model = DraftModel(config, 256, torch.float32, torch.device("cpu"), 0, 1, PinnedStaging(torch.device("cpu")))
+    model.allocate(32, 512)
+    return model
+
+
+def chunks_of(prompts: list[list[int]], k: int) -> list[ScheduledChunk]:
+    """One decode per prompt (its last token the input), k draft proposals each, on blocks of its own."""
+    chunks = []
+    for i, prompt in enumerate(prompts):
+        blocks = list(range(4 * i, 4 * i + 4))
+        seq = MirroredSeq(i, list(prompt), len(prompt), blocks, len(prompt) - 1, engine_pb2.SamplingOptions())
+        chunks.append(ScheduledChunk(seq, len(prompt) - 1, len(prompt) + k, num_draft=k))
+    return chunks
+
+
+def test_graph_steps_propose_what_eager_steps_propose(draft, monkeypatch):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 23, 40)]  # 3 rows: the bucket of 4 pads one
+    draft.graphs = None
+    eager = chunks_of(prompts, 4)
+    draft.propose(eager, {}, rng)  # the 68-token catch-up also splits at the 40-token budget
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # (the graphs' host buffers; no CUDA here)
+    draft.graphs = ReplayedByForward(draft.model, 4, 512, BLOCK, draft.facts.hidden_size, torch.float32,
+                                     torch.device("cpu"), host_buffers=4)
+    draft.graphs.capture()
+    graphs = chunks_of(prompts, 4)
+    graphs[2].num_draft = 2  # a row cut short leaves the later steps, whose batch shrinks
+    graphs[2].end -= 2
+    draft.propose(graphs, {}, rng)
+    draft.graphs = None
+    assert [c.proposal for c in graphs[:2]] == [c.proposal for c in eager[:2]]
+    assert graphs[2].proposal == eager[2].proposal[:2] and all(len(c.proposal) == 4 for c in eager)
+    assert len({tuple(c.proposal) for c in eager}) == 3  # the prompts differ, and so do their proposals
