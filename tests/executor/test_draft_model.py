@@ -69,3 +69,38 @@ def test_graph_steps_propose_what_eager_steps_propose(draft, monkeypatch):
     assert [c.proposal for c in graphs[:2]] == [c.proposal for c in eager[:2]]
     assert graphs[2].proposal == eager[2].proposal[:2] and all(len(c.proposal) == 4 for c in eager)
     assert len({tuple(c.proposal) for c in eager}) == 3  # the prompts differ, and so do their proposals
+
+
+def test_a_rank_that_sees_a_drafting_plan_before_it_appended_the_step_before_appends_it_first(tmp_path_factory):
+    """Only rank 0 answers the scheduler, so another rank may read the next plan while its own copy of the step
+    before is still pending; a draft needs every token of the sequences it drafts for on the host: the loop
+    appends that step before it applies the plan (here rank 0's loop is driven that way)."""
+    from executor_svc.executor import SchedulerEpoch, StepLoop
+    from executor_svc.model_runner import ModelRunner
+    from executor_svc.seq_mirror import SequenceMirrors
+    from scheduler_svc.common.config import EngineConfig
+    from test_late_masks import EPOCH, Link
+    from test_token_masks import new_seq
+
+    model = tiny_checkpoint("llama", tmp_path_factory)
+    runner = ModelRunner(EngineConfig(model=model, device="cpu", block_size=BLOCK, num_gpu_blocks=8, max_num_seqs=4,
+                                      speculative_method="draft", draft_model=model, num_speculative_tokens=2))
+    link = Link()
+    try:
+        epoch = SchedulerEpoch()
+        epoch.value = EPOCH
+        loop = StepLoop(runner, SequenceMirrors(), link.dealer, 0, epoch)
+        loop.run_plan(engine_pb2.StepPlan(step_id=1, new_seqs=[new_seq(1, [5, 6, 7], 0)]))  # its token pending
+        drafting = engine_pb2.StepPlan(step_id=2, cached=engine_pb2.CachedSequences(
+            seq_ids=[1], num_scheduled_tokens=[3], num_new_blocks=[0], last_token_ids=[-1], num_draft_tokens=[2]))
+        loop.run_plan(drafting)
+        first = link.result()
+        loop.reply_pending()
+        second = link.result()
+    finally:
+        link.close()
+    assert (first.step_id, first.error, second.step_id, second.error) == (1, "", 2, "")
+    (token,) = second.sampled
+    assert len(token.accepted_token_ids) == 2  # the model is its own draft: both proposals are its own tokens
+    assert loop.mirrors.seqs[1].token_ids[3:] == [first.sampled[0].token_id, *token.accepted_token_ids,
+                                                  token.token_id]
