@@ -32,18 +32,20 @@ def tokens(outputs) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-def test_a_draft_under_cuda_graphs_gives_the_eager_and_the_plain_greedy_tokens(embedded_model, chat_prompts,
-                                                                                tmp_path):
+def test_a_draft_under_cuda_graphs_gives_the_eager_and_the_plain_greedy_tokens(embedded_model, chat_prompts):
+    plain, _ = generate(embedded_model, chat_prompts, GREEDY, **ENGINE)
+    graphs, stats = generate(embedded_model, chat_prompts, GREEDY, speculative_method="draft",
+                             draft_model=embedded_model, num_speculative_tokens=4, **ENGINE)
+    eager, _ = generate(embedded_model, chat_prompts, GREEDY, speculative_method="draft", draft_model=embedded_model,
+                        num_speculative_tokens=4, enforce_eager=True, **ENGINE)
+    assert tokens(graphs) == tokens(plain) == tokens(eager)
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_proposed_tokens > 0
+
+
+def test_a_random_draft_under_cuda_graphs_is_almost_never_accepted_and_exact(embedded_model, chat_prompts, tmp_path):
     from support.tiny_checkpoints import make_tiny_draft
 
     plain, _ = generate(embedded_model, chat_prompts, GREEDY, **ENGINE)
-    for k in (1, 4):
-        graphs, stats = generate(embedded_model, chat_prompts, GREEDY, speculative_method="draft",
-                                 draft_model=embedded_model, num_speculative_tokens=k, **ENGINE)
-        eager, _ = generate(embedded_model, chat_prompts, GREEDY, speculative_method="draft",
-                            draft_model=embedded_model, num_speculative_tokens=k, enforce_eager=True, **ENGINE)
-        assert tokens(graphs) == tokens(plain) == tokens(eager), f"K={k}"
-        assert stats.num_accepted_tokens >= 0.95 * stats.num_proposed_tokens > 0
     # head_dim 64, as the kernels' production tiles expect
     random_draft = make_tiny_draft(str(tmp_path / "draft"), embedded_model, hidden_size=256, intermediate_size=512,
                                    num_attention_heads=4, num_key_value_heads=2)
