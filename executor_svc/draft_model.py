@@ -65,13 +65,14 @@ class DraftModel:
         self.kv_pool.allocate(num_blocks)
         cfg = self.config
         if self.device.type == "cuda" and not cfg.enforce_eager and self.backend.capabilities.cuda_graph_safe:
-            # the draft's one-token steps run at most the speculating sequences; several loads per step, each with
-            # a host buffer of its own (propose() waits for all of them before the next step)
-            self.graphs = DecodeGraphs(self.model, min(cfg.max_num_seqs, cfg.speculative_max_batch_size),
+            # the draft's one-token steps run at most the speculating sequences, a catch-up after a verdict two rows
+            # each; several loads per step, each with a host buffer of its own (propose() waits for all of them
+            # before the next step)
+            self.graphs = DecodeGraphs(self.model, 2 * min(cfg.max_num_seqs, cfg.speculative_max_batch_size),
                                        min(max_model_len, self.facts.max_position_embeddings), self.block_size,
                                        self.facts.hidden_size, self.dtype, self.device,
                                        vocab_size=self.facts.vocab_size if self.world_size == 1 else None,
-                                       host_buffers=max(2, cfg.num_speculative_tokens))
+                                       host_buffers=cfg.num_speculative_tokens + 1)
             self.graphs.capture()
 
     # ------------------------------------------------------------------ a step's proposals
@@ -139,16 +140,44 @@ class DraftModel:
                                    lambda arrays: self.staging.upload(arrays, f"draft_options{step}"), rng)
 
     def _catch_up(self, drafting: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Forwards over each chunk's tokens the draft has not computed, up to its input (the sequence's last
-        token), at most max_num_batched_tokens a forward; the logits of each chunk's last token, in chunk order
-        (rank 0; None elsewhere)."""
+        """The draft's forward over each chunk's tokens it has not computed, up to its input (the sequence's last
+        token); the logits of each chunk's last token, in chunk order (rank 0; None elsewhere). After a verdict
+        that is a token or two a sequence: one-token rows in a decode graph. Else (a new mirror's context) eager
+        forwards of at most max_num_batched_tokens."""
+        spans = [(c.seq.draft_computed, c.start + 1) for c in drafting]
+        for c, (lo, hi) in zip(drafting, spans):
+            if lo > c.start:
+                raise RuntimeError(f"seq {c.seq.seq_id}: the draft computed {lo} tokens, past its input at {c.start}")
+            c.seq.draft_computed = hi
+        num_rows = sum(hi - lo for lo, hi in spans)
+        if self.graphs is not None and num_rows <= self.graphs.capacity:
+            return self._catch_up_in_graph(drafting, spans)
+        return self._catch_up_eagerly(drafting, spans)
+
+    def _catch_up_in_graph(self, drafting: list[ScheduledChunk], spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Each token to catch up on a one-token row over its sequence's block table (every row's K/V is stored
+        before any row attends, as in a verification)."""
+        ids, positions, tables, last = [], [], [], []
+        for c, (lo, hi) in zip(drafting, spans):
+            ids += c.seq.token_ids[lo:hi]
+            positions += range(lo, hi)
+            tables += [c.seq.block_array] * (hi - lo)
+            last.append(len(ids) - 1)
+        host = one_token_rows(ids, positions, tables, self.block_size, [], [])
+        bucket = self.graphs.bucket(len(ids), host.max_seqlen_k)
+        if bucket is None:
+            return self._catch_up_eagerly(drafting, spans)
+        decode_graph_inputs(host, self.graphs, bucket, None)
+        hidden = self.graphs.run(bucket, len(ids))
+        rows = torch.as_tensor(last, device=self.device)
+        return self.graphs.logits[rows] if self.graphs.samples else self.model.compute_logits(hidden[rows])
+
+    def _catch_up_eagerly(self, drafting: list[ScheduledChunk], spans: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Varlen forwards of at most max_num_batched_tokens, a chunk split across them where it must."""
         budget = self.config.max_num_batched_tokens
         pieces: list[list[ScheduledChunk]] = [[]]
         room = budget
-        for c in drafting:
-            lo, hi = c.seq.draft_computed, c.start + 1
-            if lo > c.start:
-                raise RuntimeError(f"seq {c.seq.seq_id}: the draft computed {lo} tokens, past its input at {c.start}")
+        for c, (lo, hi) in zip(drafting, spans):
             while lo < hi:
                 n = min(hi - lo, room)
                 pieces[-1].append(ScheduledChunk(c.seq, lo, lo + n))
@@ -157,7 +186,6 @@ class DraftModel:
                 if room == 0:
                     pieces.append([])
                     room = budget
-            c.seq.draft_computed = hi
         order = {id(c.seq): i for i, c in enumerate(drafting)}
         rows: list[torch.Tensor] = []
         where: list[int] = []

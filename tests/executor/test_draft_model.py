@@ -51,24 +51,47 @@ def chunks_of(prompts: list[list[int]], k: int) -> list[ScheduledChunk]:
     return chunks
 
 
+def verdict_then_next(chunks: list[ScheduledChunk], accepted: list[int], k: int) -> list[ScheduledChunk]:
+    """Apply a verdict (each chunk's leading proposals accepted, then token 1), as the mirrors do, and the next
+    decode's chunks with k draft proposals: the draft catches up on a token or two (DESIGN.md)."""
+    nxt = []
+    for c, a in zip(chunks, accepted):
+        seq = c.seq
+        seq.token_ids += [*c.proposal[:a], 1]
+        seq.draft_computed = c.start + 1 + min(a, c.num_draft - 1)
+        start = len(seq.token_ids) - 1
+        nxt.append(ScheduledChunk(seq, start, start + 1 + k, num_draft=k))
+    return nxt
+
+
+def two_rounds(draft, prompts: list[list[int]], cut_last: bool) -> list[list[int]]:
+    """Both rounds' proposals: after the prompts (a long catch-up: eager), then after a verdict (short)."""
+    rng = np.random.default_rng(0)
+    first = chunks_of(prompts, 4)
+    if cut_last:  # a row cut short leaves the later steps, whose batch shrinks
+        first[2].num_draft, first[2].end = 2, first[2].end - 2
+    draft.propose(first, {}, rng)
+    second = verdict_then_next(first, [2, 4, 0], 3)  # catch-ups of 1, 2 and 1 tokens
+    draft.propose(second, {}, rng)
+    return [c.proposal for c in first + second]
+
+
 def test_graph_steps_propose_what_eager_steps_propose(draft, monkeypatch):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 23, 40)]  # 3 rows: the bucket of 4 pads one
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 23, 40)]  # the one-token steps pad 3 rows to 4
     draft.graphs = None
-    eager = chunks_of(prompts, 4)
-    draft.propose(eager, {}, rng)  # the 68-token catch-up also splits at the 40-token budget
+    eager = two_rounds(draft, prompts, cut_last=False)  # the 68-token catch-up also splits at the 40-token budget
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # (the graphs' host buffers; no CUDA here)
-    draft.graphs = ReplayedByForward(draft.model, 4, 512, BLOCK, draft.facts.hidden_size, torch.float32,
-                                     torch.device("cpu"), host_buffers=4)
+    draft.graphs = ReplayedByForward(draft.model, 8, 512, BLOCK, draft.facts.hidden_size, torch.float32,
+                                     torch.device("cpu"), host_buffers=5)
     draft.graphs.capture()
-    graphs = chunks_of(prompts, 4)
-    graphs[2].num_draft = 2  # a row cut short leaves the later steps, whose batch shrinks
-    graphs[2].end -= 2
-    draft.propose(graphs, {}, rng)
-    draft.graphs = None
-    assert [c.proposal for c in graphs[:2]] == [c.proposal for c in eager[:2]]
-    assert graphs[2].proposal == eager[2].proposal[:2] and all(len(c.proposal) == 4 for c in eager)
-    assert len({tuple(c.proposal) for c in eager}) == 3  # the prompts differ, and so do their proposals
+    try:
+        graphs = two_rounds(draft, prompts, cut_last=True)
+    finally:
+        draft.graphs = None
+    assert graphs[:2] == eager[:2] and graphs[2] == eager[2][:2]
+    assert graphs[3:] == eager[3:]  # the short catch-ups ran as one-token rows in the graph
+    assert len({tuple(p) for p in eager[:3]}) == 3 and all(len(p) == 3 for p in eager[3:])
 
 
 def test_a_rank_that_sees_a_drafting_plan_before_it_appended_the_step_before_appends_it_first(tmp_path_factory):
