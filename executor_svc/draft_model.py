@@ -4,9 +4,10 @@ vocabulary, loaded by every executor beside the target, that proposes the tokens
 Its KV pool is its own but indexed by the target's block ids: a sequence's block table (the scheduler's, lookahead
 slots included) places both models' K/V, so the scheduler stays the single writer of one allocation. Each step,
 before the target's forward, propose() runs it for the chunks that carry num_draft (decodes whose every input is
-known): first a catch-up forward over the tokens it has not seen (a new mirror's whole context; after a verdict
-its last proposal, if accepted, and the target's token; split at the step's token budget), whose last row gives
-d_1's distribution, then one one-token forward per further proposal (a decode CUDA graph per batch size on CUDA).
+known): first a catch-up over the tokens it has not seen (a new mirror's whole context, in eager forwards split at
+the step's token budget; after a verdict its last proposal, if accepted, and the target's token, as one-token rows
+in a decode CUDA graph on CUDA), whose last row gives d_1's distribution, then one one-token forward per further
+proposal (in the decode graphs on CUDA, one per batch size).
 Rank 0 draws d_j from q_j: the argmax for greedy rows, else by inverse CDF from q_j, the draft's distribution
 after the row's temperature, min-p, top-k and top-p (speculative_verify.target_probs' form), with a seeded row's
 uniform drawn from its seed; every rank gets the tokens. The tokens come to the host (one wait per step) and
@@ -74,6 +75,9 @@ class DraftModel:
                                        vocab_size=self.facts.vocab_size if self.world_size == 1 else None,
                                        host_buffers=cfg.num_speculative_tokens + 1)
             self.graphs.capture()
+        log.info("draft model %s: %d layers, %d KV blocks of its own on the target's block ids, %s",
+                 self.facts.model_name, self.facts.num_layers, num_blocks,
+                 "decode CUDA graphs" if self.graphs is not None else "eager")
 
     # ------------------------------------------------------------------ a step's proposals
 
