@@ -78,6 +78,8 @@ class Scheduler:
             config.vocab_size, fill_threads)
         self.counters = SchedulerCounters()
         self.speculator = _speculator(config)
+        if self.speculator is not None and self.speculator.drafts and config.chain_verifications:
+            raise ValueError("a draft model proposes from a sequence's true tokens: its verifications are not chained")
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)
         self._next_arrival = 0
