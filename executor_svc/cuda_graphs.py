@@ -76,7 +76,8 @@ def stage_rows(raw: np.ndarray, bs: int, b: int, rows: dict[str, np.ndarray], ca
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, vocab_size: int | None = None, host_buffers: int = 2) -> None:
+                 dtype: torch.dtype, device: torch.device, vocab_size: int | None = None,
+                 host_buffers: int = 2) -> None:
         """vocab_size: capture the logits and the sampling too (one rank holding the whole vocab). host_buffers:
         pinned staging buffers used in turn (more than two where several loads go out before the host waits)."""
         self.model = model

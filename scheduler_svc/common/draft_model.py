@@ -47,7 +47,8 @@ def check_draft_model(target_dir: str, draft_dir: str, tensor_parallel_size: int
         raise ValueError("--draft-model tokenizer (tokenizer.json: vocab, merges or added_tokens) differs from the "
                          "target's: the same ids would be different text")
     heads = draft.get("num_attention_heads", 0)
-    for field, value in (("num_attention_heads", heads), ("num_key_value_heads", draft.get("num_key_value_heads") or heads),
+    kv_heads = draft.get("num_key_value_heads") or heads
+    for field, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
                          ("intermediate_size", draft.get("intermediate_size", 0))):
         if value % tensor_parallel_size:
             raise ValueError(f"--draft-model {field}={value} is not divisible by --tensor-parallel-size "
