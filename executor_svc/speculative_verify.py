@@ -5,10 +5,10 @@ The plan lists, after a sequence's last token, K proposed tokens; the forward sc
 temperature, min-p, top-k and top-p, exactly as the sampler forms it. Proposal d_j is accepted with probability
 min(1, p_j(d_j) / q_j(d_j)), q being the proposer's distribution (a point mass for n-gram proposals, so that is
 p_j(d_j); a draft model's q_j after the same filters, executor_svc/draft_model.py); the first rejected one is
-replaced by a draw from the residual max(0, p_j - q_j), renormalized, and when all K are accepted one more token
-is drawn from p_K. Each token then follows the target's distribution given the ones before it (Leviathan et al.,
-2023; Chen et al., 2023): speculation changes the speed, never what is sampled. Greedy rows accept d_j exactly when it is p_j's argmax and yield that argmax, so their output is the
-non-speculative engine's, token for token.
+replaced by a draw from the residual max(0, p_j - q_j), renormalized, and when all K are accepted one more token is
+drawn from p_K. Each token then follows the target's distribution given the ones before it (Leviathan et al., 2023;
+Chen et al., 2023): speculation changes the speed, never what is sampled. Greedy rows accept d_j exactly when it is
+p_j's argmax and yield that argmax, so their output is the non-speculative engine's, token for token.
 
 A seeded row draws its two uniforms at generated position n from mix_seed(seed, n): its tokens depend on its
 seed, its proposals and its history only, not on its neighbours or its place in the batch.
