@@ -106,7 +106,7 @@ class DraftModel:
             live = [i for i, c in enumerate(drafting) if c.num_draft > j]  # a short proposal's rows stop early
             if j > 0:
                 if len(live) < active.numel():
-                    active = torch.as_tensor(live, device=self.device)
+                    active = self._index(live, f"draft_live{j}")
                     if samples:
                         batch = self._sampling_batch([rows[i] for i in live], rng, j)
                 logits = self._one_token_step([drafting[i] for i in live], j, drafts[active, j - 1])
@@ -136,6 +136,11 @@ class DraftModel:
                     per_chunk[i].append(q[n])
             for i, c in enumerate(drafting):
                 c.draft_probs = torch.stack(per_chunk[i])
+
+    def _index(self, values, group: str) -> torch.Tensor:
+        """int64 indices on the device through the pinned staging (a copy from pageable memory would wait for the
+        whole stream)."""
+        return self.staging.upload({"index": np.asarray(values, dtype=np.int64)}, group)["index"]
 
     def _sampling_batch(self, rows: list, rng: np.random.Generator, step: int) -> SamplingBatch:
         """The rows' temperatures and filters on the device (an upload group per draft step: none waits)."""
@@ -173,7 +178,7 @@ class DraftModel:
             return self._catch_up_eagerly(drafting, spans)
         decode_graph_inputs(host, self.graphs, bucket, None)
         hidden = self.graphs.run(bucket, len(ids))
-        rows = torch.as_tensor(last, device=self.device)
+        rows = self._index(last, "draft_last_rows")
         return self.graphs.logits[rows] if self.graphs.samples else self.model.compute_logits(hidden[rows])
 
     def _catch_up_eagerly(self, drafting: list[ScheduledChunk], spans: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -204,7 +209,7 @@ class DraftModel:
         if self.rank != 0:
             return None
         logits = torch.cat(rows)
-        return logits[torch.as_tensor(np.argsort(where), device=self.device)]
+        return logits[self._index(np.argsort(where), "draft_order")]
 
     def _one_token_step(self, chunks: list[ScheduledChunk], j: int, tokens: torch.Tensor) -> torch.Tensor | None:
         """The draft's forward of proposal j (tokens, on the device) at position start + j of each chunk; its
