@@ -6,9 +6,18 @@ quantization + the GEMM kernels/fp8_gemm_dispatch.py picks). TFLOP/s count 2MNK;
 read and the output written once (x, W, y, and the scales).
 
 It ends with the dispatch table the measurement implies (the faster channel GEMM per shape and M), in the
-form of kernels/fp8_gemm_dispatch.TABLE.
+form of kernels/fp8_gemm_dispatch.TABLE, and with the fused producers' table: the RMSNorm (with the residual add)
+and SiLU-and-mul that write FP8 activations (kernels/fp8_fused_quant.py) against the plain kernel followed by
+the quantization kernel, graph-replayed as decode runs them, for both scale layouts.
+
+`--fp8-gemm-sweep` first times the Triton kernel's tiles (SWEEP_TILES) on every GEMM and M, each checked against
+the default tiles' output, and takes the fastest per shape and M, and then the faster of it and `_scaled_mm`:
+the rows of kernels/fp8_gemm_dispatch.TILES and TABLE, applied at once to the table that follows and written as
+JSON for NANOSERVE_FP8_GEMM_TABLE (`--fp8-gemm-table-out`).
 """
 from __future__ import annotations
+
+import json
 
 # (name, N, K) of Qwen3-8B: hidden 4096, 32 q and 8 KV heads of 128, intermediate 12288
 QWEN3_8B_GEMMS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
@@ -70,3 +79,157 @@ def print_fp8_gemm_table(rows: list[dict]) -> None:
         table.setdefault((r["n"], r["k"]), []).append((r["m"], best))
     for shape, entries in table.items():
         print(f"    {shape}: {entries},")
+
+
+# The Triton kernel's tiles tried per M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): at small M narrow N
+# tiles and deep pipelines (more programs and more bytes in flight for a weight-bound product), at large M wide
+# ones. Block weights need BLOCK_K = 128 (one scale a K tile). Each list serves M up to its key; its first tiles are
+# the kernel's own rule there.
+SWEEP_TILES = {
+    "channel": {
+        16: [(16, 64, 128, 4, 4), (16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 32, 256, 4, 4), (16, 64, 256, 4, 4),
+            (16, 128, 128, 4, 4)],
+        64: [(64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
+        128: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (128, 64, 128, 4, 4),
+              (64, 256, 128, 4, 3)],
+        256: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (128, 256, 128, 8, 3),
+              (64, 256, 128, 4, 3), (128, 128, 256, 8, 3)],
+        4096: [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 256, 8, 3)],
+    },
+    "block": {
+        16: [(16, 64, 128, 4, 4), (16, 32, 128, 4, 6), (16, 128, 128, 4, 4), (16, 16, 128, 2, 6)],
+        64: [(64, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 128, 128, 4, 4), (32, 64, 128, 4, 4)],
+        128: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4)],
+        256: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (128, 64, 128, 4, 4)],
+        4096: [(128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 256, 128, 8, 3)],
+    },
+}
+
+
+# decode batches fall evenly over 1-256 on nano-vLLM's workload (outputs uniform in [100, 1024]): M = 128 splits
+# the range that most decode steps run in
+SWEEP_TOKENS = [1, 16, 64, 128, 256, 4096]
+
+
+def _sweep_tiles(scheme: str, m: int) -> list:
+    return SWEEP_TILES[scheme][min((t for t in SWEEP_TILES[scheme] if t >= m), default=max(SWEEP_TILES[scheme]))]
+
+
+def fp8_gemm_sweep(device) -> dict:
+    """Each Triton tile of SWEEP_TILES on each Qwen3-8B GEMM and M (scheme, channel or block), and _scaled_mm:
+    microseconds (do_bench, L2 flushed), the fastest tiles and backend per shape and M. A tile whose output is
+    off the default tiles' by more than 1% of max |y| is dropped (and reported)."""
+    import torch
+    import triton
+
+    from kernels import fp8_gemm
+    from kernels.fp8_quant import quantize_rows_ref
+
+    def time_us(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    rows, tiles, backends = [], {}, {}
+    for name, n, k in QWEN3_8B_GEMMS:
+        w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
+        for scheme, group in (("channel", k), ("block", 128)):
+            wq, ws = quantize_rows_ref(w, group)
+            for m in SWEEP_TOKENS:
+                a, a_s = fp8_gemm.quantize_rows(torch.randn(m, k, generator=gen, device=device,
+                                                            dtype=torch.bfloat16), group)
+                ref = None
+                timed = {}
+                for cfg in _sweep_tiles(scheme, m):
+                    out = fp8_gemm.triton_fp8_gemm(a, a_s, wq, ws, group, torch.bfloat16, tiles=cfg)
+                    ref = out.float() if ref is None else ref
+                    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+                    if err > 1e-2:
+                        print(f"  {name} {scheme} M={m} tiles {cfg}: off by {err:.2e} of max |y|, dropped")
+                        continue
+                    timed[cfg] = time_us(lambda: fp8_gemm.triton_fp8_gemm(a, a_s, wq, ws, group, torch.bfloat16,
+                                                                          tiles=cfg))
+                best = min(timed, key=timed.get)
+                row = {"gemm": name, "scheme": scheme, "m": m, "n": n, "k": k,
+                       "us": {",".join(map(str, c)): t for c, t in timed.items()}, "best": list(best),
+                       "best_us": timed[best], "default_us": timed.get(_sweep_tiles(scheme, m)[0])}
+                tiles.setdefault(f"{scheme} {n}x{k}", []).append([m, list(best)])
+                if scheme == "channel":
+                    row["scaled_mm_us"] = time_us(lambda: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, wq, ws, torch.bfloat16))
+                    faster = "scaled_mm" if row["scaled_mm_us"] <= timed[best] else "triton"
+                    backends.setdefault(f"{n}x{k}", []).append([m, faster])
+                rows.append(row)
+    return {"rows": rows, "table": {"backends": backends, "tiles": tiles}}
+
+
+def print_fp8_gemm_sweep(sweep: dict) -> None:
+    print("\nFP8 GEMM tile sweep (us, do_bench with an L2 flush): the default tiles, the fastest, _scaled_mm")
+    print(f"{'gemm':>12} {'scheme':>7} {'M':>5} {'default':>8} {'best':>8} {'tiles':>24} {'scaled_mm':>9}")
+    for r in sweep["rows"]:
+        default = f"{r['default_us']:.1f}" if r["default_us"] is not None else "-"
+        scaled = f"{r['scaled_mm_us']:.1f}" if "scaled_mm_us" in r else ""
+        print(f"{r['gemm']:>12} {r['scheme']:>7} {r['m']:>5} {default:>8} {r['best_us']:>8.1f} "
+              f"{str(tuple(r['best'])):>24} {scaled:>9}")
+    print("\nkernels/fp8_gemm_dispatch.TABLE (channel backends) and TILES, as measured:")
+    for key, entries in sweep["table"]["backends"].items():
+        n, k = key.split("x")
+        print(f"    ({n}, {k}): {[(m, b) for m, b in entries]},")
+    for key, entries in sweep["table"]["tiles"].items():
+        scheme, shape = key.split()
+        n, k = shape.split("x")
+        print(f"    (\"{scheme}\", {n}, {k}): {[(m, tuple(t)) for m, t in entries]},")
+
+
+def apply_and_write_sweep(sweep: dict, path: str | None) -> None:
+    """Put the sweep's rows into kernels/fp8_gemm_dispatch (this process) and, with `path`, write them as the JSON
+    that NANOSERVE_FP8_GEMM_TABLE reads."""
+    from kernels import fp8_gemm_dispatch
+
+    fp8_gemm_dispatch.apply_table(sweep["table"])
+    if path:
+        with open(path, "w") as f:
+            json.dump(sweep["table"], f, indent=2)
+
+
+# the producers of a Qwen3-8B layer's FP8 GEMM inputs: hidden 4096 (the norms), intermediate 12288 (SiLU-and-mul)
+PRODUCER_SHAPES = {"hidden": 4096, "intermediate": 12288}
+
+
+def fused_producer_rows(time_us, device) -> list[dict]:
+    """Per M and scale layout: the fused RMSNorm + residual add and SiLU-and-mul that write FP8, against the plain
+    kernel then the quantization kernel; time_us(fn) graph-replays fn (no launch overhead, as in decode)."""
+    import torch
+
+    from kernels import fp8_fused_quant, fp8_gemm, fused_ops
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    hidden, inter = PRODUCER_SHAPES["hidden"], PRODUCER_SHAPES["intermediate"]
+    weight = torch.randn(hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    rows = []
+    for m in TOKENS:
+        x, residual = (torch.randn(m, hidden, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2))
+        gate_up = torch.randn(m, 2 * inter, generator=gen, device=device, dtype=torch.bfloat16)
+        for layout, norm_group, act_group in (("channel", hidden, inter), ("block", 128, 128)):
+            us = {
+                "norm_plain": time_us(lambda: fused_ops.rms_norm(x, weight, 1e-6, residual)),
+                "norm_then_quant": time_us(lambda: fp8_gemm.quantize_rows(
+                    fused_ops.rms_norm(x, weight, 1e-6, residual)[0], norm_group)),
+                "norm_fused": time_us(lambda: fp8_fused_quant.rms_norm_quant(x, weight, 1e-6, norm_group, residual)),
+                "silu_plain": time_us(lambda: fused_ops.silu_and_mul(gate_up)),
+                "silu_then_quant": time_us(lambda: fp8_gemm.quantize_rows(fused_ops.silu_and_mul(gate_up), act_group)),
+                "silu_fused": time_us(lambda: fp8_fused_quant.silu_and_mul_quant(gate_up, act_group)),
+            }
+            rows.append({"m": m, "layout": layout, "us": us})
+    return rows
+
+
+def print_fused_producer_table(rows: list[dict]) -> None:
+    print(f"\nFP8 activations written by their producers (graph-replayed us; hidden {PRODUCER_SHAPES['hidden']}, "
+          f"intermediate {PRODUCER_SHAPES['intermediate']}): plain kernel, plain + quantization, fused")
+    print(f"{'M':>5} {'layout':>8} {'norm':>7} {'+quant':>7} {'fused':>7} {'saved':>6} "
+          f"{'silu':>7} {'+quant':>7} {'fused':>7} {'saved':>6}")
+    for r in rows:
+        u = r["us"]
+        print(f"{r['m']:>5} {r['layout']:>8} {u['norm_plain']:>7.1f} {u['norm_then_quant']:>7.1f} "
+              f"{u['norm_fused']:>7.1f} "
+              f"{u['norm_then_quant'] - u['norm_fused']:>6.1f} {u['silu_plain']:>7.1f} {u['silu_then_quant']:>7.1f} "
+              f"{u['silu_fused']:>7.1f} {u['silu_then_quant'] - u['silu_fused']:>6.1f}")

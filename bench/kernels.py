@@ -53,7 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--moe-sweep", action="store_true", help="also sweep the fused MoE GEMM tiles (bench/moe_kernels.py)")
     p.add_argument("--moe-only", action="store_true", help="only the fused MoE layer (and its sweep), no attention")
     p.add_argument("--fp8-gemm", action="store_true",
-                   help="only the FP8 GEMM table (bench/fp8_gemm_table.py: Qwen3-8B's GEMMs, fp8 vs bf16)")
+                   help="only the FP8 GEMM table (bench/fp8_gemm_table.py: Qwen3-8B's GEMMs, fp8 vs bf16) and the "
+                        "fused FP8 producers' table")
+    p.add_argument("--fp8-gemm-sweep", action="store_true",
+                   help="with --fp8-gemm: first sweep the Triton FP8 GEMM's tiles and use the fastest per shape and M")
+    p.add_argument("--fp8-gemm-table-out", default=None, metavar="JSON",
+                   help="with --fp8-gemm-sweep: write its choice for NANOSERVE_FP8_GEMM_TABLE")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -66,10 +71,17 @@ def main() -> None:
 
     bench = Bench(torch.device(args.device), tiny=args.tiny, sweep_pool=args.kv_cache_dtype)
     if args.fp8_gemm:
-        from bench.fp8_gemm_table import fp8_gemm_rows, print_fp8_gemm_table
+        from bench import fp8_gemm_table as fg
 
-        results = {"device": bench.device_name, "fp8_gemm": fp8_gemm_rows(bench.time_us, bench.device)}
-        print_fp8_gemm_table(results["fp8_gemm"])
+        results = {"device": bench.device_name}
+        if args.fp8_gemm_sweep:
+            results["fp8_gemm_sweep"] = fg.fp8_gemm_sweep(bench.device)
+            fg.print_fp8_gemm_sweep(results["fp8_gemm_sweep"])
+            fg.apply_and_write_sweep(results["fp8_gemm_sweep"], args.fp8_gemm_table_out)
+        results["fp8_gemm"] = fg.fp8_gemm_rows(bench.time_us, bench.device)
+        fg.print_fp8_gemm_table(results["fp8_gemm"])
+        results["fp8_producers"] = fg.fused_producer_rows(lambda fn: bench.time_us(fn, graph=True), bench.device)
+        fg.print_fused_producer_table(results["fp8_producers"])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
         return

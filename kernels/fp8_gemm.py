@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
-from kernels.fp8_quant import MIN_SCALE
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations
 from kernels.kv_quant import FP8_DTYPE
 from kernels.triton_runtime import INTERPRET
 
@@ -84,6 +84,7 @@ def _fp8_gemm_kernel(
     m, n, k, num_groups, stride_am, stride_wn, stride_cm,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
 ):
     # programs ordered in GROUP_M-row bands, so that neighbours share W's tiles in L2
     pid = tl.program_id(0)
@@ -111,7 +112,7 @@ def _fp8_gemm_kernel(
             w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
         else:
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # fp32 adds every K tile (Hopper)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 adds every 128 of K at most (Hopper)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not GROUPED:
@@ -124,12 +125,21 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tiles(m: int, n: int, group_k: int, grouped: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a GEMM of m rows: small m is weight-bound,
-    so narrow N tiles put more programs on the SMs; large m takes 128 x 128 tiles."""
+PROMOTE_K = 128  # the channel kernel's fp32 add interval in K (DeepSeek-V3's): Hopper's fp8 accumulation is shorter
+
+
+def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a GEMM of m rows: the sweep's choice for this shape
+    and M (kernels/fp8_gemm_dispatch.TILES), else a rule: small m is weight-bound, so narrow N tiles put more
+    programs on the SMs; large m takes 128 x 128 tiles. Block weights take BLOCK_K = group_k (one scale a tile)."""
+    from kernels.fp8_gemm_dispatch import measured_tiles
+
     block_k = group_k if grouped else 128
     if INTERPRET:
         return 16, 16, min(block_k, 32) if not grouped else block_k, 1, 1
+    tiles = measured_tiles("block" if grouped else "channel", m, n, k)
+    if tiles is not None and (not grouped or tiles[2] == group_k):
+        return tiles
     if m <= 16:
         return 16, 64, block_k, 4, 4
     if m <= 64:
@@ -138,22 +148,25 @@ def _tiles(m: int, n: int, group_k: int, grouped: bool) -> tuple[int, int, int, 
 
 
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                    group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+                    group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                    tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """a [M, K] fp8 with scales [M, G], w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
-    G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU)."""
+    G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU).
+    `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py)."""
     m, k = a.shape
     n = w.shape[0]
     grouped = w_scale.shape[1] > 1
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps, stages = _tiles(m, n, group_k, grouped)
+    block_m, block_n, block_k, warps, stages = tiles or _tiles(m, n, k, group_k, grouped)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else out, out,
         m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
         GROUPED=grouped, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, PROMOTE_K),
+        num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -166,17 +179,25 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     return out if bias is None else out + bias
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
+def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype."""
+    """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
+    x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
+    groups the weight's scales need; else one kernel quantizes it here."""
     from kernels.fp8_gemm_dispatch import choose_backend
 
-    rows = x.reshape(-1, x.shape[-1])
     grouped = w_scale.shape[1] > 1
-    a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
-    n, k = w.shape
-    if choose_backend("block" if grouped else "channel", rows.shape[0], n, k) == "scaled_mm":
-        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, x.dtype, bias)
+    if isinstance(x, QuantizedActivations):
+        a, a_scale, out_dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+        if a_scale.shape[1] != w_scale.shape[1]:
+            raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
     else:
-        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, x.dtype, bias)
-    return out.view(*x.shape[:-1], n)
+        rows = x.reshape(-1, x.shape[-1])
+        a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
+        out_dtype, lead = x.dtype, x.shape[:-1]
+    n, k = w.shape
+    if choose_backend("block" if grouped else "channel", a.shape[0], n, k) == "scaled_mm":
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias)
+    else:
+        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
+    return out.view(*lead, n)

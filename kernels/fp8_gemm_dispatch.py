@@ -1,27 +1,104 @@
-"""Which FP8 GEMM runs a Linear layer's product, per weight format, shape and token count: the one
-dispatch table of kernels/fp8_gemm.py.
+"""Which FP8 GEMM runs a Linear layer's product, per weight format, shape and token count, and with which tiles
+the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 
 - block weights (a scale per 128 x 128 block): only the Triton kernel applies the scales per K group;
 - channel weights (a scale per output row, activations per token): `torch._scaled_mm`'s row-wise GEMM
   or the Triton kernel, whichever bench/kernels.py --fp8-gemm measured faster at that shape and M.
 
-TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasing M; a shape not in it
-takes DEFAULT. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs and prints the rows
-to put here. None are yet: the table is empty and DEFAULT is the vendor GEMM, chosen without a measurement
-(bench/RESULTS.md, 2026-12-03: the kernel table has not run on a GPU).
+TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasing M (an M between two rows
+takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. TILES maps (scheme, N, K)
+to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)), ...] the same way; a shape or M not in it
+takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs
+(`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows to put here. The rows below are those the
+sweep printed on the H200 (bench/RESULTS.md, 2026-12-03, 173268d): on its own tiles Triton's kernel wins at
+M <= 16 on every product (and to 64 on gate_up_proj), torch._scaled_mm from there on.
+
+NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
+these, so that a sweep's choice can be measured in the engine before it is copied here.
 """
 from __future__ import annotations
 
+import json
+import os
+
 BACKENDS = ("scaled_mm", "triton")
-DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90); not measured against Triton yet
-TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {}
+DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90): the faster from M = 128 on every shape
+TABLE_ENV = "NANOSERVE_FP8_GEMM_TABLE"
+Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+
+TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {  # the sweep's rows, runs of one backend merged
+    (6144, 4096): [(16, "triton"), (4096, "scaled_mm")],
+    (4096, 4096): [(16, "triton"), (4096, "scaled_mm")],
+    (24576, 4096): [(64, "triton"), (4096, "scaled_mm")],
+    (4096, 12288): [(16, "triton"), (4096, "scaled_mm")],
+}
+TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
+    ("channel", 6144, 4096): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 6144, 4096): [
+        (1, (16, 32, 128, 4, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 4096, 4096): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 4096, 4096): [
+        (1, (16, 32, 128, 4, 6)), (16, (16, 32, 128, 4, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 24576, 4096): [
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 24576, 4096): [
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+    ("channel", 4096, 12288): [
+        (1, (16, 32, 256, 4, 4)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+    ],
+    ("block", 4096, 12288): [
+        (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
+        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+    ],
+}
+
+
+def _lookup(rows, m: int):
+    for max_m, value in rows:
+        if m <= max_m:
+            return value
+    return None
 
 
 def choose_backend(scheme: str, m: int, n: int, k: int) -> str:
     """"scaled_mm" or "triton" for an [m, k] x [k, n] product with `scheme` ("block" or "channel") scales."""
     if scheme == "block" or n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
         return "triton"
-    for max_m, backend in TABLE.get((n, k), ()):
-        if m <= max_m:
-            return backend
-    return DEFAULT
+    return _lookup(TABLE.get((n, k), ()), m) or DEFAULT
+
+
+def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
+    """The Triton kernel's tiles the sweep chose for this product, or None (kernels/fp8_gemm's rule)."""
+    return _lookup(TILES.get((scheme, n, k), ()), m)
+
+
+def apply_table(measured: dict) -> None:
+    """Replace TABLE's and TILES' rows by the shapes a sweep (bench/fp8_gemm_table.py) measured:
+    {"backends": {"NxK": [[M, backend], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}."""
+    for key, rows in measured["backends"].items():
+        n, k = map(int, key.split("x"))
+        TABLE[(n, k)] = [(int(m), backend) for m, backend in rows]
+    for key, rows in measured["tiles"].items():
+        scheme, shape = key.split()
+        n, k = map(int, shape.split("x"))
+        TILES[(scheme, n, k)] = [(int(m), tuple(int(v) for v in tiles)) for m, tiles in rows]
+
+
+if os.environ.get(TABLE_ENV):
+    with open(os.environ[TABLE_ENV]) as f:
+        apply_table(json.load(f))

@@ -6,12 +6,22 @@ edge): x ~= float32(q) * scale, scale = max|x| / 448 over the group, q = x / sca
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.kv_quant import FP8_DTYPE, FP8_MAX
 
 MIN_SCALE = 1e-12  # an all-zero group quantizes to zeros instead of dividing by zero
 
+
+class QuantizedActivations(NamedTuple):
+    """Activations already in FP8, as an FP8 GEMM takes them: what a producer that quantizes its own output
+    (kernels/fp8_fused_quant.py) hands to the Linear layer after it instead of a tensor."""
+
+    q: torch.Tensor  # float8_e4m3fn [M, K]
+    scale: torch.Tensor  # float32 [M, G]: a scale per token (G = 1) or per token and group of K's columns
+    dtype: torch.dtype  # the activations' own dtype: the GEMM's output dtype
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

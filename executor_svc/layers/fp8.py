@@ -9,6 +9,11 @@ so any row shard (a fused q/k/v or gate/up piece, a column-parallel split inside
 scales exactly. A row-parallel split inside a block shrinks the K group to the largest power of two
 dividing both the block and the shard, so that every group still lies in one checkpoint block.
 
+On CUDA, the modules whose output only an FP8 layer reads (the models list them: the RMSNorms before
+qkv_proj and gate_up_proj, SiLU-and-mul before down_proj) are told that layer's activation groups and write
+their output quantized (kernels/fp8_fused_quant.py); the GEMM then skips its own quantization kernel.
+NANOSERVE_FP8_FUSED_QUANT=0 turns that off (every FP8 GEMM quantizes its input itself), to compare the two.
+
 On the CPU the weights are dequantized at load (weight * scale, in float32, then the model dtype) and the
 layers stay plain: the products are exact in the model dtype; activations are not quantized.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from torch import nn
@@ -29,6 +35,7 @@ from scheduler_svc.common.weight_quantization import WeightQuantization
 log = logging.getLogger("nanoserve.executor")
 
 MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
+FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -134,5 +141,29 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
     where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
     log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
+    if device.type == "cuda":
+        fused = quantize_in_producers(model)
+        log.info("fp8 activations: %d of them quantized by the kernel that produces them", fused)
     return count
+
+
+def quantize_in_producers(model: nn.Module) -> int:
+    """Tell each producer whose Linear layer (its only reader) has FP8 weights the groups that layer's GEMM
+    quantizes its input in, so that it writes its output so (a CUDA model, after finish_loading). Returns the
+    number of Linear layers fed so."""
+    from kernels.fp8_fused_quant import can_quantize_in_groups
+
+    if os.environ.get(FUSED_QUANT_ENV, "1") == "0":
+        return 0
+    fed = 0
+    for module in model.modules():
+        for producer, layer in getattr(module, "fp8_activation_producers", list)():
+            if layer.weight.dtype != FP8_DTYPE:
+                continue  # a plain layer the checkpoint did not convert
+            k = layer.weight.shape[1]
+            group = layer.fp8_group_k if layer.weight_scale.shape[1] > 1 else k
+            if can_quantize_in_groups(group, k):
+                producer.fp8_group = group
+                fed += 1
+    return fed
 

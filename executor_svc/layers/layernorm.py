@@ -1,14 +1,18 @@
 """RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block.
 
-On CUDA with Triton, one kernel does the add and the norm (kernels/fused_ops.py); elsewhere, torch.
+On CUDA with Triton, one kernel does the add and the norm (kernels/fused_ops.py); elsewhere, torch. A norm
+whose only reader is a Linear layer with FP8 weights is told so at load (`fp8_group`, by
+executor_svc/layers/fp8.py) and then writes its output quantized for that GEMM (kernels/fp8_fused_quant.py).
 """
 import torch
 from torch import nn
 
+from kernels.fp8_quant import QuantizedActivations
+
 try:
-    from kernels import fused_ops
+    from kernels import fp8_fused_quant, fused_ops
 except ImportError:  # no Triton: torch everywhere
-    fused_ops = None
+    fused_ops = fp8_fused_quant = None
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +21,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded)
+        self.fp8_group: int | None = None  # set: the output goes out in FP8, a scale per token and this many columns
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 and the scale applied after casting back, as HF does.
@@ -26,11 +31,14 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | QuantizedActivations | tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
         """norm(x); with `residual`, returns (norm(x + residual), x + residual).
 
-        x is [T, hidden], or [T, H, D] for Qwen3's per-head q/k norm.
+        x is [T, hidden], or [T, H, D] for Qwen3's per-head q/k norm. With `fp8_group` set (CUDA only), the
+        norm comes as QuantizedActivations.
         """
+        if self.fp8_group is not None:
+            return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual)
         if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -56,6 +56,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def fp8_activation_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, Linear layer) pairs in which the layer alone reads the producer's output: with FP8
+        weights the producer may write it quantized (executor_svc/layers/fp8.py)."""
+        return [(self.act_fn, self.down_proj)]
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
@@ -76,6 +81,14 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def fp8_activation_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The norms' pairs (as LlamaMLP.fp8_activation_producers): qkv_proj's, and gate_up_proj's when the MLP is
+        dense (a mixture of experts' router reads the post-attention norm too)."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
 
 
 def dense_mlp(config, layer_idx: int) -> nn.Module:

@@ -1,11 +1,15 @@
 """On CUDA: an FP8 checkpoint (128 x 128 blocks, ragged: intermediate 320) and --quantization fp8 decode under
 CUDA graphs to the tokens of the same engine run eagerly (ties judged by the top-5 rule: graph batches are
-padded, and a GEMM may pick other tiles at another M)."""
+padded, and a GEMM may pick other tiles at another M), and to the tokens of the engine whose FP8 GEMMs quantize
+their activations themselves (NANOSERVE_FP8_FUSED_QUANT=0) instead of the norms and SiLU-and-mul before them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from executor_svc.layers import fp8
+from executor_svc.model_loader import load_model
+from kernels.attention.torch_backend import TorchAttentionBackend
 from support.fp8_checkpoints import write_fp8_checkpoints
 from support.gpu_engine import generate, gpu_prompts
 from support.hf_reference import assert_greedy_matches
@@ -31,3 +35,26 @@ def test_fp8_weights_decode_under_cuda_graphs_to_the_eager_tokens(checkpoints, m
     graphs, _ = generate(path, prompts, quantization=quantization, max_num_seqs=32)
     eager, _ = generate(path, prompts, quantization=quantization, enforce_eager=True)
     assert_greedy_matches(graphs, [o.token_ids for o in eager], max_flip_fraction=1.0)
+
+
+@pytest.mark.parametrize("model, quantization, fed", [("block", None, 4), ("plain", "fp8", 6)])
+def test_on_cuda_the_producers_before_fp8_layers_write_their_output_in_fp8(checkpoints, model, quantization, fed):
+    loaded, _ = load_model(f"{checkpoints}/{model}", torch.bfloat16, torch.device("cuda"), TorchAttentionBackend(),
+                           quantization=quantization)
+    first, second = loaded.model.layers
+    assert (first.input_layernorm.fp8_group, first.post_attention_layernorm.fp8_group, first.mlp.act_fn.fp8_group) \
+        == ((128, 128, 128) if model == "block" else (256, 256, 320))
+    producers = [m for m in loaded.modules() if getattr(m, "fp8_group", None) is not None]
+    assert len(producers) == fed  # the block checkpoint leaves layer 1's MLP plain: only its qkv_proj is fed
+    assert loaded.model.norm.fp8_group is None
+
+
+@pytest.mark.parametrize("model, quantization", [("block", None), ("plain", "fp8")])
+def test_fp8_activations_quantized_by_their_producers_give_the_tokens_of_the_separate_quantization(
+        checkpoints, model, quantization, monkeypatch):
+    path, prompts = f"{checkpoints}/{model}", gpu_prompts()
+    fused, _ = generate(path, prompts, quantization=quantization, max_num_seqs=32)
+    monkeypatch.setenv(fp8.FUSED_QUANT_ENV, "0")
+    unfused, _ = generate(path, prompts, quantization=quantization, max_num_seqs=32)
+    # the same bytes into every GEMM but for the order of the norm's sum of squares: a flip only at a near-tie
+    assert_greedy_matches(fused, [o.token_ids for o in unfused])

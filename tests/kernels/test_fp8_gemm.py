@@ -113,3 +113,26 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
     out = fp8_gemm.fp8_linear(x.cuda(), wq.cuda(), w_scale.cuda(), 128)
     assert out.dtype == torch.bfloat16
     assert_close_to_float64(out.cpu(), ref, rel=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatch table (no kernels)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_triton(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "TABLE", {})
+    monkeypatch.setattr(dispatch, "TILES", {})
+    dispatch.apply_table({"backends": {"96x64": [[1, "triton"], [64, "scaled_mm"], [256, "triton"]]},
+                          "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4]]]}})
+    picks = [dispatch.choose_backend("channel", m, 96, 64) for m in (1, 2, 64, 65, 256, 257)]
+    assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
+    assert dispatch.choose_backend("block", 2, 96, 64) == "triton"  # only Triton applies block scales
+    assert dispatch.choose_backend("channel", 2, 96, 80) == dispatch.DEFAULT  # a shape not measured
+    assert dispatch.choose_backend("channel", 2, 90, 64) == "triton"  # _scaled_mm needs multiples of 16
+    assert dispatch.measured_tiles("channel", 16, 96, 64) == (16, 32, 256, 4, 4)
+    assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4)
+    assert dispatch.measured_tiles("channel", 257, 96, 64) is None
+    assert dispatch.measured_tiles("block", 1, 96, 64) is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 import pytest
+from support.float64_ops import EPS, rms_norm64, silu_and_mul64
 from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
                                interpreter, needs_cuda)
 import torch
@@ -26,7 +27,6 @@ if KERNELS_RUN_HERE:
     from kernels.attention import triton_backend as ta
 
 DTYPES = [torch.float32, torch.bfloat16]
-EPS = 1e-6
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,17 +50,7 @@ def randn(*shape, gen, dtype, device="cpu") -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
 
-# float64 references, written from the definitions rather than from the eager layers
-
-
-def rms_norm64(x, weight, residual=None):
-    h = x.double() if residual is None else x.double() + residual.double()
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-
-
-def silu_and_mul64(x):
-    gate, up = x.double().chunk(2, dim=-1)
-    return gate * torch.sigmoid(gate) * up
+# float64 references, written from the definitions rather than from the eager layers (support/float64_ops.py)
 
 
 def rotate64(x, positions, cos, sin):

@@ -1,0 +1,210 @@
+"""RMSNorm (after the residual add) and SiLU-and-mul that write their output as FP8 activations with scales:
+the input of the FP8 GEMM that follows them (kernels/fp8_gemm.py), so that no separate quantization kernel
+runs between the producer and its GEMM, and the bf16 activations never go to memory.
+
+Each kernel computes exactly what its plain version in kernels/fused_ops.py writes (rounded to the activation
+dtype where that one rounds), then quantizes it as kernels/fp8_gemm.quantize_rows would: a scale per token
+(channel weights) or per token and `group` columns (block weights, DeepSeek's 1 x 128), scale = max|y| / 448
+over the group. So a fused producer feeds its GEMM the same bytes as the unfused chain, up to the order of the
+norm's sum of squares.
+
+A row is held as a [NUM_TILES, TILE] tile of columns (TILE = the scale group when there are several per row,
+a power of two), so each group's max is one reduction over the tile's second axis and a row's max one more.
+No wrapper syncs with the host or sizes anything by data: both capture in the decode CUDA graphs. Each op's
+torch reference is beside it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, quantize_rows_ref
+from kernels.fused_ops import rms_norm_ref, silu_and_mul_ref
+from kernels.kv_quant import FP8_DTYPE
+from kernels.triton_runtime import INTERPRET
+
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+MAX_ROW_TILE = 4096  # columns one SiLU-and-mul program holds at once for scales per group (a norm: its whole row)
+MAX_ONE_PASS_ROW = 16384  # per-token scales: a row up to this wide is held whole, read once (73 registers at 16 warps)
+
+
+def can_quantize_in_groups(group: int, k: int) -> bool:
+    """Whether these kernels write scales per `group` columns of a K-wide row: one per row (group >= k), or
+    groups of a power of two (the tile's width)."""
+    return group >= k or (group & (group - 1) == 0 and group >= 1)
+
+
+def _tiles(k: int, group: int, max_cols: int) -> tuple[int, int, bool]:
+    """(NUM_TILES, TILE, PER_ROW) for rows of k columns quantized in `group`s, at most max_cols per program
+    (never fewer than one group)."""
+    assert can_quantize_in_groups(group, k), f"scale groups of {group} columns need a power of two"
+    per_row = group >= k
+    tile = min(128, triton.next_power_of_2(k)) if per_row else group
+    num_tiles = max(1, min(triton.next_power_of_2(triton.cdiv(k, tile)), max_cols // tile))
+    return num_tiles, tile, per_row
+
+
+def _num_warps(elements: int) -> int:
+    return 1 if INTERPRET else max(1, min(16, elements // 256))  # ~8 elements a thread
+
+
+@triton.jit
+def _group_scales(v, PER_ROW: tl.constexpr):
+    """v [NUM_TILES, TILE] -> the scale [NUM_TILES] of each tile (each group), or of the whole tile (one row)."""
+    amax = tl.max(tl.abs(v), axis=1)
+    if PER_ROW:
+        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
+    return tl.maximum(amax / FP8_MAX, _MIN_SCALE)  # kernels/fp8_gemm._quantize_rows_kernel's expression
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (with the residual add) -> FP8
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr,
+    dim, eps, num_groups, x_stride, r_stride,
+    HAS_RESIDUAL: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    tiles = tl.arange(0, NUM_TILES)
+    cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    mask = cols < dim
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(residual_out_ptr.dtype.element_ty)  # rounded as eager torch adds, then normalised
+        tl.store(residual_out_ptr + row * dim + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / dim + eps)
+    dtype = x_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # fused_ops._rms_norm_kernel's output, rounded to the activation dtype as it stores it
+    y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    scale = _group_scales(y, PER_ROW)
+    tl.store(q_ptr + row * dim + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * num_groups + tiles, scale, mask=tiles < num_groups)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                   residual: torch.Tensor | None = None
+                   ) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
+    """RMSNorm over x [T, hidden] (with `residual`: of x + residual, returned too, as fused_ops.rms_norm),
+    written as FP8 with a scale per token and `group` columns (group >= hidden: per token)."""
+    num_rows, dim = x.shape
+    assert weight.dtype == x.dtype, "the norm's weight must be in the activation dtype"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    num_tiles, tile, per_row = _tiles(dim, group, max_cols=1 << 30)  # the whole row: the norm needs all of it
+    num_groups = 1 if per_row else triton.cdiv(dim, group)
+    q = torch.empty(num_rows, dim, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        residual_out = torch.empty_like(x)
+    else:
+        residual, residual_out = x, x  # unused by the kernel
+    if num_rows > 0:
+        _rms_norm_quant_kernel[(num_rows,)](
+            x, residual, weight, q, scale, residual_out,
+            dim, eps, num_groups, x.stride(0), residual.stride(0),
+            HAS_RESIDUAL=residual_out is not x, PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
+            num_warps=_num_warps(num_tiles * tile),
+        )
+    out = QuantizedActivations(q, scale, x.dtype)
+    return out if residual_out is x else (out, residual_out)
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                       residual: torch.Tensor | None = None
+                       ) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
+    """The unfused chain in torch: the eager RMSNorm, then the activation quantization."""
+    if residual is None:
+        return _quantized(rms_norm_ref(x, weight, eps), group)
+    normed, summed = rms_norm_ref(x, weight, eps, residual)
+    return _quantized(normed, group), summed
+
+
+def _quantized(y: torch.Tensor, group: int) -> QuantizedActivations:
+    q, scale = quantize_rows_ref(y, min(group, y.shape[1]))
+    return QuantizedActivations(q, scale, y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU-and-mul -> FP8
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask):
+    """silu(gate) * up at `cols`, rounded to the activation dtype where fused_ops._silu_and_mul_kernel rounds."""
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row_offset + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row_offset + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, inter, num_groups, x_stride,
+    PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr, TWO_PASSES: tl.constexpr,
+):
+    # Per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass; so does
+    # program (t, 0) per token when the whole row fits its tile. A wider row per token is read twice (its max,
+    # then the quantization; the second read hits L2).
+    row = tl.program_id(0).to(tl.int64)
+    tiles = tl.arange(0, NUM_TILES)
+    tile_cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    row_offset = row * x_stride
+    out_row = q_ptr + row * inter
+    if TWO_PASSES:
+        amax = tl.zeros([NUM_TILES, TILE], dtype=tl.float32)
+        for start in range(0, inter, NUM_TILES * TILE):
+            cols = start + tile_cols
+            amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)))
+        scale = _group_scales(amax, PER_ROW)
+        for start in range(0, inter, NUM_TILES * TILE):
+            cols = start + tile_cols
+            y = _silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)
+            tl.store(out_row + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
+        tl.store(scale_ptr + row + tiles, scale, mask=tiles < 1)
+    else:
+        first = tl.program_id(1) * NUM_TILES
+        cols = first * TILE + tile_cols
+        y = _silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)
+        scale = _group_scales(y, PER_ROW)
+        tl.store(out_row + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
+        tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
+
+
+def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None) -> QuantizedActivations:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as FP8 [T, I] with a scale per token and `group` columns
+    (group >= I: per token); a program holds at most max_cols columns at once (at least one group; by default
+    MAX_ONE_PASS_ROW per token, MAX_ROW_TILE per group)."""
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if max_cols is None:
+        max_cols = MAX_ONE_PASS_ROW if group >= inter else MAX_ROW_TILE
+    num_tiles, tile, per_row = _tiles(inter, group, max_cols)
+    num_groups = 1 if per_row else triton.cdiv(inter, group)
+    q = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if num_rows > 0 and inter > 0:
+        grid = (num_rows, 1 if per_row else triton.cdiv(num_groups, num_tiles))
+        _silu_and_mul_quant_kernel[grid](x, q, scale, inter, num_groups, x.stride(0),
+                                         PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
+                                         TWO_PASSES=per_row and num_tiles * tile < inter,
+                                         num_warps=_num_warps(num_tiles * tile))
+    return QuantizedActivations(q, scale, x.dtype)
+
+
+def silu_and_mul_quant_ref(x: torch.Tensor, group: int) -> QuantizedActivations:
+    """The unfused chain in torch: the eager SiLU-and-mul, then the activation quantization."""
+    return _quantized(silu_and_mul_ref(x), group)
