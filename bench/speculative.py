@@ -1,9 +1,14 @@
-"""Speculative decoding: tokens per second and time per output token with and without n-gram speculation, at
-several concurrencies, on prompts that reward it (editing, summarising a given text, code with repetition) and
-on plain chat; with the acceptance figures. Greedy, ignore_eos, fixed output length, so both engines generate
-the same tokens (the test suite checks they are equal).
+"""Speculative decoding: tokens per second and time per output token with and without speculation (n-gram, or a
+draft model with --speculative-method draft --draft-model DIR), at several concurrencies, on prompts that reward
+n-gram (editing, summarising a given text, code with repetition) and on plain chat; with the acceptance figures.
+Greedy, ignore_eos, fixed output length, so every engine generates the same tokens (the test suite checks they
+are equal).
 
     python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [engine flags]
+    python bench/speculative.py --self-draft-ks 1,2,4,8 [...]   # the mechanism's ceiling, see below
+
+--self-draft-ks runs the model as its own draft (every proposal accepted, bar near-ties) at each K against no
+speculation: the most a draft-model step can give at that K, where the draft costs what the target costs.
 
 Each concurrency c runs c requests of a workload at once (the prompts repeat when c exceeds them); TPOT is
 the batch's wall time over the tokens each request generated (time to first token included). One engine per
@@ -20,6 +25,7 @@ the gap is also worth reading in bf16 units: a logit between 16 and 32 is a mult
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -100,18 +106,18 @@ def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[i
     return llm.stats().num_speculative_steps - before
 
 
-def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]],
-                warmup_prompt: list[int], other: list[dict] | None = None) -> list[dict]:
-    """One engine's rows. other: the speculative engine's rows, in the same order, when this one is the plain
+def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_prompt: list[int],
+                other: list[dict] | None = None, **overrides) -> list[dict]:
+    """One engine of the flags with these config fields changed, warmed up, then every workload and concurrency;
+    rows labelled `label`. other: the speculative engine's rows, in the same order, when this one is the plain
     engine: it then explains, untimed, where each row's tokens differ from them (explain_differences)."""
-    config = engine_config_from_args(args)
-    config.speculative_method = method
+    config = dataclasses.replace(engine_config_from_args(args), **overrides)
     engine_args = {k: v for k, v in vars(config).items() if k != "model"}
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
     rows = []
     with LLM(config.model, **engine_args) as llm:
         verifying = warm_up(llm, prompts, warmup_prompt, args.concurrency)
-        print(f"  {method or 'off'}: warm-up ran {verifying} verifying steps", flush=True)
+        print(f"  {label}: warm-up ran {verifying} verifying steps", flush=True)
         for name, batch in prompts.items():
             for c in args.concurrency:
                 requests = [batch[i % len(batch)] for i in range(c)]
@@ -123,7 +129,7 @@ def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]],
                 tokens = sum(len(r.outputs[0].token_ids) for r in results)
                 delta = lambda f: getattr(after, f) - getattr(before, f)  # noqa: E731
                 steps = delta("num_speculative_steps")
-                rows.append({"method": method or "off", "workload": name, "concurrency": c, "output_tokens": tokens,
+                rows.append({"method": label, "workload": name, "concurrency": c, "output_tokens": tokens,
                              "seconds": elapsed, "tok_per_s": tokens / elapsed,
                              "tpot_ms": 1000 * elapsed * c / tokens, "steps": delta("num_steps"),
                              "verifying_steps": steps, "proposed": delta("num_proposed_tokens"),
@@ -138,7 +144,7 @@ def run_setting(args, method: str | None, prompts: dict[str, list[list[int]]],
                 if other is not None:
                     r["differences"] = explain_differences(llm, requests, args.max_tokens, r["tokens"],
                                                            other[len(rows) - 1]["tokens"])
-                print(f"  {r['method']:<6}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
+                print(f"  {r['method']:<10}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
                       f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
     return rows
 
@@ -160,6 +166,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", default="speculative.json")
+    parser.add_argument("--self-draft-ks", default="",
+                        help="the ceiling: the model as its own draft at each of these K (e.g. 1,2,4,8) against off")
     add_engine_args(parser)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -169,12 +177,20 @@ def main() -> None:
                for name in args.workloads.split(",")}
     # Not one of the measured prompts: a text to copy, which n-gram proposals predict from the first tokens.
     warmup_prompt = tokenizer.encode_chat([{"role": "user", "content": f"Copy this text exactly: {CODE}"}])
-    on = run_setting(args, "ngram", prompts, warmup_prompt)
-    off = run_setting(args, None, prompts, warmup_prompt, other=on)
-    print(f"\nspeculative decoding, n-gram K={config.num_speculative_tokens} (ngram {config.ngram_min}.."
-          f"{config.ngram_max}), max batch {config.speculative_max_batch_size}, {args.max_tokens} tokens each")
-    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
-          f"{'ngram TPOT':>12}{'accept':>8}{'mean len':>9}  same tokens")
+    if args.self_draft_ks:
+        off = run_setting(args, "off", prompts, warmup_prompt, speculative_method=None, draft_model=None)
+        ceiling(args, config, prompts, warmup_prompt, off)
+        return
+    # speculation first, then the plain engine, which explains where their tokens differ
+    method = config.speculative_method or "ngram"
+    on = run_setting(args, method, prompts, warmup_prompt, speculative_method=method)
+    off = run_setting(args, "off", prompts, warmup_prompt, other=on, speculative_method=None, draft_model=None)
+    proposer = f"draft {os.path.basename(config.draft_model)}" if method == "draft" else \
+        f"ngram {config.ngram_min}..{config.ngram_max}"
+    print(f"\nspeculative decoding, {proposer}, K={config.num_speculative_tokens}, max batch "
+          f"{config.speculative_max_batch_size}, {args.max_tokens} tokens each")
+    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{method + ' tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
+          f"{method + ' TPOT':>12}{'accept':>8}{'mean len':>9}  same tokens")
     for a, b in zip(off, on):
         same = a.pop("tokens") == b.pop("tokens")
         b["same_tokens_as_off"] = same
@@ -182,8 +198,29 @@ def main() -> None:
               f"{b['tok_per_s'] / a['tok_per_s']:>7.2f}{a['tpot_ms']:>9.1f}m{b['tpot_ms']:>11.1f}m"
               f"{b['acceptance']:>8.2f}{b['mean_accepted_length']:>9.2f}  {same}{describe(a.get('differences'))}")
     with open(args.out, "w") as f:
-        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, "ngram": on}, f, indent=1)
+        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, method: on}, f, indent=1)
 
+
+def ceiling(args, config, prompts: dict[str, list[list[int]]], warmup_prompt: list[int], off: list[dict]) -> None:
+    """The model as its own draft at each K of --self-draft-ks, against off (already run): a table of ratios."""
+    ks = [int(k) for k in args.self_draft_ks.split(",")]
+    runs = {k: run_setting(args, f"self K={k}", prompts, warmup_prompt, speculative_method="draft",
+                           draft_model=config.model, num_speculative_tokens=k) for k in ks}
+    print(f"\nthe model as its own draft (the ceiling of a draft step), max batch {config.speculative_max_batch_size},"
+          f" {args.max_tokens} tokens each: tok/s against off, acceptance, mean accepted length")
+    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}" + "".join(f"{f'K={k} ratio':>12}{'acc':>6}{'len':>6}"
+                                                             for k in ks) + "  same tokens")
+    for n, a in enumerate(off):
+        tokens = a.pop("tokens")
+        same = all(runs[k][n].pop("tokens") == tokens for k in ks)
+        print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}" + "".join(
+            f"{runs[k][n]['tok_per_s'] / a['tok_per_s']:>12.2f}{runs[k][n]['acceptance']:>6.2f}"
+            f"{runs[k][n]['mean_accepted_length']:>6.2f}" for k in ks) + f"  {same}")
+        for k in ks:
+            runs[k][n]["same_tokens_as_off"] = same
+    with open(args.out, "w") as f:
+        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off,
+                   "self_draft": {str(k): rows for k, rows in runs.items()}}, f, indent=1)
 
 if __name__ == "__main__":
     main()

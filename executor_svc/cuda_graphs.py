@@ -76,8 +76,10 @@ def stage_rows(raw: np.ndarray, bs: int, b: int, rows: dict[str, np.ndarray], ca
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, vocab_size: int | None = None) -> None:
-        """vocab_size: capture the logits and the sampling too (one rank holding the whole vocab)."""
+                 dtype: torch.dtype, device: torch.device, vocab_size: int | None = None,
+                 host_buffers: int = 2) -> None:
+        """vocab_size: capture the logits and the sampling too (one rank holding the whole vocab). host_buffers:
+        pinned staging buffers used in turn (more than two where several loads go out before the host waits)."""
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -96,7 +98,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self._views = {bs: self._bucket_views(bs) for bs in self.buckets}
         self._host = [torch.zeros(self.static.numel() - self.rows_at, dtype=torch.uint8).pin_memory()
-                      for _ in range(2)]  # double-buffered: the previous step's copy may be in flight
+                      for _ in range(host_buffers)]  # double-buffered: the previous step's copy may be in flight
         self._parity = 0
         self.samples = vocab_size is not None
         if self.samples:
@@ -165,7 +167,7 @@ class DecodeGraphs:
         `rows` (temperature and noise seeds when the graph's tokens go unused) keep the padding."""
         b = len(rows["positions"])
         host = self._host[self._parity]
-        self._parity ^= 1
+        self._parity = (self._parity + 1) % len(self._host)
         raw = host.numpy()
         nbytes = stage_rows(raw, bs, b, rows, self.capacity)
         raw[nbytes: nbytes + block_tables.nbytes] = block_tables.reshape(-1).view(np.uint8)

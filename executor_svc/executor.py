@@ -186,6 +186,8 @@ class StepLoop:
                 self.profiler.after_step()
 
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
+        if self.pending is not None and plan.cached.num_draft_tokens and self._drafts_after_pending(plan.cached):
+            self.reply_pending()  # a draft proposes from every token: a rank behind rank 0 appends them first
         try:
             chunks = self.mirrors.apply(plan)
             swaps = self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
@@ -213,6 +215,13 @@ class StepLoop:
         self.pending = SampledStep(step, engine_pb2.StepResult(
             step_id=plan.step_id, execute_seconds=time.perf_counter() - t0, idle_seconds=idle,
             late_mask_wait_seconds=wait), error, swaps)
+
+    def _drafts_after_pending(self, cached: engine_pb2.CachedSequences) -> bool:
+        """Whether a sequence this plan drafts for has tokens in the step still pending here. Never on rank 0 (the
+        scheduler drafts only after it has a sequence's every token, which rank 0 appended before it answered);
+        another rank answers nothing, so it may see the next plan before it appended its pending step."""
+        drafting = {seq_id for seq_id, k in zip(cached.seq_ids, cached.num_draft_tokens) if k}
+        return any(seq.seq_id in drafting for seq in self.pending.step.seqs)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:

@@ -145,15 +145,26 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
         starts.append(c.start)
         ends.append(c.end)
         tables.append(seq.block_array)
+    host = one_token_rows(ids, starts, ends, tables, bs, fill_at, fill_from)
+    host.sampling_chunks, host.verifies = list(chunks), True
+    return host
+
+
+def one_token_rows(ids: list[int], starts: list[int], ends: list[int], tables: list[np.ndarray], block_size: int,
+                   fill_at: list[int], fill_from: list[int]) -> HostInputs:
+    """Rows of one token each, in runs: run i holds positions starts[i]..ends[i] - 1 over block table tables[i], each
+    row seeing the context up to its position, with a logits row each; fill_at/fill_from: rows whose input is on the
+    device (a step's ids before). Attention runs them as decodes."""
+    bs = block_size
     num_rows = len(ids)
     first = np.asarray(starts, dtype=np.int64)
     last = np.asarray(ends, dtype=np.int64)
-    # each row's chunk; row r of chunk i sits at position starts[i] + (r - its chunk's first row)
-    chunk = np.repeat(np.arange(len(chunks)), last - first)
+    # each row's run; row r of run i sits at position starts[i] + (r - its run's first row)
+    chunk = np.repeat(np.arange(len(tables)), last - first)
     first_row = np.cumsum(last - first) - (last - first)
     pos = first[chunk] + np.arange(num_rows) - first_row[chunk]
     k_lens = pos + 1
-    chunk_tables = _block_tables(tables, -(-last // bs))  # a row reads its chunk's table up to its own length
+    chunk_tables = _block_tables(tables, -(-last // bs))  # a row reads its run's table up to its own length
     block_tables = chunk_tables[chunk]
     arrays = {
         "input_ids": np.asarray(ids, dtype=np.int64), "positions": pos,
@@ -165,7 +176,7 @@ def verification_rows(chunks: list[ScheduledChunk], block_size: int, prev_rows: 
     if fill_at:
         arrays["fill_at"] = np.asarray(fill_at, dtype=np.int64)
         arrays["fill_from"] = np.asarray(fill_from, dtype=np.int64)
-    return HostInputs(arrays, list(chunks), 1, int(k_lens.max()), num_rows, verifies=True)
+    return HostInputs(arrays, [], 1, int(k_lens.max()), num_rows)
 
 
 def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarray:
@@ -177,9 +188,10 @@ def _block_tables(tables: list[np.ndarray], num_blocks: np.ndarray) -> np.ndarra
 
 
 def device_inputs(host: HostInputs, staging: PinnedStaging, block_size: int,
-                  prev_sampled: torch.Tensor | None) -> StepInputs:
-    """The step's inputs on the device, in one copy; prev_sampled: the previous step's ids, on the device."""
-    dev = staging.upload(host.arrays)
+                  prev_sampled: torch.Tensor | None, group: str = "inputs") -> StepInputs:
+    """The step's inputs on the device, in one copy; prev_sampled: the previous step's ids, on the device.
+    group: the staging buffer (a forward of its own in the same step needs another: the draft model's)."""
+    dev = staging.upload(host.arrays, group)
     meta = AttentionMetadata(
         slot_mapping=dev["slot_mapping"], cu_seqlens_q=dev["cu_seqlens_q"], seqlens_k=dev["seqlens_k"],
         block_tables=dev["block_tables"], max_seqlen_q=host.max_seqlen_q, max_seqlen_k=host.max_seqlen_k,

@@ -61,17 +61,20 @@ class KVLayout:
 # ---------------------------------------------------------------------------------------------
 
 
-def num_kv_blocks(config: EngineConfig, layout: KVLayout, peak_forward: Callable[[], None]) -> int:
+def num_kv_blocks(config: EngineConfig, layout: KVLayout, peak_forward: Callable[[], None],
+                  extra_bytes_per_block: int = 0) -> int:
     """--num-gpu-blocks when given (any device); on the CPU what --cpu-kv-cache-gb holds; on a GPU
-    what is left of --gpu-memory-utilization after peak_forward, the step that peaks memory."""
+    what is left of --gpu-memory-utilization after peak_forward, the step that peaks memory.
+    extra_bytes_per_block: another pool indexed by the same block ids (a draft model's) shares the memory."""
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if layout.device.type == "cpu":
-        return max(1, int(config.cpu_kv_cache_gb * 2**30) // layout.bytes_per_block)
-    return _gpu_blocks_left(layout, config.gpu_memory_utilization, peak_forward)
+        return max(1, int(config.cpu_kv_cache_gb * 2**30) // (layout.bytes_per_block + extra_bytes_per_block))
+    return _gpu_blocks_left(layout, config.gpu_memory_utilization, peak_forward, extra_bytes_per_block)
 
 
-def _gpu_blocks_left(layout: KVLayout, gpu_memory_utilization: float, peak_forward: Callable[[], None]) -> int:
+def _gpu_blocks_left(layout: KVLayout, gpu_memory_utilization: float, peak_forward: Callable[[], None],
+                     extra_bytes_per_block: int = 0) -> int:
     """Run peak_forward (which brings and releases its own small pool), then give the KV pool what
     memory is left."""
     device = layout.device
@@ -84,7 +87,7 @@ def _gpu_blocks_left(layout: KVLayout, gpu_memory_utilization: float, peak_forwa
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free - torch.cuda.memory_allocated(device)
     budget = total * gpu_memory_utilization - used_by_others - peak
-    num_blocks = int(budget // layout.bytes_per_block)
+    num_blocks = int(budget // (layout.bytes_per_block + extra_bytes_per_block))
     if num_blocks <= 0:
         raise RuntimeError(
             f"no GPU memory left for the KV pool (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "

@@ -12,6 +12,7 @@ import torch
 
 from executor_svc.copy_costs import calibrate
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.draft_model import DraftModel
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
                                       one_token_chunks_first, profiling_chunks, verification_rows)
 from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
@@ -107,6 +108,7 @@ class ModelRunner:
                                    kv_cache_dtype=self.kv_cache_dtype)
         self.model, self.facts = load_model(config.model, self.dtype, self.device, self.backend, config.load_format,
                                               config.quantization)
+        self.draft: DraftModel | None = None  # speculative method draft: the proposer, loaded before the pool is sized
         self.sampler = Sampler()
         self._noise_rng = np.random.default_rng(config.seed)  # the noise seeds of unseeded sampling rows
         self.staging = PinnedStaging(self.device)
@@ -120,13 +122,19 @@ class ModelRunner:
         layout = KVLayout(f.num_layers, self.block_size, f.num_kv_heads // world_size,  # the layers check divisibility
                           f.head_dim, self.kv_cache_dtype, self.device)
         self.kv_pool = KVPool(layout, self.model.attention_layers(), self.staging)
+        if config.speculative_method == "draft":
+            self.draft = DraftModel(config, self.facts.vocab_size, self.dtype, self.device, rank, world_size,
+                                    self.staging)
         if is_quantized(layout.dtype):  # before sizing: the profiling forward runs on the quantized pool too
             if config.kv_cache_rotation == "hadamard":  # before calibrating: the scales are of the rotated K
                 self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, self.dtype, self.device))
             method = config.kv_scales_method()
             amax = None if method == "static" else self.calibration_amax()
             self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
-        self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward))
+        self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward,
+                                            self.draft.bytes_per_block if self.draft is not None else 0))
+        if self.draft is not None:
+            self.draft.allocate(self.kv_pool.num_blocks, self.max_model_len)
         host_blocks = num_host_blocks(config.num_host_blocks, config.host_pool_gb(self.device.type),
                                       layout.bytes_per_block)
         if host_blocks:
@@ -211,6 +219,8 @@ class ModelRunner:
             return None
         self.staging.next_step()  # alternate pinned buffers: the previous step's copies may be in flight
         self._steps_since_proposals += 1
+        if self.draft is not None and any(c.num_draft for c in chunks):  # the draft's proposals, verified below
+            self.draft.propose(chunks, self.sampler._generators, self._noise_rng)
         if any(c.proposal for c in chunks):
             self._steps_since_proposals = 0
             rows = verification_rows(chunks, self.block_size, self.prev_rows)
@@ -254,7 +264,9 @@ class ModelRunner:
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
         chunks = rows.sampling_chunks
-        plain = plain_rows(chunks)
+        # a draft's sampled proposals come with q (draft_probs): rejection sampling against it accepts more often than
+        # one draw per row, which is exact for any proposer but ignores q
+        plain = plain_rows(chunks) and all(c.draft_probs is None for c in chunks)
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
             inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))

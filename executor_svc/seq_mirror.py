@@ -30,6 +30,9 @@ class MirroredSeq:
     # block_table as an int32 array with spare room, so building a step's block tables is a memcpy a row
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     sampling_row: SamplingRow | None = None  # `sampling` read once, for the per-step sampling batch
+    # draft method: its leading tokens whose K/V the draft model holds in its own pool (computed by this mirror:
+    # a new mirror, after a preemption or on a prefix hit, starts again from 0, so the draft pool needs no swaps)
+    draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.sampling_row = SamplingRow.of(self.sampling)
@@ -70,15 +73,24 @@ class ScheduledChunk:
     pending_input: bool = False
     void: bool = False
     proposals_dropped: bool = False
+    # draft method: how many tokens the draft model proposes after its last one (executor_svc/draft_model.py fills
+    # proposal with them, and draft_probs, [num_draft, V] on rank 0, with the distributions they were drawn from)
+    num_draft: int = 0
+    draft_probs: object = None
+
+    @property
+    def num_proposed(self) -> int:
+        """Its proposals, drawn already or still to be drawn from the draft model."""
+        return self.num_draft or len(self.proposal)
 
     @property
     def samples(self) -> bool:
-        return self.end - len(self.proposal) == len(self.seq.token_ids) + self.seq.num_pending
+        return self.end - self.num_proposed == len(self.seq.token_ids) + self.seq.num_pending
 
     @property
     def needs_pending_token(self) -> bool:
         """Its last known input is the token the previous step sampled, still on the device."""
-        return self.end - len(self.proposal) > len(self.seq.token_ids)
+        return self.end - self.num_proposed > len(self.seq.token_ids)
 
 
 class SequenceMirrors:
@@ -120,6 +132,9 @@ class SequenceMirrors:
         if not guesses:
             guesses, starts = repeat(-1), repeat(-1)
         proposed, new_blocks = list(cached.proposed_token_ids), list(cached.new_block_ids)
+        drafted = list(cached.num_draft_tokens) or repeat(0)
+        if cached.num_draft_tokens and len(cached.num_draft_tokens) != n:
+            raise RuntimeError(f"plan {step_id}: {len(cached.num_draft_tokens)} draft counts for {n} seqs")
         if num_proposed or kept:  # speculative decoding; otherwise both are left out
             num_proposed, kept = num_proposed or [0] * n, kept or [-1] * n
             if len(num_proposed) != n or len(kept) != n or sum(num_proposed) != len(proposed) or min(num_proposed) < 0:
@@ -128,9 +143,9 @@ class SequenceMirrors:
         else:
             num_proposed, kept = repeat(0), repeat(-1)
         offset = at = 0
-        for seq_id, num_scheduled, num_new, last_token, k, keep, guess, start in zip(
+        for seq_id, num_scheduled, num_new, last_token, k, keep, guess, start, num_draft in zip(
                 cached.seq_ids, cached.num_scheduled_tokens, cached.num_new_blocks, cached.last_token_ids,
-                num_proposed, kept, guesses, starts):
+                num_proposed, kept, guesses, starts, drafted):
             seq = self._mirrored(step_id, seq_id)
             if start >= 0:  # a short verdict moved it back: every step of it still in flight is void
                 if start >= len(seq.token_ids) or start < seq.num_prompt_tokens - 1:
@@ -144,7 +159,7 @@ class SequenceMirrors:
             if last_token >= 0 and seq.token_ids[-1] != last_token:
                 raise RuntimeError(f"seq {seq_id}: the scheduler's last token {last_token} is not "
                                    f"the one this executor sampled ({seq.token_ids[-1]})")
-            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else (), guess))
+            chunks.append(self._chunk(seq, num_scheduled, proposed[at:at + k] if k else (), guess, num_draft))
             at += k
 
     def _mirrored(self, step_id: int, seq_id: int) -> MirroredSeq:
@@ -155,13 +170,16 @@ class SequenceMirrors:
 
     @staticmethod
     def _chunk(seq: MirroredSeq, num_scheduled: int, proposal: list[int] | tuple[int, ...] = (),
-               guess: int = -1) -> ScheduledChunk:
+               guess: int = -1, num_draft: int = 0) -> ScheduledChunk:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_scheduled
-        if num_scheduled <= len(proposal) or end - len(proposal) > len(seq.token_ids) + seq.num_pending:
+        chunk = ScheduledChunk(seq, start, end, proposal=proposal, guess=guess, num_draft=num_draft)
+        if num_scheduled <= chunk.num_proposed or end - chunk.num_proposed > len(seq.token_ids) + seq.num_pending:
             raise RuntimeError(
                 f"seq {seq.seq_id}: cannot compute tokens [{start}, {end}) of {len(seq.token_ids)}")
-        chunk = ScheduledChunk(seq, start, end, proposal=proposal, guess=guess)
         chunk.pending_input = chunk.needs_pending_token
+        if num_draft and (proposal or not chunk.samples or chunk.pending_input or end - start != num_draft + 1):
+            raise RuntimeError(f"seq {seq.seq_id}: {num_draft} draft proposals in tokens [{start}, {end}): they follow "
+                               "a one-token decode of its last known token only")
         if proposal and (not chunk.samples or chunk.pending_input and (guess < 0 or end - start != len(proposal) + 1)):
             raise RuntimeError(f"seq {seq.seq_id}: proposals to verify after a chunk that does not sample, or "
                                "after a pending token without a guess of it")
@@ -172,7 +190,7 @@ class SequenceMirrors:
         as computed only once accepted (append_sampled)."""
         for chunk in chunks:
             if chunk.samples:
-                chunk.seq.num_pending += 1 + len(chunk.proposal)
+                chunk.seq.num_pending += 1 + chunk.num_proposed
                 chunk.seq.steps.append(chunk)
             chunk.seq.num_computed_tokens = chunk.end  # as if its proposals are accepted, as the scheduler counts
 
@@ -192,9 +210,11 @@ class SequenceMirrors:
         -1 for a void chunk, which appends nothing. The sequence may be gone (finished or preempted since)."""
         seq = self.seqs.get(seq_id)
         if seq is not None and seq.steps:
-            seq.steps.pop(0)
+            step = seq.steps.pop(0)
             if token_id < 0:
                 return
+            if step.num_draft:  # the draft computed its input and its own proposals but the last: those accepted hold
+                seq.draft_computed = step.start + 1 + min(len(accepted), step.num_draft - 1)
             if accepted:
                 seq.token_ids += accepted
             seq.token_ids.append(token_id)

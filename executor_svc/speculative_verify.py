@@ -4,11 +4,11 @@ The plan lists, after a sequence's last token, K proposed tokens; the forward sc
 (input_batch.py gives such a chunk K + 1 logits rows). Position j's distribution p_j is the target's after
 temperature, min-p, top-k and top-p, exactly as the sampler forms it. Proposal d_j is accepted with probability
 min(1, p_j(d_j) / q_j(d_j)), q being the proposer's distribution (a point mass for n-gram proposals, so that is
-p_j(d_j)); the first rejected one is replaced by a draw from the residual max(0, p_j - q_j), renormalized, and
-when all K are accepted one more token is drawn from p_K. Each token then follows the target's distribution
-given the ones before it (Leviathan et al., 2023; Chen et al., 2023): speculation changes the speed, never what
-is sampled. Greedy rows accept d_j exactly when it is p_j's argmax and yield that argmax, so their output is the
-non-speculative engine's, token for token.
+p_j(d_j); a draft model's q_j after the same filters, executor_svc/draft_model.py); the first rejected one is
+replaced by a draw from the residual max(0, p_j - q_j), renormalized, and when all K are accepted one more token is
+drawn from p_K. Each token then follows the target's distribution given the ones before it (Leviathan et al., 2023;
+Chen et al., 2023): speculation changes the speed, never what is sampled. Greedy rows accept d_j exactly when it is
+p_j's argmax and yield that argmax, so their output is the non-speculative engine's, token for token.
 
 A seeded row draws its two uniforms at generated position n from mix_seed(seed, n): its tokens depend on its
 seed, its proposals and its history only, not on its neighbours or its place in the batch.
@@ -176,7 +176,8 @@ def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size
     dev = upload(arrays, "verify")
     probs = target_probs(logits[dev["spec_rows"]], rows, vocab_size, upload, rng)
     accepted, yielded = rejection_sample(probs, dev["greedy"], dev["drafts"],
-                                         row_uniforms(rows, positions, device, generators))
+                                         row_uniforms(rows, positions, device, generators),
+                                         _draft_probs([chunks[i] for i in spec], probs.shape[1]))
     padded = torch.cat([accepted, accepted.new_zeros(1)])[dev["index"]]  # [C, K_max]
     num_accepted = padded.long().cumprod(dim=1).sum(dim=1)
     token_ids = torch.empty(len(chunks), dtype=torch.int64, device=device)
@@ -191,6 +192,15 @@ def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size
             logprobs = _scatter_rows(len(chunks), dev["plain"], (out.sampled_logprobs, out.sampled_ranks,
                                                                  out.top_token_ids, out.top_logprobs))
     return Verdict(token_ids, counts, logprobs)
+
+
+def _draft_probs(chunks: list[ScheduledChunk], vocab_size: int) -> torch.Tensor | None:
+    """A draft model's q rows aligned with the verified rows (K per chunk, then a zero row for the token after
+    them, which has no proposal); None for n-gram proposals (point masses)."""
+    if all(c.draft_probs is None for c in chunks):
+        return None
+    zero = chunks[0].draft_probs.new_zeros(1, vocab_size)
+    return torch.cat([part for c in chunks for part in (c.draft_probs, zero)])
 
 
 def _scatter_rows(n: int, where: torch.Tensor, parts: tuple) -> tuple:

@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass
 
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
+from scheduler_svc.common.draft_model import check_draft_model
 from scheduler_svc.common.model_paths import default_model_dir
 from scheduler_svc.common.weight_quantization import QUANTIZATION_CHOICES, weight_quantization
 
@@ -23,7 +24,9 @@ KV_CACHE_SCALES = ("auto", "calibrated", "calibrated-per-channel", "calibrated-p
 # how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
 # of K and q over head_dim, which attention does not see, or none
 KV_CACHE_ROTATIONS = ("hadamard", "none")
-SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (scheduler_svc/core/speculative/)
+# proposers of speculative decoding: n-gram lookup (scheduler_svc/core/speculative/), or a smaller draft model run
+# by the executors beside the target (executor_svc/draft_model.py)
+SPECULATIVE_METHODS = ("ngram", "draft")
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # scheduler_svc/core/preemption_cost.py
 PREEMPTION_POLICIES = ("newest", "least-progress", "priority")  # scheduler_svc/core/preemption_policy.py
 DEFAULT_SWAP_SPACE_GB = 4.0  # host pool per executor where the preemption mode can swap and no size is given
@@ -67,6 +70,7 @@ class EngineConfig:
     ngram_min: int = 3  # n-gram proposals: the shortest suffix matched earlier (shorter ones mostly miss)
     ngram_max: int = 4  # and the longest (tried first)
     speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
+    draft_model: str | None = None  # speculative method draft: the proposer's checkpoint (same tokenizer and vocab)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -125,6 +129,11 @@ class EngineConfig:
              f"--ngram-min and --ngram-max need 1 <= min <= max, got {self.ngram_min} and {self.ngram_max}")
         need(self.speculative_max_batch_size >= 1,
              f"--speculative-max-batch-size must be >= 1, got {self.speculative_max_batch_size}")
+        need((self.speculative_method == "draft") == bool(self.draft_model),
+             "--speculative-method draft needs --draft-model DIR, and --draft-model is only used with it, got "
+             f"{self.speculative_method!r} and {self.draft_model!r}")
+        if self.draft_model:
+            check_draft_model(self.model, self.draft_model, self.tensor_parallel_size, self.max_model_len)
         need(self.num_host_blocks is None or self.num_host_blocks >= 0,
              f"--num-host-blocks must be >= 0, got {self.num_host_blocks}")
 
@@ -250,6 +259,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-batch-size", type=int, default=d["speculative_max_batch_size"].default,
                    help="speculation pauses while more sequences than this run (where a step is no longer "
                         "launch-bound, verifying costs more than it saves)")
+    g.add_argument("--draft-model", default=None,
+                   help="speculative method draft: a smaller model with the target's tokenizer and vocabulary "
+                        "(HF checkpoint directory), run by the same executors with its own KV pool")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -410,7 +410,8 @@ class EngineCore:
             accepted = None  # speculative decoding: the proposals each verification accepted, before its token
             if self.scheduler.speculator is not None:
                 accepted = {k: list(v.accepted_token_ids) for k, v in sampled.items() if v.accepted_token_ids}
-            if not tokens or (min(tokens.values()) >= 0 and max(tokens.values()) < self.ready.model.vocab_size):
+            ids = [*tokens.values(), *(t for a in (accepted or {}).values() for t in a)]  # (a draft's accepted too)
+            if not ids or (min(ids) >= 0 and max(ids) < self.ready.model.vocab_size):
                 try:
                     self.scheduler.check_result(step.out, tokens, candidates, accepted)
                 except ValueError as exc:  # refused before anything changed

@@ -33,6 +33,16 @@ RUNNING, WAITING, SWAPPED, FINISHED = (SequenceStatus.RUNNING, SequenceStatus.WA
                                        SequenceStatus.FINISHED)
 
 
+def _speculator(config: SchedulerConfig) -> Speculator | None:
+    """The proposer --speculative-method names: n-gram lookup here, or the executors' draft model."""
+    if config.speculative_method == "ngram":
+        return Speculator.ngram(config.num_speculative_tokens, config.ngram_min, config.ngram_max,
+                                config.speculative_max_batch_size, config.chain_verifications)
+    if config.speculative_method == "draft":
+        return Speculator.draft(config.num_speculative_tokens, config.speculative_max_batch_size)
+    return None
+
+
 def _queue_order(seq: Sequence) -> tuple[int, int]:
     """Waiting and swapped sequences are served by priority, then arrival."""
     return seq.priority, seq.arrival_order
@@ -61,9 +71,9 @@ class Scheduler:
             config.tokenizer_dir, config.vocab_size, config.eos_token_ids), num_lexers=fill_threads),
             config.vocab_size, fill_threads)
         self.counters = SchedulerCounters()
-        self.speculator = Speculator.ngram(config.num_speculative_tokens, config.ngram_min, config.ngram_max,
-                                           config.speculative_max_batch_size, config.chain_verifications) \
-            if config.speculative_method == "ngram" else None
+        self.speculator = _speculator(config)
+        if self.speculator is not None and self.speculator.drafts and config.chain_verifications:
+            raise ValueError("a draft model proposes from a sequence's true tokens: its verifications are not chained")
         self.preemption = Preemption(self, config.preemption_mode, config.preemption_policy, config.preemption_costs,
                                      config.world_size)
         self._next_arrival = 0
@@ -254,7 +264,8 @@ class Scheduler:
             seq.num_computed_tokens = end + len(proposal)
             if samples:
                 seq.num_placeholders = placeholders + 1 + len(proposal)
-            item = ScheduledSeq(seq, num_new + len(proposal), is_new, start, samples, seq.epoch, proposal, guess)
+            item = ScheduledSeq(seq, num_new + len(proposal), is_new, start, samples, seq.epoch, proposal, guess,
+                                drafted=bool(proposal) and self.speculator.drafts)
             scheduled.append(item)
             if tracks and samples and seq.speculate:
                 seq.steps_in_flight.append(item)
@@ -436,7 +447,9 @@ class Scheduler:
                 raise ValueError(f"seq {s.seq.seq_id} reached its end but no token was sampled for it")
             if accepted and s.seq.seq_id in accepted:
                 got = accepted[s.seq.seq_id]
-                if list(s.proposal[: len(got)]) != list(got):
+                if s.drafted and len(got) > len(s.proposal):  # the executors drew them: only their number is known
+                    raise ValueError(f"seq {s.seq.seq_id}: {len(got)} drafted tokens accepted of {len(s.proposal)}")
+                if not s.drafted and list(s.proposal[: len(got)]) != list(got):
                     raise ValueError(f"seq {s.seq.seq_id}: accepted tokens {got[:8]} are not a prefix of its proposals")
             if s.seq.beam is not None and (candidates is None or s.seq.seq_id not in candidates):
                 raise ValueError(f"beam {s.seq.seq_id} reached its end but no candidates came back for it")

@@ -67,5 +67,8 @@ def scheduler_config(config: EngineConfig, ready: engine_pb2.EngineReady) -> Sch
         ngram_min=config.ngram_min,
         ngram_max=config.ngram_max,
         speculative_max_batch_size=config.speculative_max_batch_size,
-        chain_verifications=config.async_scheduling and config.max_steps_in_flight > 1,
+        # a draft's proposals are drawn by the executors from the sequence's true tokens: its verifications wait for
+        # their verdicts (DESIGN.md, "Speculative decoding")
+        chain_verifications=config.async_scheduling and config.max_steps_in_flight > 1
+        and config.speculative_method != "draft",
     )

@@ -26,6 +26,9 @@ class ScheduledSeq:
     # positions are wrong: it yields nothing (DESIGN.md, "Verification inside async scheduling")
     guess: int = -1
     void: bool = False
+    # draft method: the proposal is len(proposal) DRAFTED entries, the tokens the executors draw from the draft model;
+    # the scheduler learns them from the verdict (accepted_token_ids)
+    drafted: bool = False
 
 
 @dataclass

@@ -22,6 +22,7 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
     seq_ids, num_scheduled, num_new_blocks, new_block_ids, last_tokens = [], [], [], [], []
     num_proposed, proposed, kept = [], [], []  # speculative decoding: filled from the first sequence that needs them
     guesses, starts = [], []  # async verification: likewise
+    num_drafted = []  # draft method: likewise
     for item in out.scheduled:
         seq = item.seq
         if item.is_new:
@@ -44,10 +45,12 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
             if item.proposal or seq.blocks_kept >= 0 or num_proposed:
                 if not num_proposed:  # the sequences before it have neither
                     num_proposed, kept = [0] * (len(seq_ids) - 1), [-1] * (len(seq_ids) - 1)
-                num_proposed.append(len(item.proposal))
-                proposed += item.proposal
+                num_proposed.append(0 if item.drafted else len(item.proposal))
+                proposed += () if item.drafted else item.proposal
                 kept.append(seq.blocks_kept)
                 seq.blocks_kept = -1
+            if item.drafted or num_drafted:
+                num_drafted += [0] * (len(seq_ids) - 1 - len(num_drafted)) + [len(item.proposal) if item.drafted else 0]
             if item.guess >= 0 or seq.start_unsent or guesses:
                 if not guesses:
                     guesses, starts = [-1] * (len(seq_ids) - 1), [-1] * (len(seq_ids) - 1)
@@ -67,5 +70,6 @@ def build_step_plan(step_id: int, out: SchedulerOutput, send_last_token: bool = 
         plan.cached.CopyFrom(engine_pb2.CachedSequences(
             seq_ids=seq_ids, num_scheduled_tokens=num_scheduled, num_new_blocks=num_new_blocks,
             new_block_ids=new_block_ids, last_token_ids=last_tokens, num_proposed_tokens=num_proposed,
-            proposed_token_ids=proposed, num_blocks_kept=kept, guessed_token_ids=guesses, chunk_starts=starts))
+            proposed_token_ids=proposed, num_blocks_kept=kept, guessed_token_ids=guesses, chunk_starts=starts,
+            num_draft_tokens=num_drafted))
     return plan

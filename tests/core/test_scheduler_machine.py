@@ -51,11 +51,12 @@ def ranked(history, salt: int) -> tuple[list[int], list[float]]:
     return order, [lps[v] for v in order]
 
 
-def sample_step(out: SchedulerOutput, history_of, salt_of,
-                void: set[int] = frozenset()) -> tuple[dict[int, int], dict, dict[int, list[int]]]:
+def sample_step(out: SchedulerOutput, history_of, salt_of, void: set[int] = frozenset(),
+                drawn: dict[int, list[int]] | None = None) -> tuple[dict[int, int], dict, dict[int, list[int]]]:
     """What the executor's sampler returns for a step: the greedy token of every sequence that samples, each
     beam's top candidates (as many as its sampling asks for), and for each sequence whose proposals the step
-    verifies, the leading ones that are the greedy tokens (its sampled token then follows them)."""
+    verifies (drawn: a draft model's, by seq id), the leading ones that are the greedy tokens (its sampled token
+    then follows them)."""
     sampled, candidates, accepted = {}, {}, {}
     for s in out.scheduled:
         if s.samples and s.seq.seq_id not in void:
@@ -63,7 +64,7 @@ def sample_step(out: SchedulerOutput, history_of, salt_of,
             history = list(history_of(seq)[: s.start + s.num_new_tokens - len(s.proposal)])
             ids, lps = ranked(history, salt_of(seq))
             guessed = s.guess < 0 or history[s.start] == s.guess  # a failed guess drops the proposals after it
-            for proposed in s.proposal if guessed else ():
+            for proposed in ((drawn or {}).get(seq.seq_id, s.proposal) if guessed else ()):
                 if proposed != ids[0]:
                     break
                 accepted.setdefault(seq.seq_id, []).append(proposed)
@@ -135,6 +136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     enable_prefix_caching = True
     speculative_tokens = 0  # > 0: speculative decoding, with proposals of up to this many tokens
     chain = True  # with speculation and depth > 1: verifications planned before the verdicts before them
+    draft = False  # speculation by a draft model in the executors (fake_executor's run_draft) rather than n-gram
 
     def __init__(self):
         super().__init__()
@@ -143,14 +145,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def start(self, config: SchedulerConfig) -> None:
         if self.speculative_tokens:  # paused above 3 running sequences, so steps with and without it mix
-            config = replace(config, speculative_method="ngram", num_speculative_tokens=self.speculative_tokens,
-                             speculative_max_batch_size=3, chain_verifications=self.chain and self.depth > 1)
+            config = replace(config, speculative_method="draft" if self.draft else "ngram",
+                             num_speculative_tokens=self.speculative_tokens, speculative_max_batch_size=3,
+                             chain_verifications=self.chain and self.depth > 1 and not self.draft)
         self.config = config
         self.sched = Scheduler(self.config)
-        if self.speculative_tokens:
+        if self.speculative_tokens and not self.draft:
             self.sched.speculator.propose = self.propose
         self.executor = MirroringExecutor(self.config.num_blocks, BLOCK, self.num_host_blocks, token_at=self.kv_at,
-                                          proposed_at=self.kv_of_proposal)
+                                          proposed_at=self.kv_of_proposal, draft=self.draft_proposal)
         # (step, sampled, candidates, accepted proposals)
         self.in_flight: deque[tuple[SchedulerOutput, dict, dict, dict]] = deque()
         self.step_id = 0
@@ -202,6 +205,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             token = ranked(history, salt)[0][0]
             proposal.append((token + 1) % VOCAB if j == wrong_at else token)
             history.append(proposal[-1])
+        return proposal
+
+    def draft_proposal(self, seq: Sequence, k: int) -> list[int]:
+        """A draft model's k proposals after every token of seq (it drafts only then): the greedy continuation,
+        wrong from a place that varies with the sequence and its length, or nowhere."""
+        history, salt = self.history[seq.seq_id], self.salt_of(seq)
+        assert history == seq.token_ids, "a draft proposes after tokens still in flight"
+        wrong_at = (seq.seq_id + len(history)) % (k + 1)  # k: all right
+        proposal: list[int] = []
+        for j in range(k):
+            token = ranked(history + proposal, salt)[0][0]
+            proposal.append((token + 1) % VOCAB if j == wrong_at else token)
         return proposal
 
     def salt_of(self, seq: Sequence) -> int:
@@ -333,7 +348,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         void = self.void_steps(out)
         self.void[id(out)] = void
         self.executor.run_plan(build_step_plan(self.step_id, out, send_last_token=self.depth == 1), out, void)
-        self.in_flight.append((out, *sample_step(out, self.tokens_of, self.salt_of, void)))
+        self.in_flight.append((out, *sample_step(out, self.tokens_of, self.salt_of, void, self.executor.drawn)))
         accepted = self.in_flight[-1][3]
         event_if(void, "a step planned on proposals in flight is void")
         event_if(any(s.guess >= 0 for s in out.scheduled), "proposals after a guess of a token in flight")
@@ -570,6 +585,11 @@ TestSpeculativeTwoStepsInFlightUnchained = machine_test("SpeculativeTwoStepsInFl
                                                         speculative_tokens=2, chain=False)
 TestSpeculativeThreeStepsInFlightWithSwap = machine_test(
     "SpeculativeThreeStepsInFlightWithSwap", EveryPreemptionMachine, depth=3, speculative_tokens=3, num_host_blocks=8)
+TestSpeculativeDraftOneStepInFlightWithSwap = machine_test(
+    "SpeculativeDraftOneStepInFlightWithSwap", EveryPreemptionMachine, speculative_tokens=3, num_host_blocks=8,
+    draft=True)
+TestSpeculativeDraftTwoStepsInFlight = machine_test("SpeculativeDraftTwoStepsInFlight", depth=2, speculative_tokens=2,
+                                                    draft=True)
 TestEveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching = machine_test(
     "EveryPreemptionModeAndPolicyThreeStepsInFlightWithoutPrefixCaching", EveryPreemptionMachine, depth=3,
     num_host_blocks=6, enable_prefix_caching=False)

@@ -170,3 +170,47 @@ def test_the_public_opt_out_reaches_the_scheduler():
     assert add.disable_speculation and not can_speculate(add)
     (add,) = from_api(generation_pb2.SamplingParams(temperature=0.0, max_tokens=4)).add_requests(["r"], [1, 2, 3])
     assert can_speculate(add)
+
+
+# ---------------------------------------------------------------------------------------------- a draft model
+
+
+def test_a_draft_verification_plans_k_drawn_slots_and_learns_the_tokens_from_the_verdict():
+    sched = make_scheduler(speculative_method="draft", num_speculative_tokens=3, block_size=2)
+    seq = decode_ready(sched, prompt=[11, 12, 13, 14, 15])  # nothing repeats: a draft proposes anyway
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.drafted and len(s.proposal) == 3 and s.num_new_tokens == 4 and seq.verifying
+    assert seq.num_computed_tokens == 6 + 3 and len(seq.block_table) * 2 >= 9  # lookahead for the 3 drafted
+    plan = build_step_plan(1, out)
+    assert list(plan.cached.num_draft_tokens) == [3] and not plan.cached.proposed_token_ids
+    assert list(plan.cached.num_scheduled_tokens) == [4]
+    (update,) = sched.postprocess(out, {seq.seq_id: 40}, accepted={seq.seq_id: [30, 31]})
+    assert update.accepted_token_ids == [30, 31] and seq.token_ids[-3:] == [30, 31, 40]
+    assert seq.num_computed_tokens == 8 and not seq.verifying and len(seq.block_table) == 5
+    assert len(seq.block_hashes) == 4  # 8 tokens with K/V, all known: the 4 full blocks, no rejected slot
+    stats = sched.stats()
+    assert (stats["num_proposed_tokens"], stats["num_accepted_tokens"], stats["accepted_per_position"]) == \
+        (3, 2, [1, 1, 0])
+    assert (seq.num_proposed_tokens, seq.num_accepted_tokens) == (3, 2)
+
+
+def test_a_reply_accepting_more_drafted_tokens_than_planned_is_refused_whole():
+    sched = make_scheduler(speculative_method="draft", num_speculative_tokens=2)
+    seq = decode_ready(sched)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="3 drafted tokens accepted of 2"):
+        sched.check_result(out, {seq.seq_id: 1}, accepted={seq.seq_id: [3, 4, 5]})
+
+
+def test_draft_verifications_wait_for_their_verdict_under_async_scheduling(embedded_model):
+    """A draft proposes from the sequence's true tokens in the executors: no verification is planned on a guess."""
+    from scheduler_svc.common.config import EngineConfig
+    from scheduler_svc.core.scheduler_config import scheduler_config
+
+    ready = engine_pb2.EngineReady(model=engine_pb2.ExecutorHandshake(vocab_size=49152, num_blocks=64, device="cpu"),
+                                   max_model_len=512)
+    for method, chained in (("ngram", True), ("draft", False)):
+        config = EngineConfig(model=embedded_model, speculative_method=method, async_scheduling=True,
+                              draft_model=embedded_model if method == "draft" else None, max_steps_in_flight=2)
+        assert scheduler_config(config, ready).chain_verifications is chained

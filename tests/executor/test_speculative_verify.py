@@ -2,6 +2,7 @@
 target's distribution, checked by chi-square on a tiny model's logits; the same check rejects wrong rules."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -294,3 +295,68 @@ def test_the_verdict_from_one_draw_per_row_keeps_the_target_distribution(tiny_lo
     assert chi_square_p(torch.bincount(first, minlength=vocab), probs[0]) > 1e-3
     after = second[first == proposal[0]]
     assert chi_square_p(torch.bincount(after, minlength=vocab), probs[1]) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory):
+    """A draft model (the tiny Qwen2: another distribution over the tiny Llama's 256 tokens) on the CPU, its pool
+    of 1 block; every draw below shares that block, as all run the same prompt."""
+    from executor_svc.draft_model import DraftModel
+    from executor_svc.pinned_staging import PinnedStaging
+    from scheduler_svc.common.config import EngineConfig
+
+    config = EngineConfig(model=tiny_checkpoint("llama", tmp_path_factory), device="cpu",
+                          speculative_method="draft", draft_model=tiny_checkpoint("qwen2", tmp_path_factory),
+                          num_speculative_tokens=1, max_num_batched_tokens=16384)
+    draft = DraftModel(config, 256, torch.float32, torch.device("cpu"), 0, 1, PinnedStaging(torch.device("cpu")))
+    draft.allocate(1, 512)
+    return draft
+
+
+def drafted_chunks(draft, options: engine_pb2.SamplingOptions, n: int) -> list[ScheduledChunk]:
+    """n sequences of PROMPT, each with one proposal drawn by the draft model (and its q row)."""
+    chunks = []
+    for i in range(n):
+        seq = MirroredSeq(i, list(PROMPT), len(PROMPT), [0], len(PROMPT) - 1, options)
+        chunks.append(ScheduledChunk(seq, len(PROMPT) - 1, len(PROMPT) + 1, num_draft=1))
+    draft.propose(chunks, {}, np.random.default_rng(0))
+    return chunks
+
+
+@pytest.mark.parametrize("name", ["temperature 1", "top-k"])
+def test_a_draft_models_draws_keep_the_target_distribution(tiny_logits, draft_model, name):
+    """Proposals drawn from the draft's own distribution q (not a point mass): d ~ q, accepted with min(1, p/q),
+    else a draw from max(0, p - q): the first token follows the target's p. Redrawing the rejected ones from p
+    instead is detectably biased, so the check has the power to see a wrong residual."""
+    logits, _ = tiny_logits
+    options = engine_pb2.SamplingOptions(temperature=1.0, **FILTERS[name])
+    row = chunk(0, options, []).seq.sampling_row
+    probs = target_probs(logits[:1], [row], logits.shape[1])[0]
+    torch.manual_seed(3)
+    chunks = drafted_chunks(draft_model, options, DRAWS)
+    drafts = torch.tensor([c.proposal[0] for c in chunks])
+    q = torch.stack([c.draft_probs[0] for c in chunks])
+    assert torch.allclose(q, q[:1].expand_as(q)) and q.shape == (DRAWS, 256)
+    vocab = logits.shape[1]
+    # the draws follow q, which is far from p
+    assert chi_square_p(torch.bincount(drafts, minlength=vocab), q[0]) > 1e-3
+    assert (q[0] - probs).abs().sum() > 0.5
+    rows = logits[:2].repeat(DRAWS, 1)  # each chunk's proposal row and the row after it
+    verdict = verify_chunks(rows, chunks, vocab, host_upload, None, {})
+    accepted = verdict.num_accepted
+    first = torch.where(accepted >= 1, drafts, verdict.token_ids)
+    # q is used: a proposal is accepted with probability sum(min(p, q)) (a point-mass rule would accept sum(q p))
+    rate = accepted.float().mean().item()
+    assert 0.05 < rate < 0.95 and abs(rate - torch.minimum(q[0], probs).sum().item()) < 0.02
+    assert abs(rate - (q[0] * probs).sum().item()) > 0.1
+    assert chi_square_p(torch.bincount(first, minlength=vocab), probs) > 1e-3
+    # the same acceptances with the rejected ones redrawn from p rather than from the residual max(0, p - q)
+    wrong_first = torch.where(accepted >= 1, drafts, torch.multinomial(probs, DRAWS, replacement=True))
+    assert chi_square_p(torch.bincount(wrong_first, minlength=vocab), probs) < 1e-6
+
+
+def test_a_draft_proposes_its_argmax_for_greedy_rows_without_distributions(draft_model):
+    greedy = drafted_chunks(draft_model, engine_pb2.SamplingOptions(temperature=0.0), 3)
+    point_mass = drafted_chunks(draft_model, engine_pb2.SamplingOptions(temperature=1.0, top_k=1), 1)[0]
+    assert [c.proposal for c in greedy] == [point_mass.proposal] * 3
+    assert all(c.draft_probs is None for c in greedy) and point_mass.draft_probs[0].max() == 1.0

@@ -20,12 +20,17 @@ class FakeExecutor:
         # decoding); such a slot holds the right contents only where the proposal is accepted
         self.proposed_at = proposed_at or (lambda seq, proposal, j: proposal[j])
         self.num_copies = 0
+        self.drawn: dict[int, list[int]] = {}  # draft method: the step's proposals the executors drew, by seq id
+
+    def proposal_of(self, s):
+        """The tokens a step verifies after the sequence's known ones: the plan's, or for a draft the drawn ones."""
+        return self.drawn[s.seq.seq_id] if s.drafted else s.proposal
 
     def expected_at(self, s, pos: int):
         """What the step of ScheduledSeq s writes and reads at position pos."""
         first_proposed = s.start + s.num_new_tokens - len(s.proposal)
         if pos >= first_proposed:
-            return self.proposed_at(s.seq, s.proposal, pos - first_proposed)
+            return self.proposed_at(s.seq, self.proposal_of(s), pos - first_proposed)
         return self.token_at(s.seq, pos)
 
     def run(self, out, void=frozenset()) -> None:
@@ -57,23 +62,48 @@ class MirroringExecutor(FakeExecutor):
     must be the one the scheduler planned, read through the block table the scheduler holds."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0, token_at=None,
-                 proposed_at=None) -> None:
+                 proposed_at=None, draft=None) -> None:
         super().__init__(num_blocks, block_size, num_host_blocks, token_at, proposed_at)
         self.mirrors = SequenceMirrors()
         self.launched: list[list] = []  # each step in flight's sampling chunks, oldest first
+        # draft method: draft(seq, k) -> the k tokens the draft model proposes after seq's tokens; draft_slots: what
+        # the draft's own pool holds at each slot of the shared block ids (the prefix its K/V was computed from)
+        self.draft = draft
+        self.draft_slots = [[None] * block_size for _ in range(num_blocks)]
 
     def run_plan(self, plan: engine_pb2.StepPlan, out, void=frozenset()) -> None:
         chunks = self.mirrors.apply(engine_pb2.StepPlan.FromString(plan.SerializeToString()))
         planned = {s.seq.seq_id: s for s in out.scheduled}
         assert sorted(c.seq.seq_id for c in chunks) == sorted(planned)
+        self.drawn = {}
         for c in chunks:
             s = planned[c.seq.seq_id]
             assert (c.start, c.end, c.samples) == (s.start, s.start + s.num_new_tokens, s.samples)
-            assert list(c.proposal) == list(s.proposal)
+            if s.drafted:
+                assert c.num_draft == len(s.proposal) and not c.proposal
+                self.run_draft(c, s)
+            assert list(c.proposal) == list(self.proposal_of(s))
             assert c.seq.block_table == s.seq.block_table, f"seq {s.seq.seq_id}: mirrored block table differs"
         self.run(out, void)
         self.launched.append([c for c in chunks if c.samples])
         self.mirrors.commit(chunks)
+
+    def run_draft(self, c, s) -> None:
+        """The draft model's part of a step (executor_svc/draft_model.py): it catches up on the tokens its mirror
+        has not computed, then writes its proposals but the last; every read must see the sequence's own history
+        (so draft_computed, kept across verdicts, never claims a slot it did not fill with the right prefix)."""
+        bs, m, k = self.block_size, c.seq, c.num_draft
+        assert m.draft_computed <= c.start, "the draft is past the chunk's input"
+        proposal = self.draft(s.seq, k)
+        self.drawn[s.seq.seq_id] = proposal
+        for pos in range(m.draft_computed, c.start + k):
+            at = self.token_at(s.seq, pos) if pos <= c.start else self.proposed_at(s.seq, proposal, pos - c.start - 1)
+            self.draft_slots[m.block_table[pos // bs]][pos % bs] = at
+        seen = [self.draft_slots[m.block_table[p // bs]][p % bs] for p in range(c.start + k)]
+        assert seen == [self.token_at(s.seq, p) if p <= c.start else self.proposed_at(s.seq, proposal, p - c.start - 1)
+                        for p in range(c.start + k)], f"seq {s.seq.seq_id}: the draft reads another history"
+        m.draft_computed = c.start + 1
+        c.proposal = proposal
 
     def reply(self, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None,
               void=frozenset()) -> None:

@@ -105,6 +105,22 @@ def make_tiny_mixtral(path: str, seed: int = 5, **overrides) -> str:
     return _randomize_and_save(MixtralForCausalLM(config), path, seed, router_scale=4.0)
 
 
+def make_tiny_draft(path: str, tokenizer_dir: str, seed: int = 6, **overrides) -> str:
+    """A random Llama of the embedded SmolLM2's vocabulary and tokenizer (its files copied): a draft model whose
+    proposals the target rarely accepts."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(tokenizer_dir)
+    make_tiny_llama(path, seed, vocab_size=target.vocab_size, max_position_embeddings=target.max_position_embeddings,
+                    eos_token_id=target.eos_token_id, bos_token_id=target.bos_token_id, **overrides)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
 MAKERS = {
     "llama": make_tiny_llama,
     "qwen2": make_tiny_qwen2,

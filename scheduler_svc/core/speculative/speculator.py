@@ -20,6 +20,10 @@ from scheduler_svc.core.speculative.policy import SpeculationPolicy
 # to follow them
 Proposer = Callable[[Sequence, list[int], int], list[int]]
 
+# A draft model's proposal as the scheduler plans it: the executors draw the tokens, so the plan holds only how many
+# (CachedSequences.num_draft_tokens); the scheduler learns the accepted ones from the verdict.
+DRAFTED = -1
+
 
 @dataclass
 class SpeculationCounters:
@@ -41,9 +45,11 @@ def can_speculate(add: engine_pb2.AddRequest) -> bool:
 
 
 class Speculator:
-    def __init__(self, num_tokens: int, propose: Proposer, max_batch_size: int, planned_ahead: bool = False) -> None:
+    def __init__(self, num_tokens: int, propose: Proposer, max_batch_size: int, planned_ahead: bool = False,
+                 drafts: bool = False) -> None:
         self.num_tokens = num_tokens  # K: proposals per sequence and step, at most
         self.propose = propose
+        self.drafts = drafts  # the executors' draft model proposes: propose() gives DRAFTED placeholders
         self.max_batch_size = max_batch_size
         self.policy = SpeculationPolicy(num_tokens, planned_ahead)  # how many each sequence proposes (policy.py)
         self.counters = SpeculationCounters(accepted_per_position=[0] * num_tokens)
@@ -52,6 +58,12 @@ class Speculator:
     def ngram(num_tokens: int, n_min: int, n_max: int, max_batch_size: int,
               planned_ahead: bool = False) -> "Speculator":
         return Speculator(num_tokens, ngram_proposer(n_min, n_max), max_batch_size, planned_ahead)
+
+    @staticmethod
+    def draft(num_tokens: int, max_batch_size: int) -> "Speculator":
+        """A draft model proposes, in the executors, once per step: every sequence that speculates gets k DRAFTED
+        slots, and its proposals are known here only once verified."""
+        return Speculator(num_tokens, lambda seq, tokens, k: [DRAFTED] * k, max_batch_size, drafts=True)
 
     def active(self, num_running: int) -> bool:
         """Speculation pays while a step is bound by launches and weight reads, i.e. at small batches."""
