@@ -186,8 +186,8 @@ class StepLoop:
                 self.profiler.after_step()
 
     def _run_plan(self, plan: engine_pb2.StepPlan, t0: float, idle: float) -> None:
-        if self.pending is not None and plan.cached.num_draft_tokens and self._drafts_after_pending(plan.cached):
-            self.reply_pending()  # a draft proposes from every token: a rank behind rank 0 appends them first
+        if self.rank != 0 and self.pending is not None and self._needs_pending_appended(plan.cached):
+            self.reply_pending()  # a rank behind rank 0 appends its pending step first
         try:
             chunks = self.mirrors.apply(plan)
             swaps = self.runner.kv_pool.move_blocks(block_pairs(plan.swap_out), block_pairs(plan.swap_in),
@@ -216,12 +216,17 @@ class StepLoop:
             step_id=plan.step_id, execute_seconds=time.perf_counter() - t0, idle_seconds=idle,
             late_mask_wait_seconds=wait), error, swaps)
 
-    def _drafts_after_pending(self, cached: engine_pb2.CachedSequences) -> bool:
-        """Whether a sequence this plan drafts for has tokens in the step still pending here. Never on rank 0 (the
-        scheduler drafts only after it has a sequence's every token, which rank 0 appended before it answered);
-        another rank answers nothing, so it may see the next plan before it appended its pending step."""
-        drafting = {seq_id for seq_id, k in zip(cached.seq_ids, cached.num_draft_tokens) if k}
-        return any(seq.seq_id in drafting for seq in self.pending.step.seqs)
+    def _needs_pending_appended(self, cached: engine_pb2.CachedSequences) -> bool:
+        """Whether this plan drafts for a sequence (a draft proposes from every token) or moves its start back after a
+        short verdict (the start must be a token it has), while that sequence has tokens in the step still pending
+        here. The scheduler plans either only once it has the verdict, which rank 0 appended before it answered;
+        another rank answers nothing, so it may read the next plan before it appended its own pending step."""
+        if not (cached.num_draft_tokens or cached.chunk_starts):
+            return False
+        draft_counts = cached.num_draft_tokens or [0] * len(cached.seq_ids)
+        starts = cached.chunk_starts or [-1] * len(cached.seq_ids)
+        waiting = {seq_id for seq_id, k, start in zip(cached.seq_ids, draft_counts, starts) if k or start >= 0}
+        return any(seq.seq_id in waiting for seq in self.pending.step.seqs)
 
     def _send(self, result: engine_pb2.StepResult) -> None:
         if self.rank == 0:

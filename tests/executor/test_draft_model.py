@@ -94,36 +94,33 @@ def test_graph_steps_propose_what_eager_steps_propose(draft, monkeypatch):
     assert len({tuple(p) for p in eager[:3]}) == 3 and all(len(p) == 3 for p in eager[3:])
 
 
-def test_a_rank_that_sees_a_drafting_plan_before_it_appended_the_step_before_appends_it_first(tmp_path_factory):
-    """Only rank 0 answers the scheduler, so another rank may read the next plan while its own copy of the step
-    before is still pending; a draft needs every token of the sequences it drafts for on the host: the loop
-    appends that step before it applies the plan (here rank 0's loop is driven that way)."""
-    from executor_svc.executor import SchedulerEpoch, StepLoop
+@pytest.mark.parametrize("moved_back", [False, True])
+def test_a_rank_behind_rank_0_appends_its_pending_step_before_a_plan_that_needs_its_tokens(tmp_path_factory,
+                                                                                           moved_back):
+    """Only rank 0 answers the scheduler, so rank 1 may read the next plan while its copy of the step before is
+    still pending. A plan that drafts for a sequence (the draft needs every token on the host), or that moves its
+    start back after a short verdict (the start must be a token it has), makes it append that step first."""
+    from executor_svc.executor import StepLoop
     from executor_svc.model_runner import ModelRunner
     from executor_svc.seq_mirror import SequenceMirrors
     from scheduler_svc.common.config import EngineConfig
-    from test_late_masks import EPOCH, Link
     from test_token_masks import new_seq
 
     model = tiny_checkpoint("llama", tmp_path_factory)
     runner = ModelRunner(EngineConfig(model=model, device="cpu", block_size=BLOCK, num_gpu_blocks=8, max_num_seqs=4,
                                       speculative_method="draft", draft_model=model, num_speculative_tokens=2))
-    link = Link()
-    try:
-        epoch = SchedulerEpoch()
-        epoch.value = EPOCH
-        loop = StepLoop(runner, SequenceMirrors(), link.dealer, 0, epoch)
-        loop.run_plan(engine_pb2.StepPlan(step_id=1, new_seqs=[new_seq(1, [5, 6, 7], 0)]))  # its token pending
-        drafting = engine_pb2.StepPlan(step_id=2, cached=engine_pb2.CachedSequences(
-            seq_ids=[1], num_scheduled_tokens=[3], num_new_blocks=[0], last_token_ids=[-1], num_draft_tokens=[2]))
-        loop.run_plan(drafting)
-        first = link.result()
-        loop.reply_pending()
-        second = link.result()
-    finally:
-        link.close()
-    assert (first.step_id, first.error, second.step_id, second.error) == (1, "", 2, "")
-    (token,) = second.sampled
-    assert len(token.accepted_token_ids) == 2  # the model is its own draft: both proposals are its own tokens
-    assert loop.mirrors.seqs[1].token_ids[3:] == [first.sampled[0].token_id, *token.accepted_token_ids,
-                                                  token.token_id]
+    loop = StepLoop(runner, SequenceMirrors(), None, 1)  # rank 1: it sends nothing
+    loop.run_plan(engine_pb2.StepPlan(step_id=1, new_seqs=[new_seq(1, [5, 6, 7], 0)]))  # its token still pending
+    cached = engine_pb2.CachedSequences(seq_ids=[1], num_new_blocks=[0], last_token_ids=[-1])
+    if moved_back:  # a plain decode of the token pending here, its start sent as after a short verdict
+        cached.num_scheduled_tokens.append(1)
+        cached.guessed_token_ids.append(-1)
+        cached.chunk_starts.append(3)
+    else:  # two proposals drafted after it
+        cached.num_scheduled_tokens.append(3)
+        cached.num_draft_tokens.append(2)
+    loop.run_plan(engine_pb2.StepPlan(step_id=2, cached=cached))
+    loop.reply_pending()
+    seq = loop.mirrors.seqs.get(1)
+    assert seq is not None, "the step failed (the mirror was dropped)"
+    assert len(seq.token_ids) == 3 + 1 + (1 if moved_back else 3)  # the self-draft's proposals are all accepted
