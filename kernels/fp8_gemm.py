@@ -15,6 +15,8 @@ Two GEMMs, chosen per shape by kernels/fp8_gemm_dispatch.py:
   Either way the fp32 accumulator takes each K tile's product (at most 128 deep) in an fp32 add: Hopper's
   fp8 tensor cores accumulate with fewer bits (Triton's default there lets a whole K run so, which cost up
   to 2.5e-3 of max |y| at K = 2048 on the H200), DeepSeek-V3's promotion interval.
+  At few tokens the product is a read of W by too few programs for the SMs: split-K gives each output tile
+  SPLIT_K programs over slices of K, whose last one adds up the fp32 partials in the same launch.
 
 Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
 the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
@@ -78,13 +80,26 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, stride_cm,
+                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if not GROUPED:  # channel scales apply once, to the whole accumulator
+        a_s = tl.load(a_scale_ptr + rows64, mask=row_mask, other=0.0)
+        w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
+        acc = acc * (a_s[:, None] * w_s[None, :])
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols64, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols64[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["m"])
 def _fp8_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr,
     m, n, k, num_groups, stride_am, stride_wn, stride_cm,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PROMOTE_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # programs ordered in GROUP_M-row bands, so that neighbours share W's tiles in L2
     pid = tl.program_id(0)
@@ -94,16 +109,22 @@ def _fp8_gemm_kernel(
     band_rows = min(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % band_rows
     pid_n = (pid % (GROUP_M * num_pid_n)) // band_rows
+    # split-K: program (tile, split) sums K tiles [first_kt, last_kt) of its output tile
+    split = tl.program_id(1)
+    num_kt = tl.cdiv(k, BLOCK_K)
+    kts_per_split = tl.cdiv(num_kt, SPLIT_K)
+    first_kt = split * kts_per_split
+    last_kt = tl.minimum(first_kt + kts_per_split, num_kt)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :]
-    w_ptrs = w_ptr + cols64[None, :] * stride_wn + ks[:, None]  # W^T's tile [BLOCK_K, BLOCK_N]
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + first_kt * BLOCK_K + ks[None, :]
+    w_ptrs = w_ptr + cols64[None, :] * stride_wn + first_kt * BLOCK_K + ks[:, None]  # W^T's tile [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kt in range(0, tl.cdiv(k, BLOCK_K)):
+    for kt in range(first_kt, last_kt):
         k_mask = ks < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -115,22 +136,49 @@ def _fp8_gemm_kernel(
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 adds every 128 of K at most (Hopper)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if not GROUPED:
-        a_s = tl.load(a_scale_ptr + rows64, mask=row_mask, other=0.0)
-        w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
-        acc = acc * (a_s[:, None] * w_s[None, :])
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols64[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    if SPLIT_K == 1:
+        _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
+                           stride_cm, GROUPED, HAS_BIAS)
+    else:
+        # Each split leaves its fp32 partial in the workspace [SPLIT_K, m, n] and counts itself in its tile's
+        # counter; the split that counts last adds the others' partials to its own, writes the output and sets
+        # the counter back to 0 for the next call (one launch, no memset: it replays in a CUDA graph). The barrier
+        # and the atomic's release order every thread's partial before the count; the last one's acquire and
+        # barrier order the reads after it, which go to L2 (.cg), where the other SMs' stores are.
+        tile_mask = row_mask[:, None] & col_mask[None, :]
+        part = rows64[:, None] * n + cols64[None, :]
+        tl.store(partial_ptr + split * m * n + part, acc, mask=tile_mask)
+        tl.debug_barrier()
+        counted = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if counted == SPLIT_K - 1:
+            tl.debug_barrier()
+            for other in tl.static_range(SPLIT_K):
+                acc += tl.load(partial_ptr + other * m * n + part, mask=tile_mask & (other != split), other=0.0,
+                               cache_modifier=".cg")
+            _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
+                               stride_cm, GROUPED, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid, 0)
 
 
 PROMOTE_K = 128  # the channel kernel's fp32 add interval in K (DeepSeek-V3's): Hopper's fp8 accumulation is shorter
 
 
-def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a GEMM of m rows: the sweep's choice for this shape
-    and M (kernels/fp8_gemm_dispatch.TILES), else a rule: small m is weight-bound, so narrow N tiles put more
+SPLIT_COUNTERS = 1 << 16  # output tiles a split-K GEMM may count in (256 KB a device): M <= 256 by 16 x 16 tiles
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters: zeros, and left at zero by every split-K GEMM. Made on first use;
+    fp8_linear asks for them eagerly, so that they exist before the decode CUDA graphs are captured."""
+    counters = _split_counters.get(device)
+    if counters is None:
+        counters = _split_counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
+def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) for a GEMM of m rows: the sweep's choice for this
+    shape and M (kernels/fp8_gemm_dispatch.TILES), else a rule: small m is weight-bound, so narrow N tiles put more
     programs on the SMs; large m takes 128 x 128 tiles. Block weights take BLOCK_K = group_k (one scale a tile)."""
     from kernels.fp8_gemm_dispatch import measured_tiles
 
@@ -149,24 +197,34 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, in
 
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                    tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                    tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """a [M, K] fp8 with scales [M, G], w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
     G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU).
-    `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py)."""
+    `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py); a sixth entry, SPLIT_K > 1, splits
+    K over that many programs per output tile (more programs for a weight-bound product of few rows)."""
     m, k = a.shape
     n = w.shape[0]
     grouped = w_scale.shape[1] > 1
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tiles or _tiles(m, n, k, group_k, grouped)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _fp8_gemm_kernel[grid](
-        a, a_scale, w, w_scale, bias if bias is not None else out, out,
+    block_m, block_n, block_k, warps, stages, *split = tiles or _tiles(m, n, k, group_k, grouped)
+    num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = min(split[0] if split else 1, triton.cdiv(k, block_k))
+    if split_k > 1:
+        # the splits share out K's tiles evenly; fewer splits when the last would get none
+        per_split = triton.cdiv(triton.cdiv(k, block_k), split_k)
+        split_k = triton.cdiv(triton.cdiv(k, block_k), per_split)
+    if split_k > 1 and num_tiles <= SPLIT_COUNTERS:
+        partial, counters = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device), split_counters(a.device)
+    else:
+        split_k, partial, counters = 1, out, out
+    _fp8_gemm_kernel[(num_tiles, split_k)](
+        a, a_scale, w, w_scale, bias if bias is not None else out, out, partial, counters,
         m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
         GROUPED=grouped, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, PROMOTE_K),
-        num_warps=warps, num_stages=stages,
+        SPLIT_K=split_k, num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -187,6 +245,8 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     from kernels.fp8_gemm_dispatch import choose_backend
 
     grouped = w_scale.shape[1] > 1
+    if w.is_cuda:
+        split_counters(w.device)
     if isinstance(x, QuantizedActivations):
         a, a_scale, out_dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
         if a_scale.shape[1] != w_scale.shape[1]:

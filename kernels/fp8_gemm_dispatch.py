@@ -7,7 +7,7 @@ the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 
 TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasing M (an M between two rows
 takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. TILES maps (scheme, N, K)
-to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)), ...] the same way; a shape or M not in it
+to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])), ...] the same way; a shape or M not in it
 takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs
 (`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows to put here. The rows below are those the
 sweep printed on the H200 (bench/RESULTS.md, 2026-12-03, 173268d): on its own tiles Triton's kernel wins at
@@ -24,7 +24,7 @@ import os
 BACKENDS = ("scaled_mm", "triton")
 DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90): the faster from M = 128 on every shape
 TABLE_ENV = "NANOSERVE_FP8_GEMM_TABLE"
-Tiles = tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+Tiles = tuple[int, ...]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K (1 when absent)]
 
 TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {  # the sweep's rows, runs of one backend merged
     (6144, 4096): [(16, "triton"), (4096, "scaled_mm")],

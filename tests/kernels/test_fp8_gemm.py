@@ -71,6 +71,21 @@ def test_triton_fp8_gemm_with_block_or_channel_scales_matches_float64(m, n, k, g
     assert_close_to_float64(out, fp8_gemm_ref(a, a_scale, w, w_scale, group, bias), rel=1e-5)
 
 
+@interpreter
+@pytest.mark.parametrize("group", [16, 80])  # block scales (5 K tiles of 16), channel scales (K tiles of 32)
+@pytest.mark.parametrize("split_k", [2, 3, 8])  # uneven shares of K's tiles; more splits than tiles
+def test_split_k_fp8_gemm_matches_float64_and_leaves_its_counters_at_zero(group, split_k):
+    m, n, k = 19, 40, 80
+    _, a, a_scale, w, w_scale, bias = operands(m, n, k, group, seed=split_k + group)
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, group, bias)
+    block_k = 16 if group == 16 else 32
+    for _ in range(2):  # the second call counts from the zeros the first left
+        out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias,
+                                       tiles=(16, 16, block_k, 1, 1, split_k))
+        assert_close_to_float64(out, ref, rel=1e-5)
+        assert not fp8_gemm.split_counters(a.device).any()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +109,11 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
     # output (2^-9), while a wrong scale or tile is off by O(1)
     assert_close_to_float64(fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias), ref,
                             rel=1e-3)
+    for split_k in (2, 5):  # split-K: the partials of K's slices added up by the tile's last program
+        tiles = (16 if m < 64 else 64, 64, group if group < k else 128, 4, 3, split_k)
+        out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias, tiles=tiles)
+        assert_close_to_float64(out, ref, rel=1e-3)
+        assert not fp8_gemm.split_counters(out.device).any()
     if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise scales: channel weights
         out = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
         assert_close_to_float64(out, ref, rel=1e-2)
@@ -126,13 +146,13 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
     monkeypatch.setattr(dispatch, "TABLE", {})
     monkeypatch.setattr(dispatch, "TILES", {})
     dispatch.apply_table({"backends": {"96x64": [[1, "triton"], [64, "scaled_mm"], [256, "triton"]]},
-                          "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4]]]}})
+                          "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4, 2]]]}})
     picks = [dispatch.choose_backend("channel", m, 96, 64) for m in (1, 2, 64, 65, 256, 257)]
     assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
     assert dispatch.choose_backend("block", 2, 96, 64) == "triton"  # only Triton applies block scales
     assert dispatch.choose_backend("channel", 2, 96, 80) == dispatch.DEFAULT  # a shape not measured
     assert dispatch.choose_backend("channel", 2, 90, 64) == "triton"  # _scaled_mm needs multiples of 16
     assert dispatch.measured_tiles("channel", 16, 96, 64) == (16, 32, 256, 4, 4)
-    assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4)
+    assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4, 2)  # split-K in two
     assert dispatch.measured_tiles("channel", 257, 96, 64) is None
     assert dispatch.measured_tiles("block", 1, 96, 64) is None
