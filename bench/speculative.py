@@ -2,7 +2,8 @@
 draft model with --speculative-method draft --draft-model DIR), at several concurrencies, on prompts that reward
 n-gram (editing, summarising a given text, code with repetition) and on plain chat; with the acceptance figures.
 Greedy, ignore_eos, fixed output length, so every engine generates the same tokens (the test suite checks they
-are equal).
+are equal). --stop-at-eos ends each request at the model's end of sequence instead (--max-tokens stays a cap): what a
+real editing request costs, where ignore_eos would time the text a model writes after its answer has ended.
 
     python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [engine flags]
     python bench/speculative.py --self-draft-ks 1,2,4,8 [...]   # the mechanism's ceiling, see below
@@ -77,7 +78,7 @@ def first_difference(plain: list[int], other: list[int], top: list) -> dict | No
     return found
 
 
-def explain_differences(llm: LLM, requests: list[list[int]], max_tokens: int, plain: list[list[int]],
+def explain_differences(llm: LLM, requests: list[list[int]], params: SamplingParams, plain: list[list[int]],
                         other: list[list[int]]) -> list[dict | None]:
     """For each request whose tokens differ: its first difference, judged by the plain engine's top-5 logprobs,
     generated again (untimed) by llm, a plain engine. A request whose logprob run itself left the timed plain
@@ -86,7 +87,7 @@ def explain_differences(llm: LLM, requests: list[list[int]], max_tokens: int, pl
     found: list[dict | None] = [None] * len(requests)
     if not differing:
         return found
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, logprobs=TOP_LOGPROBS)
+    params = dataclasses.replace(params, logprobs=TOP_LOGPROBS)
     results = llm.generate([requests[i] for i in differing], params, use_tqdm=False)
     for i, r in zip(differing, results):
         out = r.outputs[0]
@@ -113,7 +114,7 @@ def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_pr
     engine: it then explains, untimed, where each row's tokens differ from them (explain_differences)."""
     config = dataclasses.replace(engine_config_from_args(args), **overrides)
     engine_args = {k: v for k, v in vars(config).items() if k != "model"}
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, ignore_eos=not args.stop_at_eos, max_tokens=args.max_tokens)
     rows = []
     with LLM(config.model, **engine_args) as llm:
         verifying = warm_up(llm, prompts, warmup_prompt, args.concurrency)
@@ -142,7 +143,7 @@ def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_pr
                              "tokens": [r.outputs[0].token_ids for r in results]})
                 r = rows[-1]
                 if other is not None:
-                    r["differences"] = explain_differences(llm, requests, args.max_tokens, r["tokens"],
+                    r["differences"] = explain_differences(llm, requests, params, r["tokens"],
                                                            other[len(rows) - 1]["tokens"])
                 print(f"  {r['method']:<10}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
                       f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="end each request at the model's end of sequence (--max-tokens a cap), not ignore_eos")
     parser.add_argument("--out", default="speculative.json")
     parser.add_argument("--self-draft-ks", default="",
                         help="the ceiling: the model as its own draft at each of these K (e.g. 1,2,4,8) against off")
@@ -188,7 +191,9 @@ def main() -> None:
     proposer = f"draft {os.path.basename(config.draft_model)}" if method == "draft" else \
         f"ngram {config.ngram_min}..{config.ngram_max}"
     print(f"\nspeculative decoding, {proposer}, K={config.num_speculative_tokens}, max batch "
-          f"{config.speculative_max_batch_size}, {args.max_tokens} tokens each")
+          f"{config.speculative_max_batch_size}, "
+          + (f"to the end of sequence (at most {args.max_tokens} tokens)" if args.stop_at_eos
+             else f"{args.max_tokens} tokens each"))
     print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{method + ' tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
           f"{method + ' TPOT':>12}{'accept':>8}{'mean len':>9}  same tokens")
     for a, b in zip(off, on):
