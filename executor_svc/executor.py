@@ -109,6 +109,15 @@ def handshake(runner: ModelRunner) -> engine_pb2.ExecutorHandshake:
     )
 
 
+EXIT_GROUP_OUT_OF_STEP = 3  # a tensor-parallel rank failed a step: the group must restart together
+
+
+class GroupOutOfStep(RuntimeError):
+    """A step failed on one rank of a tensor-parallel group, where its peers may be waiting in (or past) the step's
+    collectives and its mirrors may no longer match theirs: no later step can be trusted, so the rank exits and the
+    supervisor restarts the whole group (rank 0 first fails the step's requests with the error)."""
+
+
 @dataclass
 class SampledStep:
     """A step sampled on the device, not answered yet."""
@@ -127,6 +136,7 @@ class StepLoop:
     def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int,
                  epoch: SchedulerEpoch | None = None, late_mask_timeout_s: float = 10.0) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
+        self.in_group = getattr(runner, "world_size", 1) > 1  # steps run collectives with peer ranks
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
         self.pending: SampledStep | None = None
         self.late_mask_timeout_s = late_mask_timeout_s  # how long rank 0 waits for a step's late token masks
@@ -169,6 +179,10 @@ class StepLoop:
             log.error("rank %d step %d failed:\n%s", self.rank, step_id, traceback.format_exc())
             del result.sampled[:]
             result.error = f"{type(exc).__name__}: {exc}"
+            # rank 0's peers took its sampled tokens (broadcast) and the scheduler fails this step's requests, so
+            # the group stays in step; a peer that did not append rank 0's tokens would compute on other inputs
+            if self.in_group and self.rank != 0:
+                raise GroupOutOfStep(f"rank {self.rank} could not append step {step_id}'s tokens") from exc
         self._send(result)
         self.last_reply = time.perf_counter()
 
@@ -196,10 +210,12 @@ class StepLoop:
             self.mirrors.commit(chunks)
         except Exception as exc:  # the scheduler fails this step's requests; we keep serving
             log.error("rank %d step %d failed:\n%s", self.rank, plan.step_id, traceback.format_exc())
-            self.reply_pending()
+            self.reply_pending()  # the step before it is good: its tokens go back (no collective in this)
             for seq_id in [n.seq_id for n in plan.new_seqs] + list(plan.cached.seq_ids):
                 self.mirrors.seqs.pop(seq_id, None)
             self._send(engine_pb2.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}"))
+            if self.in_group:  # the peers may be inside this step's collectives, waiting for this rank
+                raise GroupOutOfStep(f"rank {self.rank} failed step {plan.step_id}") from exc
             return
         self.reply_pending()  # step N's ids go back while step N+1 runs on the device
         error, wait = None, 0.0
@@ -286,6 +302,10 @@ def run_executor(config: EngineConfig, rank: int, world_size: int, scheduler_add
             elif kind == "plan":
                 log.warning("rank %d dropped plan %d of scheduler epoch %x (serving %x)", rank, msg.plan.step_id,
                             msg.epoch, epoch.value)
+    except GroupOutOfStep as exc:
+        log.critical("%s; exiting (code %d) so that the tensor-parallel group restarts together", exc,
+                     EXIT_GROUP_OUT_OF_STEP)
+        return EXIT_GROUP_OUT_OF_STEP
     finally:
         stop.set()
         sock.close()
