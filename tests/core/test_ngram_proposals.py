@@ -2,9 +2,12 @@
 that occurred before."""
 from __future__ import annotations
 
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler_svc.core.speculative import ngram
 from scheduler_svc.core.speculative.ngram import ngram_proposer, propose_ngram
 
 
@@ -66,3 +69,25 @@ def test_the_engines_index_proposes_what_the_reference_search_does_as_tokens_are
         seq.token_ids = tokens[:cut]
         assumed = seq.token_ids + tail
         assert propose(seq, assumed, k) == propose_ngram(assumed, k, n_min, n_min + extra)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=40, max_size=120), step=st.integers(1, 9),
+       tail=st.lists(st.integers(0, 3), max_size=4), k=st.integers(1, 4), n_min=st.integers(1, 2),
+       extra=st.integers(0, 2))
+def test_a_long_sequences_index_stays_within_two_windows_and_proposes_what_the_reference_does(tokens, step, tail, k,
+                                                                                              n_min, extra):
+    """With a window of 8 tokens and sequences of up to 120: past the window the index forgets what can no longer
+    match, so its size stays bounded, and it still proposes exactly what the reference search over the window
+    does."""
+    n_max = n_min + extra
+    with mock.patch.object(ngram, "SEARCH_WINDOW", 8):
+        propose = ngram_proposer(n_min, n_max)
+        seq = GrowingSeq()
+        for cut in list(range(step, len(tokens), step)) + [len(tokens)]:
+            seq.token_ids = tokens[:cut]
+            assumed = seq.token_ids + tail
+            assert propose(seq, assumed, k) == propose_ngram(assumed, k, n_min, n_max)
+            index = seq.proposer_cache
+            assert all(end >= cut - 1 - 2 * 8 for end in index.ends.values())
+            assert len(index.ends) <= 2 * 8 * (n_max - n_min + 1)

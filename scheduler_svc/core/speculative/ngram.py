@@ -45,19 +45,27 @@ class NgramIndex:
     """The most recent end of every n-gram (n_min..n_max tokens) of a sequence's known tokens, kept as they are
     appended: a proposal is then a few dictionary lookups, where a search over an array costs a dozen numpy calls
     (~15-40 us) per sequence and step. Ends are indexed up to the second-to-last known token: the last one's own
-    n-grams are the suffix being looked up, not an earlier occurrence."""
+    n-grams are the suffix being looked up, not an earlier occurrence. Every SEARCH_WINDOW tokens the ends that fell
+    out of the window go, so a long sequence holds at most two windows' n-grams."""
 
-    __slots__ = ("ends", "indexed", "n_min", "n_max")
+    __slots__ = ("ends", "indexed", "pruned_at", "n_min", "n_max")
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # ends 0 .. indexed - 1 are in
+        self.pruned_at = 0  # indexed when the ends before the window were last dropped
         self.n_min, self.n_max = n_min, n_max
 
     def _extend(self, known: list[int]) -> None:
         if len(known) - 1 < self.indexed:  # not the list it indexed: start again
             self.ends.clear()
-            self.indexed = 0
+            self.indexed = self.pruned_at = 0
+        if len(known) - 1 - self.pruned_at >= SEARCH_WINDOW:
+            # an end before this can never lie in the window again (propose's `lowest` only grows): drop it, where
+            # it would only be overwritten by a later occurrence of its n-gram
+            lowest = len(known) - SEARCH_WINDOW
+            self.ends = {key: end for key, end in self.ends.items() if end >= lowest}
+            self.pruned_at = len(known) - 1
         ends = self.ends
         # ends before the search window never count: a long prompt is indexed from its last SEARCH_WINDOW tokens
         for end in range(max(self.indexed, len(known) - 1 - SEARCH_WINDOW), len(known) - 1):
