@@ -11,8 +11,9 @@ real editing request costs, where ignore_eos would time the text a model writes 
 --self-draft-ks runs the model as its own draft (every proposal accepted, bar near-ties) at each K against no
 speculation: the most a draft-model step can give at that K, where the draft costs what the target costs.
 
-Each concurrency c runs c requests of a workload at once (the prompts repeat when c exceeds them); TPOT is
-the batch's wall time over the tokens each request generated (time to first token included). One engine per
+Each concurrency c runs a workload's prompts in waves of c requests, taking the prompts in turn until every one ran
+at least once (at concurrency 1 each alone, one after another; when c exceeds them, one wave, the prompts
+repeated); TPOT is the waves' wall time over the tokens each request generated (time to first token included). One engine per
 setting, n-gram first, then off (which can then explain the differences, below), each warmed up first: a short chat batch, then at each concurrency an editing batch that
 speculates, so the verification path's first-use costs (kernels compiled for its row counts, the rejection
 sampler's first calls) fall before the measured waves. Prints a table and writes JSON (--out).
@@ -107,6 +108,13 @@ def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[i
     return llm.stats().num_speculative_steps - before
 
 
+def workload_waves(batch: list[list[int]], concurrency: int) -> list[list[list[int]]]:
+    """The waves a workload runs in at this concurrency: `concurrency` requests each, taking the prompts in turn
+    (wrapping round) until every prompt ran at least once: at 1, each prompt alone, one after another."""
+    num_waves = -(-len(batch) // concurrency)
+    return [[batch[(w * concurrency + i) % len(batch)] for i in range(concurrency)] for w in range(num_waves)]
+
+
 def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_prompt: list[int],
                 other: list[dict] | None = None, **overrides) -> list[dict]:
     """One engine of the flags with these config fields changed, warmed up, then every workload and concurrency;
@@ -121,11 +129,14 @@ def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_pr
         print(f"  {label}: warm-up ran {verifying} verifying steps", flush=True)
         for name, batch in prompts.items():
             for c in args.concurrency:
-                requests = [batch[i % len(batch)] for i in range(c)]
+                waves = workload_waves(batch, c)
+                requests = [prompt for wave in waves for prompt in wave]
                 before = llm.stats()
-                t0 = time.perf_counter()
-                results = llm.generate(requests, params, use_tqdm=False)
-                elapsed = time.perf_counter() - t0
+                elapsed, results = 0.0, []
+                for wave in waves:  # one after another: c requests at a time
+                    t0 = time.perf_counter()
+                    results += llm.generate(wave, params, use_tqdm=False)
+                    elapsed += time.perf_counter() - t0
                 after = llm.stats()
                 tokens = sum(len(r.outputs[0].token_ids) for r in results)
                 delta = lambda f: getattr(after, f) - getattr(before, f)  # noqa: E731
