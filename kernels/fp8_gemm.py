@@ -109,12 +109,16 @@ def _fp8_gemm_kernel(
     band_rows = min(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % band_rows
     pid_n = (pid % (GROUP_M * num_pid_n)) // band_rows
-    # split-K: program (tile, split) sums K tiles [first_kt, last_kt) of its output tile
+    # split-K: program (tile, split) sums K tiles [first_kt, last_kt) of its output tile (unsplit: a loop from 0,
+    # which compiles to a tighter pipelined loop than one from a run-time start)
     split = tl.program_id(1)
-    num_kt = tl.cdiv(k, BLOCK_K)
-    kts_per_split = tl.cdiv(num_kt, SPLIT_K)
-    first_kt = split * kts_per_split
-    last_kt = tl.minimum(first_kt + kts_per_split, num_kt)
+    if SPLIT_K == 1:
+        first_kt = 0
+        last_kt = tl.cdiv(k, BLOCK_K)
+    else:
+        kts_per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K)
+        first_kt = split * kts_per_split
+        last_kt = tl.minimum(first_kt + kts_per_split, tl.cdiv(k, BLOCK_K))
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
