@@ -136,7 +136,7 @@ class StepLoop:
     def __init__(self, runner, mirrors: SequenceMirrors, sock: zmq.Socket, rank: int,
                  epoch: SchedulerEpoch | None = None, late_mask_timeout_s: float = 10.0) -> None:
         self.runner, self.mirrors, self.sock, self.rank = runner, mirrors, sock, rank
-        self.in_group = getattr(runner, "world_size", 1) > 1  # steps run collectives with peer ranks
+        self.in_group = runner.world_size > 1  # steps run collectives with peer ranks
         self.epoch = epoch if epoch is not None else SchedulerEpoch()
         self.pending: SampledStep | None = None
         self.late_mask_timeout_s = late_mask_timeout_s  # how long rank 0 waits for a step's late token masks

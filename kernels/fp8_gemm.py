@@ -172,8 +172,9 @@ _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K tile counters: zeros, and left at zero by every split-K GEMM. Made on first use;
-    fp8_linear asks for them eagerly, so that they exist before the decode CUDA graphs are captured."""
+    """The device's split-K tile counters: zeros, and left at zero by every split-K GEMM. Made on first use; the
+    loader asks for them once FP8 weights are on CUDA (executor_svc/layers/fp8.finish_loading), so that they exist
+    before the decode CUDA graphs are captured."""
     counters = _split_counters.get(device)
     if counters is None:
         counters = _split_counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
@@ -214,11 +215,10 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
         return out
     block_m, block_n, block_k, warps, stages, *split = tiles or _tiles(m, n, k, group_k, grouped)
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = min(split[0] if split else 1, triton.cdiv(k, block_k))
-    if split_k > 1:
-        # the splits share out K's tiles evenly; fewer splits when the last would get none
-        per_split = triton.cdiv(triton.cdiv(k, block_k), split_k)
-        split_k = triton.cdiv(triton.cdiv(k, block_k), per_split)
+    num_kt = triton.cdiv(k, block_k)
+    split_k = min(split[0] if split else 1, num_kt)
+    if split_k > 1:  # the splits share out K's tiles evenly; fewer splits when the last would get none
+        split_k = triton.cdiv(num_kt, triton.cdiv(num_kt, split_k))
     if split_k > 1 and num_tiles <= SPLIT_COUNTERS:
         partial, counters = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device), split_counters(a.device)
     else:
@@ -249,8 +249,6 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     from kernels.fp8_gemm_dispatch import choose_backend
 
     grouped = w_scale.shape[1] > 1
-    if w.is_cuda:
-        split_counters(w.device)
     if isinstance(x, QuantizedActivations):
         a, a_scale, out_dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
         if a_scale.shape[1] != w_scale.shape[1]:

@@ -142,6 +142,9 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
     log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
     if device.type == "cuda":
+        from kernels.fp8_gemm import split_counters
+
+        split_counters(device)  # before the decode graphs are captured: a split-K GEMM counts its tiles there
         fused = quantize_in_producers(model)
         log.info("fp8 activations: %d of them quantized by the kernel that produces them", fused)
     return count

@@ -53,6 +53,7 @@ class _Runner:
     """A runner whose launch fails on the steps named in `fail`."""
 
     device = torch.device("cpu")
+    world_size = 1  # alone: a failed step fails its requests and the loop serves on
 
     def __init__(self, fail):
         self.fail, self.calls = fail, 0
