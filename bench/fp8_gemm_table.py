@@ -122,10 +122,10 @@ def _sweep_tiles(scheme: str, m: int) -> list:
     return SWEEP_TILES[scheme][min((t for t in SWEEP_TILES[scheme] if t >= m), default=max(SWEEP_TILES[scheme]))]
 
 
-def fp8_gemm_sweep(device) -> dict:
+def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
     """Each Triton tile of SWEEP_TILES on each Qwen3-8B GEMM and M (scheme, channel or block), and _scaled_mm:
     microseconds (do_bench, L2 flushed), the fastest tiles and backend per shape and M. A tile whose output is
-    off the default tiles' by more than 1% of max |y| is dropped (and reported)."""
+    off the default tiles' by more than 1% of max |y| is dropped (and reported). tokens: the Ms, else SWEEP_TOKENS."""
     import torch
     import triton
 
@@ -141,7 +141,7 @@ def fp8_gemm_sweep(device) -> dict:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         for scheme, group in (("channel", k), ("block", 128)):
             wq, ws = quantize_rows_ref(w, group)
-            for m in SWEEP_TOKENS:
+            for m in tokens or SWEEP_TOKENS:
                 a, a_s = fp8_gemm.quantize_rows(torch.randn(m, k, generator=gen, device=device,
                                                             dtype=torch.bfloat16), group)
                 ref = None
@@ -186,15 +186,32 @@ def print_fp8_gemm_sweep(sweep: dict) -> None:
         print(f"    (\"{scheme}\", {n}, {k}): {[(m, tuple(t)) for m, t in entries]},")
 
 
-def apply_and_write_sweep(sweep: dict, path: str | None) -> None:
-    """Put the sweep's rows into kernels/fp8_gemm_dispatch (this process) and, with `path`, write them as the JSON
-    that NANOSERVE_FP8_GEMM_TABLE reads."""
+def merge_tables(base: dict, new: dict) -> dict:
+    """An earlier sweep's table with a newer one's rows joined in, per shape, in increasing M; where both measured
+    an M, the newer row wins. Both are {"backends": {key: [[M, value], ...]}, "tiles": {...}}."""
+    merged = {}
+    for part in ("backends", "tiles"):
+        merged[part] = {}
+        for key in base.get(part, {}).keys() | new.get(part, {}).keys():
+            rows = {int(m): value for m, value in base.get(part, {}).get(key, [])}
+            rows.update({int(m): value for m, value in new.get(part, {}).get(key, [])})
+            merged[part][key] = [[m, rows[m]] for m in sorted(rows)]
+    return merged
+
+
+def apply_and_write_sweep(sweep: dict, path: str | None, base_path: str | None = None) -> None:
+    """Put the sweep's rows (joined to those of the JSON at `base_path`, if given) into kernels/fp8_gemm_dispatch
+    (this process) and, with `path`, write them as the JSON that NANOSERVE_FP8_GEMM_TABLE reads."""
     from kernels import fp8_gemm_dispatch
 
-    fp8_gemm_dispatch.apply_table(sweep["table"])
+    table = sweep["table"]
+    if base_path:
+        with open(base_path) as f:
+            table = merge_tables(json.load(f), table)
+    fp8_gemm_dispatch.apply_table(table)
     if path:
         with open(path, "w") as f:
-            json.dump(sweep["table"], f, indent=2)
+            json.dump(table, f, indent=2)
 
 
 # the producers of a Qwen3-8B layer's FP8 GEMM inputs: hidden 4096 (the norms), intermediate 12288 (SiLU-and-mul)

@@ -63,6 +63,12 @@ def parse_args() -> argparse.Namespace:
                    help="with --fp8-gemm: first sweep the Triton FP8 GEMM's tiles and use the fastest per shape and M")
     p.add_argument("--fp8-gemm-table-out", default=None, metavar="JSON",
                    help="with --fp8-gemm-sweep: write its choice for NANOSERVE_FP8_GEMM_TABLE")
+    p.add_argument("--fp8-gemm-sweep-tokens", default=None, metavar="M,M,...",
+                   help="with --fp8-gemm-sweep: sweep these token counts instead of SWEEP_TOKENS "
+                        "(e.g. 160,192 to refine the rows between 128 and 256)")
+    p.add_argument("--fp8-gemm-table-base", default=None, metavar="JSON",
+                   help="with --fp8-gemm-table-out: an earlier sweep's JSON whose rows the new ones join "
+                        "(a token count swept now replaces its old row)")
     p.add_argument("--out", default=str(HERE / "results" / "kernels.json"))
     return p.parse_args()
 
@@ -79,9 +85,10 @@ def main() -> None:
 
         results = {"device": bench.device_name}
         if args.fp8_gemm_sweep:
-            results["fp8_gemm_sweep"] = fg.fp8_gemm_sweep(bench.device)
+            tokens = [int(m) for m in args.fp8_gemm_sweep_tokens.split(",")] if args.fp8_gemm_sweep_tokens else None
+            results["fp8_gemm_sweep"] = fg.fp8_gemm_sweep(bench.device, tokens)
             fg.print_fp8_gemm_sweep(results["fp8_gemm_sweep"])
-            fg.apply_and_write_sweep(results["fp8_gemm_sweep"], args.fp8_gemm_table_out)
+            fg.apply_and_write_sweep(results["fp8_gemm_sweep"], args.fp8_gemm_table_out, args.fp8_gemm_table_base)
         results["fp8_gemm"] = fg.fp8_gemm_rows(bench.time_us, bench.device)
         fg.print_fp8_gemm_table(results["fp8_gemm"])
         results["fp8_producers"] = fg.fused_producer_rows(lambda fn: bench.time_us(fn, graph=True), bench.device)

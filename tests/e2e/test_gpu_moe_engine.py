@@ -28,10 +28,26 @@ def test_moe_cuda_graph_decoding_equals_eager_and_transformers(gpu_qwen3_moe_dir
     graphs, _ = generate(gpu_qwen3_moe_dir, gpu_prompts, dtype=dtype, max_num_seqs=32)
     eager, stats = generate(gpu_qwen3_moe_dir, gpu_prompts, dtype=dtype, enforce_eager=True)
     assert stats.free_kv_blocks == stats.total_kv_blocks
-    # bf16 rounding on a random model leaves many near-ties (the router's among them): only the top-5 rule applies
-    flips = 0.25 if dtype == "float32" else 1.0
-    assert_greedy_matches(graphs, [o.token_ids for o in eager], max_flip_fraction=flips)
-    if dtype == "float32":
-        ref = hf_greedy(gpu_qwen3_moe_dir, gpu_prompts, NEW_TOKENS)
-        assert_greedy_matches(graphs, ref)
-        assert_greedy_matches(eager, ref)
+    if dtype == "bfloat16":
+        assert_bf16_runs_agree(graphs, [o.token_ids for o in eager])
+        return
+    assert_greedy_matches(graphs, [o.token_ids for o in eager])
+    ref = hf_greedy(gpu_qwen3_moe_dir, gpu_prompts, NEW_TOKENS)
+    assert_greedy_matches(graphs, ref)
+    assert_greedy_matches(eager, ref)
+
+
+def assert_bf16_runs_agree(ours, ref: list[list[int]]) -> None:
+    """Graphs against eager in bf16. The two round differently (padded batches pick other GEMM tiles), and on a
+    random model the router's top-4 of 16 is often a near-tie: a flipped expert is a step change in the hidden
+    state, larger than the margins of a near-flat random head. So a divergence outside the top-5 rule is allowed
+    in at most 1 sequence in 8, and only after the first 8 tokens agree; a broken graph diverges everywhere."""
+    unexplained = []
+    for i, (out, expected) in enumerate(zip(ours, ref)):
+        assert len(out.token_ids) == len(expected)
+        pos = next((p for p, (a, b) in enumerate(zip(out.token_ids, expected)) if a != b), None)
+        if pos is not None and expected[pos] not in list(out.logprobs[pos].top_token_ids[:5]):
+            assert pos >= 8, f"seq {i} diverges at token {pos}: {out.token_ids[:pos + 1]} vs {expected[:pos + 1]}"
+            unexplained.append(i)
+    assert len(unexplained) <= len(ref) // 8, f"sequences {unexplained} diverge outside the top-5 rule"
+
