@@ -136,7 +136,7 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
         return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
     gen = torch.Generator(device=device).manual_seed(1)
-    rows, tiles, backends = [], {}, {}
+    rows, tiles = [], {}
     for name, n, k in QWEN3_8B_GEMMS:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         for scheme, group in (("channel", k), ("block", 128)):
@@ -162,10 +162,35 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                 tiles.setdefault(f"{scheme} {n}x{k}", []).append([m, list(best)])
                 if scheme == "channel":
                     row["scaled_mm_us"] = time_us(lambda: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, wq, ws, torch.bfloat16))
-                    faster = "scaled_mm" if row["scaled_mm_us"] <= timed[best] else "triton"
-                    backends.setdefault(f"{n}x{k}", []).append([m, faster])
                 rows.append(row)
-    return {"rows": rows, "table": {"backends": backends, "tiles": tiles}}
+    return {"rows": rows, "table": {"backends": choose_backends(rows), "tiles": tiles}}
+
+
+PAD_GAIN = 0.95  # padding to more rows must beat the product on M rows by 5%: it costs a copy of the activations
+
+
+def choose_backends(rows: list[dict]) -> dict:
+    """Per channel shape and swept M: [M, "triton"], [M, "scaled_mm"], or [M, "scaled_mm", P] where _scaled_mm
+    measured faster on P rows (a swept M up to 2M) than on M, by PAD_GAIN, the activations then padded to P."""
+    scaled: dict[str, dict[int, float]] = {}
+    triton_us: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["scheme"] == "channel":
+            scaled.setdefault(f"{r['n']}x{r['k']}", {})[r["m"]] = r["scaled_mm_us"]
+            triton_us.setdefault(f"{r['n']}x{r['k']}", {})[r["m"]] = r["best_us"]
+    backends = {}
+    for shape, by_m in scaled.items():
+        entries = []
+        for m in sorted(by_m):
+            pad = min((p for p in by_m if m < p <= 2 * m), key=by_m.get, default=m)
+            if by_m[pad] > PAD_GAIN * by_m[m]:
+                pad = m
+            if by_m[pad] > triton_us[shape][m]:
+                entries.append([m, "triton"])
+            else:
+                entries.append([m, "scaled_mm"] + ([pad] if pad != m else []))
+        backends[shape] = entries
+    return backends
 
 
 def print_fp8_gemm_sweep(sweep: dict) -> None:
@@ -179,7 +204,7 @@ def print_fp8_gemm_sweep(sweep: dict) -> None:
     print("\nkernels/fp8_gemm_dispatch.TABLE (channel backends) and TILES, as measured:")
     for key, entries in sweep["table"]["backends"].items():
         n, k = key.split("x")
-        print(f"    ({n}, {k}): {[(m, b) for m, b in entries]},")
+        print(f"    ({n}, {k}): {[tuple(e) for e in entries]},")
     for key, entries in sweep["table"]["tiles"].items():
         scheme, shape = key.split()
         n, k = shape.split("x")
@@ -188,14 +213,14 @@ def print_fp8_gemm_sweep(sweep: dict) -> None:
 
 def merge_tables(base: dict, new: dict) -> dict:
     """An earlier sweep's table with a newer one's rows joined in, per shape, in increasing M; where both measured
-    an M, the newer row wins. Both are {"backends": {key: [[M, value], ...]}, "tiles": {...}}."""
+    an M, the newer row wins. Both are {"backends": {key: [[M, value, ...], ...]}, "tiles": {...}}."""
     merged = {}
     for part in ("backends", "tiles"):
         merged[part] = {}
         for key in base.get(part, {}).keys() | new.get(part, {}).keys():
-            rows = {int(m): value for m, value in base.get(part, {}).get(key, [])}
-            rows.update({int(m): value for m, value in new.get(part, {}).get(key, [])})
-            merged[part][key] = [[m, rows[m]] for m in sorted(rows)]
+            rows = {int(m): rest for m, *rest in base.get(part, {}).get(key, [])}
+            rows.update({int(m): rest for m, *rest in new.get(part, {}).get(key, [])})
+            merged[part][key] = [[m, *rows[m]] for m in sorted(rows)]
     return merged
 
 

@@ -234,10 +234,15 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
 
 
 def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: per token [M, 1] x per channel [1, N]; W^T is column-major
-    as a [N, K] row-major weight's transpose already is."""
-    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)
+    as a [N, K] row-major weight's transpose already is. rows > M runs the product on that many rows, the
+    activations padded with zeros (each output row depends on its own row only), where cuBLASLt is faster so."""
+    m = a.shape[0]
+    if rows > m:
+        a = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_ones(rows - m, 1)])
+    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)[:m]
     return out if bias is None else out + bias
 
 
@@ -246,7 +251,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
     groups the weight's scales need; else one kernel quantizes it here."""
-    from kernels.fp8_gemm_dispatch import choose_backend
+    from kernels.fp8_gemm_dispatch import choose_backend, scaled_mm_rows
 
     grouped = w_scale.shape[1] > 1
     if isinstance(x, QuantizedActivations):
@@ -259,7 +264,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         out_dtype, lead = x.dtype, x.shape[:-1]
     n, k = w.shape
     if choose_backend("block" if grouped else "channel", a.shape[0], n, k) == "scaled_mm":
-        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias)
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=scaled_mm_rows(a.shape[0], n, k))
     else:
         out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
     return out.view(*lead, n)

@@ -5,13 +5,17 @@ the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 - channel weights (a scale per output row, activations per token): `torch._scaled_mm`'s row-wise GEMM
   or the Triton kernel, whichever bench/kernels.py --fp8-gemm measured faster at that shape and M.
 
-TABLE maps (N, K) of a channel weight to [(largest M, backend), ...] in increasing M (an M between two rows
-takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. TILES maps (scheme, N, K)
-to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K])), ...] the same way; a shape or M not in it
-takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm measures both on the Qwen3-8B shape's GEMMs
-(`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows to put here. The rows below are those the
-sweep printed on the H200 (bench/RESULTS.md, 2026-12-03, 173268d): on its own tiles Triton's kernel wins at
-M <= 16 on every product (and to 64 on gate_up_proj), torch._scaled_mm from there on.
+TABLE maps (N, K) of a channel weight to [(largest M, backend[, rows]), ...] in increasing M (an M between two
+rows takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. `rows`, on a
+scaled_mm row, pads the activations with zero rows to that many: cuBLASLt's heuristics pick slow kernels at some
+M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48 us
+at M = 256). TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
+SPLIT_K])), ...] the same way; a shape or M not in it takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm
+measures both on the Qwen3-8B shape's GEMMs (`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows
+to put here. The rows below are those the sweep printed on the H200 (bench/RESULTS.md, 2026-12-03: 6760fc6 at
+M = 1, 16, 64, 128 and 4096, 339a714 from 144 to 256): on its own tiles (split-K among them) Triton's kernel wins at
+M = 1 on every product, and to 16 on qkv_proj, 64 on gate_up_proj and 128 on down_proj; torch._scaled_mm from
+there on, on 192 or 256 rows for some M from 129 to 224.
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
@@ -26,52 +30,65 @@ DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90)
 TABLE_ENV = "NANOSERVE_FP8_GEMM_TABLE"
 Tiles = tuple[int, ...]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K (1 when absent)]
 
-TABLE: dict[tuple[int, int], list[tuple[int, str]]] = {  # the sweep's rows, runs of one backend merged
-    (6144, 4096): [(16, "triton"), (4096, "scaled_mm")],
-    (4096, 4096): [(16, "triton"), (4096, "scaled_mm")],
-    (24576, 4096): [(64, "triton"), (4096, "scaled_mm")],
-    (4096, 12288): [(16, "triton"), (4096, "scaled_mm")],
+TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one choice merged
+    (6144, 4096): [(16, "triton"), (128, "scaled_mm"), (192, "scaled_mm", 256), (4096, "scaled_mm")],
+    (4096, 4096): [(1, "triton"), (128, "scaled_mm"), (144, "scaled_mm", 192), (4096, "scaled_mm")],
+    (24576, 4096): [(64, "triton"), (128, "scaled_mm"), (224, "scaled_mm", 256), (4096, "scaled_mm")],
+    (4096, 12288): [(128, "triton"), (160, "scaled_mm", 256), (4096, "scaled_mm")],
 }
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
     ("channel", 6144, 4096): [
-        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 64, 128, 4, 4, 2)), (16, (16, 32, 256, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
+        (128, (64, 64, 128, 4, 4)), (144, (128, 64, 128, 4, 4)), (160, (64, 128, 128, 4, 4)),
+        (192, (128, 128, 256, 8, 3)), (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)),
+        (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 6144, 4096): [
-        (1, (16, 32, 128, 4, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
-        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 16, 128, 2, 6)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
+        (128, (64, 64, 128, 4, 4)), (144, (64, 64, 128, 4, 4)), (160, (128, 128, 128, 8, 3)),
+        (192, (64, 64, 128, 4, 4)), (224, (128, 128, 128, 8, 3)), (256, (128, 128, 128, 8, 3)),
+        (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 4096, 4096): [
-        (1, (16, 16, 128, 2, 6)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 32, 128, 4, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 64, 128, 4, 4)), (128, (128, 128, 128, 8, 3)),
+        (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
+        (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 4096, 4096): [
-        (1, (16, 32, 128, 4, 6)), (16, (16, 32, 128, 4, 6)), (64, (64, 32, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 128, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
+        (128, (64, 64, 128, 4, 4)), (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)),
+        (192, (128, 64, 128, 4, 4)), (224, (128, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)),
+        (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 24576, 4096): [
-        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 256, 4, 4)), (64, (64, 64, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 64, 256, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (128, (64, 64, 128, 4, 4)),
+        (144, (64, 128, 128, 4, 4)), (160, (64, 128, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
+        (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 24576, 4096): [
-        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)),
-        (128, (64, 128, 128, 4, 3)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 128, 128, 4, 4)), (128, (64, 128, 128, 4, 3)),
+        (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)), (192, (128, 64, 128, 4, 4)),
+        (224, (128, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 4096, 12288): [
-        (1, (16, 32, 256, 4, 4)), (16, (16, 32, 256, 4, 4)), (64, (64, 32, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 32, 128, 4, 4, 4)), (16, (16, 32, 128, 4, 4, 4)), (64, (32, 64, 128, 4, 4, 4)),
+        (128, (64, 128, 128, 4, 4, 2)), (144, (64, 128, 128, 4, 4)), (160, (64, 128, 128, 4, 4)),
+        (192, (64, 128, 128, 4, 4)), (224, (64, 128, 128, 4, 4)), (256, (64, 128, 128, 4, 4)),
+        (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 4096, 12288): [
-        (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 32, 128, 4, 4)),
-        (128, (64, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 16, 128, 2, 6)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
+        (128, (64, 128, 128, 4, 4, 2)), (144, (64, 128, 128, 4, 4, 2)), (160, (64, 128, 128, 4, 4, 2)),
+        (192, (64, 128, 128, 4, 4, 2)), (224, (64, 128, 128, 4, 4, 2)), (256, (64, 128, 128, 4, 4, 2)),
+        (4096, (64, 128, 128, 4, 3)),
     ],
 }
 
 
 def _lookup(rows, m: int):
-    for max_m, value in rows:
-        if m <= max_m:
-            return value
+    for row in rows:
+        if m <= row[0]:
+            return row[1] if len(row) == 2 else row[1:]
     return None
 
 
@@ -79,7 +96,14 @@ def choose_backend(scheme: str, m: int, n: int, k: int) -> str:
     """"scaled_mm" or "triton" for an [m, k] x [k, n] product with `scheme` ("block" or "channel") scales."""
     if scheme == "block" or n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
         return "triton"
-    return _lookup(TABLE.get((n, k), ()), m) or DEFAULT
+    row = _lookup(TABLE.get((n, k), ()), m)
+    return DEFAULT if row is None else row if isinstance(row, str) else row[0]
+
+
+def scaled_mm_rows(m: int, n: int, k: int) -> int:
+    """How many rows torch._scaled_mm runs an [m, k] x [k, n] product on: m, or the more its TABLE row pads to."""
+    row = _lookup(TABLE.get((n, k), ()), m)
+    return max(m, row[1]) if isinstance(row, tuple) else m
 
 
 def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
@@ -89,10 +113,10 @@ def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
 
 def apply_table(measured: dict) -> None:
     """Replace TABLE's and TILES' rows by the shapes a sweep (bench/fp8_gemm_table.py) measured:
-    {"backends": {"NxK": [[M, backend], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}."""
+    {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}."""
     for key, rows in measured["backends"].items():
         n, k = map(int, key.split("x"))
-        TABLE[(n, k)] = [(int(m), backend) for m, backend in rows]
+        TABLE[(n, k)] = [(int(m), backend, *map(int, pad)) for m, backend, *pad in rows]
     for key, rows in measured["tiles"].items():
         scheme, shape = key.split()
         n, k = map(int, shape.split("x"))

@@ -91,6 +91,20 @@ def test_split_k_fp8_gemm_matches_float64_and_leaves_its_counters_at_zero(group,
 # ---------------------------------------------------------------------------------------------
 
 
+@interpreter
+@pytest.mark.parametrize("m, rows", [(3, 16), (17, 32)])
+def test_scaled_mm_on_zero_padded_rows_gives_the_unpadded_rows(m, rows):
+    """The dispatch can run _scaled_mm on more rows than M (cuBLASLt is faster so at some M): the padding rows are
+    zeros with unit scales, and the M rows that come back are the product's, bias included."""
+    x, a, a_scale, w, w_scale, bias = operands(m, 48, 64, 64, seed=m)
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, 64, bias)
+    padded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias, rows=rows)
+    assert padded.shape == (m, 48)
+    assert_close_to_float64(padded, ref, rel=1e-5)
+    unpadded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias)
+    torch.testing.assert_close(padded, unpadded, rtol=1e-6, atol=1e-6 * ref.abs().max().item())  # GEMM blocking
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
@@ -117,6 +131,8 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
     if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise scales: channel weights
         out = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
         assert_close_to_float64(out, ref, rel=1e-2)
+        padded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16(), rows=m + 57)
+        assert_close_to_float64(padded, ref, rel=1e-2)
 
 
 @needs_cuda
@@ -145,14 +161,39 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
 
     monkeypatch.setattr(dispatch, "TABLE", {})
     monkeypatch.setattr(dispatch, "TILES", {})
-    dispatch.apply_table({"backends": {"96x64": [[1, "triton"], [64, "scaled_mm"], [256, "triton"]]},
+    dispatch.apply_table({"backends": {"96x64": [[1, "triton"], [64, "scaled_mm"], [256, "triton"]],
+                                       "96x128": [[64, "scaled_mm"], [160, "scaled_mm", 256], [512, "scaled_mm"]]},
                           "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4, 2]]]}})
     picks = [dispatch.choose_backend("channel", m, 96, 64) for m in (1, 2, 64, 65, 256, 257)]
     assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
     assert dispatch.choose_backend("block", 2, 96, 64) == "triton"  # only Triton applies block scales
     assert dispatch.choose_backend("channel", 2, 96, 80) == dispatch.DEFAULT  # a shape not measured
     assert dispatch.choose_backend("channel", 2, 90, 64) == "triton"  # _scaled_mm needs multiples of 16
+    # a padded row: _scaled_mm on 256 rows for M from 65 to 160, on M rows elsewhere
+    assert [dispatch.scaled_mm_rows(m, 96, 128) for m in (64, 65, 160, 161, 600)] == [64, 256, 256, 161, 600]
+    assert dispatch.choose_backend("channel", 100, 96, 128) == "scaled_mm"
+    assert dispatch.scaled_mm_rows(100, 96, 64) == 100  # a row without padding
     assert dispatch.measured_tiles("channel", 16, 96, 64) == (16, 32, 256, 4, 4)
     assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4, 2)  # split-K in two
     assert dispatch.measured_tiles("channel", 257, 96, 64) is None
     assert dispatch.measured_tiles("block", 1, 96, 64) is None
+
+
+def test_the_sweep_pads_a_scaled_mm_row_only_where_more_rows_were_measured_faster():
+    from bench.fp8_gemm_table import choose_backends
+
+    def row(m, scaled, triton):
+        return {"scheme": "channel", "n": 96, "k": 64, "m": m, "scaled_mm_us": scaled, "best_us": triton}
+
+    rows = [row(16, 20.0, 10.0), row(128, 40.0, 45.0), row(144, 70.0, 65.0), row(192, 60.0, 66.0),
+            row(256, 48.0, 70.0), row(4096, 600.0, 900.0)]
+    assert choose_backends(rows) == {"96x64": [
+        [16, "triton"],               # Triton faster
+        [128, "scaled_mm"],           # 256 rows (48 us) slower than 128 (40 us)
+        [144, "scaled_mm", 256],      # 48 us on 256 rows beats 70 on 144, and Triton's 65
+        [192, "scaled_mm", 256],      # 48 beats 60 by more than PAD_GAIN
+        [256, "scaled_mm"],
+        [4096, "scaled_mm"],          # no swept M up to 2 x 4096 above it
+    ]}
+    # a gain under 5% is not worth the copy
+    assert choose_backends([row(144, 50.0, 90.0), row(256, 48.0, 90.0)])["96x64"][0] == [144, "scaled_mm"]
