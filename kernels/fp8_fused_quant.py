@@ -20,9 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8
-from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, quantize_rows_ref
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized, quantize_rows_ref
 from kernels.fused_ops import rms_norm_ref, silu_and_mul_ref
-from kernels.kv_quant import FP8_DTYPE
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -101,8 +100,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
         x = x.contiguous()
     num_tiles, tile, per_row = _tiles(dim, group, max_cols=1 << 30)  # the whole row: the norm needs all of it
     num_groups = 1 if per_row else triton.cdiv(dim, group)
-    q = torch.empty(num_rows, dim, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(num_rows, dim, num_groups, x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
@@ -194,8 +192,7 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None)
         max_cols = MAX_ONE_PASS_ROW if group >= inter else MAX_ROW_TILE
     num_tiles, tile, per_row = _tiles(inter, group, max_cols)
     num_groups = 1 if per_row else triton.cdiv(inter, group)
-    q = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(num_rows, inter, num_groups, x.device)
     if num_rows > 0 and inter > 0:
         grid = (num_rows, 1 if per_row else triton.cdiv(num_groups, num_tiles))
         _silu_and_mul_quant_kernel[grid](x, q, scale, inter, num_groups, x.stride(0),

@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
-from kernels.fp8_quant import MIN_SCALE, QuantizedActivations
-from kernels.kv_quant import FP8_DTYPE
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized, rows_in_place
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -66,8 +65,7 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     if x.stride(1) != 1:
         x = x.contiguous()
     groups = -(-k // group)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(m, k, groups, x.device)
     if m > 0:
         block = min(1024, triton.next_power_of_2(group))
         _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, groups, x.stride(0), BLOCK=block,
@@ -236,12 +234,16 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
 def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: per token [M, 1] x per channel [1, N]; W^T is column-major
-    as a [N, K] row-major weight's transpose already is. rows > M runs the product on that many rows, the
-    activations padded with zeros (each output row depends on its own row only), where cuBLASLt is faster so."""
+    as a [N, K] row-major weight's transpose already is. rows > M runs the product on that many rows, where
+    cuBLASLt is faster so: the activations' buffers' spare rows where they have them (empty_quantized), else
+    zero rows; each output row depends on its own row only, and the first M come back."""
     m = a.shape[0]
     if rows > m:
-        a = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
-        a_scale = torch.cat([a_scale, a_scale.new_ones(rows - m, 1)])
+        a_rows, scale_rows = rows_in_place(a, rows), rows_in_place(a_scale, rows)
+        if a_rows is None or scale_rows is None:
+            a_rows = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
+            scale_rows = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
+        a, a_scale = a_rows, scale_rows
     out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)[:m]
     return out if bias is None else out + bias
 

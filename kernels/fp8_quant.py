@@ -15,6 +15,32 @@ from kernels.kv_quant import FP8_DTYPE, FP8_MAX
 MIN_SCALE = 1e-12  # an all-zero group quantizes to zeros instead of dividing by zero
 
 
+# Quantized activations are allocated with their rows rounded up to a multiple of this, the rows past M left
+# unwritten, so that an FP8 GEMM can run on more rows than M without a copy (kernels/fp8_gemm_dispatch pads M where
+# cuBLASLt is faster on more rows; each output row depends on its own row only, and those rows are dropped).
+ROW_CAPACITY = 256
+
+
+def empty_quantized(m: int, k: int, groups: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised fp8 values [m, k] and float32 scales [m, groups], each the first m rows of a buffer whose rows
+    are m rounded up to ROW_CAPACITY."""
+    rows = -(-m // ROW_CAPACITY) * ROW_CAPACITY
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=device)[:m]
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=device)[:m]
+    return q, scale
+
+
+def rows_in_place(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """t [M, C] (row-major) seen as its first `rows` rows, those past M read from its buffer's spare capacity
+    (unwritten: their values are garbage), or None where the buffer has no room for them."""
+    if not t.is_contiguous() or rows < t.shape[0]:
+        return None
+    end = (t.storage_offset() + rows * t.shape[1]) * t.element_size()
+    if end > t.untyped_storage().nbytes():
+        return None
+    return t.as_strided((rows, t.shape[1]), (t.shape[1], 1))
+
+
 class QuantizedActivations(NamedTuple):
     """Activations already in FP8, as an FP8 GEMM takes them: what a producer that quantizes its own output
     (kernels/fp8_fused_quant.py) hands to the Linear layer after it instead of a tensor."""

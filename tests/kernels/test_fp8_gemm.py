@@ -92,17 +92,37 @@ def test_split_k_fp8_gemm_matches_float64_and_leaves_its_counters_at_zero(group,
 
 
 @interpreter
-@pytest.mark.parametrize("m, rows", [(3, 16), (17, 32)])
-def test_scaled_mm_on_zero_padded_rows_gives_the_unpadded_rows(m, rows):
-    """The dispatch can run _scaled_mm on more rows than M (cuBLASLt is faster so at some M): the padding rows are
-    zeros with unit scales, and the M rows that come back are the product's, bias included."""
+@pytest.mark.parametrize("m, rows", [(3, 16), (17, 32), (200, 256)])
+@pytest.mark.parametrize("made_by", ["quantize_rows", "a plain tensor"])
+def test_scaled_mm_on_padded_rows_gives_the_unpadded_rows(m, rows, made_by):
+    """The dispatch can run _scaled_mm on more rows than M (cuBLASLt is faster so at some M): on the spare rows of
+    the buffer quantize_rows (as every producer) allocates, whose values are garbage, or on zero rows appended to
+    a tensor without spare rows; either way the M rows that come back are the product's, bias included."""
     x, a, a_scale, w, w_scale, bias = operands(m, 48, 64, 64, seed=m)
+    if made_by == "quantize_rows":
+        a, a_scale = fp8_gemm.quantize_rows(x, 64)
+        a.as_strided((rows, 64), (64, 1))[m:].view(torch.uint8).fill_(0x7F)  # NaN in every spare row
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, 64, bias)
     padded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias, rows=rows)
     assert padded.shape == (m, 48)
     assert_close_to_float64(padded, ref, rel=1e-5)
     unpadded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias)
     torch.testing.assert_close(padded, unpadded, rtol=1e-6, atol=1e-6 * ref.abs().max().item())  # GEMM blocking
+
+
+def test_quantized_activations_have_spare_rows_that_a_gemm_can_read_in_place():
+    from kernels.fp8_quant import ROW_CAPACITY, empty_quantized, rows_in_place
+
+    q, scale = empty_quantized(5, 32, 2, "cpu")
+    assert q.shape == (5, 32) and scale.shape == (5, 2) and q.is_contiguous()
+    wide = rows_in_place(q, ROW_CAPACITY)
+    assert wide.shape == (ROW_CAPACITY, 32) and wide.data_ptr() == q.data_ptr()
+    assert rows_in_place(q, ROW_CAPACITY + 1) is None  # past the buffer
+    assert rows_in_place(torch.zeros(5, 32), 6) is None  # a tensor of its own size
+    assert rows_in_place(torch.zeros(8, 32)[::2], 6) is None  # not row-major contiguous
+    assert rows_in_place(torch.zeros(8, 32)[2:4], 8) is None  # a slice whose buffer ends 4 rows on
+    assert rows_in_place(torch.zeros(8, 32)[2:4], 6).shape == (6, 32)
+    assert empty_quantized(0, 32, 1, "cpu")[0].shape == (0, 32)
 
 
 @needs_cuda
