@@ -30,7 +30,7 @@ def fp8_gemm_rows(time_us, device) -> list[dict]:
     import torch.nn.functional as F
 
     from kernels import fp8_gemm
-    from kernels.fp8_gemm_dispatch import choose_backend
+    from kernels.fp8_gemm_dispatch import choose_gemm
     from kernels.fp8_quant import quantize_rows_ref
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -59,7 +59,7 @@ def fp8_gemm_rows(time_us, device) -> list[dict]:
                    "tflops": {key: flops / t / 1e6 for key, t in us.items() if key != "act_quant"},
                    "tb_per_s": {key: (bf16_bytes if key == "bf16" else fp8_bytes) / t / 1e6
                                 for key, t in us.items() if key != "act_quant"},
-                   "channel_backend": choose_backend("channel", m, n, k)}
+                   "channel_backend": choose_gemm("channel", m, n, k)[0]}
             rows.append(row)
     return rows
 
@@ -167,12 +167,13 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
     return {"rows": rows, "table": {"backends": choose_backends(rows), "tiles": tiles}}
 
 
-PAD_GAIN = 0.95  # padding to more rows must beat the product on M rows by 5%: it costs a copy of the activations
+PAD_GAIN = 0.95  # padding to more rows must beat the product on M rows by 5%: beyond do_bench's noise, and an
+# activation tensor without spare rows (kernels/fp8_quant.empty_quantized) pays a copy
 
 
 def choose_backends(rows: list[dict]) -> dict:
     """Per channel shape and swept M: [M, "triton"], [M, "scaled_mm"], or [M, "scaled_mm", P] where _scaled_mm
-    measured faster on P rows (a swept M up to 2M) than on M, by PAD_GAIN, the activations then padded to P."""
+    measured faster on P rows (a swept M up to 2M) than on M, by PAD_GAIN: the product then runs on P rows."""
     scaled: dict[str, dict[int, float]] = {}
     triton_us: dict[str, dict[int, float]] = {}
     for r in rows:

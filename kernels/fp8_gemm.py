@@ -253,7 +253,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
     groups the weight's scales need; else one kernel quantizes it here."""
-    from kernels.fp8_gemm_dispatch import choose_backend, scaled_mm_rows
+    from kernels.fp8_gemm_dispatch import choose_gemm
 
     grouped = w_scale.shape[1] > 1
     if isinstance(x, QuantizedActivations):
@@ -265,8 +265,9 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
         out_dtype, lead = x.dtype, x.shape[:-1]
     n, k = w.shape
-    if choose_backend("block" if grouped else "channel", a.shape[0], n, k) == "scaled_mm":
-        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=scaled_mm_rows(a.shape[0], n, k))
+    backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k)
+    if backend == "scaled_mm":
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     else:
         out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
     return out.view(*lead, n)

@@ -5,17 +5,17 @@ the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 - channel weights (a scale per output row, activations per token): `torch._scaled_mm`'s row-wise GEMM
   or the Triton kernel, whichever bench/kernels.py --fp8-gemm measured faster at that shape and M.
 
-TABLE maps (N, K) of a channel weight to [(largest M, backend[, rows]), ...] in increasing M (an M between two
-rows takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. `rows`, on a
-scaled_mm row, pads the activations with zero rows to that many: cuBLASLt's heuristics pick slow kernels at some
-M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48 us
-at M = 256). TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
+TABLE maps (N, K) of a channel weight to [(largest M, backend[, rows]), ...] in increasing M (an M between two rows
+takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. `rows`, on a scaled_mm row,
+runs the product on that many rows (kernels/fp8_gemm.scaled_mm_fp8_gemm): cuBLASLt's heuristics pick slow kernels at
+some M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48
+us at M = 256). TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
 SPLIT_K])), ...] the same way; a shape or M not in it takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm
 measures both on the Qwen3-8B shape's GEMMs (`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows
-to put here. The rows below are those the sweep printed on the H200 (bench/RESULTS.md, 2026-12-03: 6760fc6 at
-M = 1, 16, 64, 128 and 4096, 339a714 from 144 to 256): on its own tiles (split-K among them) Triton's kernel wins at
-M = 1 on every product, and to 16 on qkv_proj, 64 on gate_up_proj and 128 on down_proj; torch._scaled_mm from
-there on, on 192 or 256 rows for some M from 129 to 224.
+to put here. The rows below are those the sweep printed on the H200 (bench/RESULTS.md, 2026-12-03: 6760fc6 at M = 1,
+16, 64, 128 and 4096, 339a714 from 144 to 256): on its own tiles (split-K among them) Triton's kernel wins at M = 1
+on every product, and to 16 on qkv_proj, 64 on gate_up_proj and 128 on down_proj; torch._scaled_mm from there on, on
+192 or 256 rows for some M from 129 to 224.
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
@@ -85,30 +85,26 @@ TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
 }
 
 
-def _lookup(rows, m: int):
-    for row in rows:
-        if m <= row[0]:
-            return row[1] if len(row) == 2 else row[1:]
-    return None
+def _lookup(rows, m: int) -> tuple | None:
+    """The first row (largest M, ...) whose M is at least m."""
+    return next((row for row in rows if m <= row[0]), None)
 
 
-def choose_backend(scheme: str, m: int, n: int, k: int) -> str:
-    """"scaled_mm" or "triton" for an [m, k] x [k, n] product with `scheme` ("block" or "channel") scales."""
+def choose_gemm(scheme: str, m: int, n: int, k: int) -> tuple[str, int]:
+    """("scaled_mm" or "triton", the rows to run it on) for an [m, k] x [k, n] product with `scheme` ("block" or
+    "channel") scales: m, or more where the TABLE row pads _scaled_mm's rows."""
     if scheme == "block" or n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
-        return "triton"
+        return "triton", m
     row = _lookup(TABLE.get((n, k), ()), m)
-    return DEFAULT if row is None else row if isinstance(row, str) else row[0]
-
-
-def scaled_mm_rows(m: int, n: int, k: int) -> int:
-    """How many rows torch._scaled_mm runs an [m, k] x [k, n] product on: m, or the more its TABLE row pads to."""
-    row = _lookup(TABLE.get((n, k), ()), m)
-    return max(m, row[1]) if isinstance(row, tuple) else m
+    if row is None:
+        return DEFAULT, m
+    return row[1], max(m, row[2]) if len(row) > 2 else m
 
 
 def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
     """The Triton kernel's tiles the sweep chose for this product, or None (kernels/fp8_gemm's rule)."""
-    return _lookup(TILES.get((scheme, n, k), ()), m)
+    row = _lookup(TILES.get((scheme, n, k), ()), m)
+    return None if row is None else row[1]
 
 
 def apply_table(measured: dict) -> None:

@@ -180,7 +180,7 @@ def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monke
 
     n, k = 512, 1024
     monkeypatch.setitem(dispatch.TABLE, (n, k), [(64, "scaled_mm"), (160, "scaled_mm", 256)])
-    assert dispatch.scaled_mm_rows(132, n, k) == 256
+    assert dispatch.choose_gemm("channel", 132, n, k) == ("scaled_mm", 256)
     _, _, _, w, w_scale, _ = operands(1, n, k, k, seed=5)
     w, w_scale = w.cuda(), w_scale.cuda()
     static_x = torch.zeros(132, k, dtype=torch.bfloat16, device="cuda")
@@ -209,15 +209,15 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
     dispatch.apply_table({"backends": {"96x64": [[1, "triton"], [64, "scaled_mm"], [256, "triton"]],
                                        "96x128": [[64, "scaled_mm"], [160, "scaled_mm", 256], [512, "scaled_mm"]]},
                           "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4, 2]]]}})
-    picks = [dispatch.choose_backend("channel", m, 96, 64) for m in (1, 2, 64, 65, 256, 257)]
+    picks = [dispatch.choose_gemm("channel", m, 96, 64)[0] for m in (1, 2, 64, 65, 256, 257)]
     assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
-    assert dispatch.choose_backend("block", 2, 96, 64) == "triton"  # only Triton applies block scales
-    assert dispatch.choose_backend("channel", 2, 96, 80) == dispatch.DEFAULT  # a shape not measured
-    assert dispatch.choose_backend("channel", 2, 90, 64) == "triton"  # _scaled_mm needs multiples of 16
+    assert dispatch.choose_gemm("block", 2, 96, 64) == ("triton", 2)  # only Triton applies block scales
+    assert dispatch.choose_gemm("channel", 2, 96, 80) == (dispatch.DEFAULT, 2)  # a shape not measured
+    assert dispatch.choose_gemm("channel", 2, 90, 64) == ("triton", 2)  # _scaled_mm needs multiples of 16
     # a padded row: _scaled_mm on 256 rows for M from 65 to 160, on M rows elsewhere
-    assert [dispatch.scaled_mm_rows(m, 96, 128) for m in (64, 65, 160, 161, 600)] == [64, 256, 256, 161, 600]
-    assert dispatch.choose_backend("channel", 100, 96, 128) == "scaled_mm"
-    assert dispatch.scaled_mm_rows(100, 96, 64) == 100  # a row without padding
+    assert [dispatch.choose_gemm("channel", m, 96, 128)[1] for m in (64, 65, 160, 161, 600)] == [64, 256, 256, 161, 600]
+    assert dispatch.choose_gemm("channel", 100, 96, 128)[0] == "scaled_mm"
+    assert dispatch.choose_gemm("channel", 100, 96, 64)[1] == 100  # a row without padding
     assert dispatch.measured_tiles("channel", 16, 96, 64) == (16, 32, 256, 4, 4)
     assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4, 2)  # split-K in two
     assert dispatch.measured_tiles("channel", 257, 96, 64) is None
