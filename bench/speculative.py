@@ -5,7 +5,7 @@ Greedy, ignore_eos, fixed output length, so every engine generates the same toke
 are equal). --stop-at-eos ends each request at the model's end of sequence instead (--max-tokens stays a cap): what a
 real editing request costs, where ignore_eos would time the text a model writes after its answer has ended.
 
-    python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [engine flags]
+    python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [--rounds 3] [engine flags]
     python bench/speculative.py --self-draft-ks 1,2,4,8 [...]   # the mechanism's ceiling, see below
 
 --self-draft-ks runs the model as its own draft (every proposal accepted, bar near-ties) at each K against no
@@ -13,10 +13,17 @@ speculation: the most a draft-model step can give at that K, where the draft cos
 
 Each concurrency c runs a workload's prompts in waves of c requests, taking the prompts in turn until every one ran
 at least once (at concurrency 1 each alone, one after another; when c exceeds them, one wave, the prompts
-repeated); TPOT is the waves' wall time over the tokens each request generated (time to first token included). One engine per
-setting, n-gram first, then off (which can then explain the differences, below), each warmed up first: a short chat batch, then at each concurrency an editing batch that
-speculates, so the verification path's first-use costs (kernels compiled for its row counts, the rejection
-sampler's first calls) fall before the measured waves. Prints a table and writes JSON (--out).
+repeated), --rounds times over; TPOT is the waves' wall time over the tokens each request generated (time to first
+token included). The speculating engine runs each row's rounds interleaved (A B B A ...) with rounds of the same
+requests opted out of speculation (SamplingParams.disable_speculation): a row is a fraction of a second, and the
+machine's drift between rows a few seconds apart (GPU clocks, host noise) moved per-step times by ~10% when each
+engine ran its rows in turn. That ratio is the table's first; the second is against a plain engine (no
+speculation configured), run after it, which also shows what configuring speculation costs a request that does
+not use it. Two engines up at once on one GPU are no cure: both slowed by 10-30% (H200, 2026-12-04). Each engine
+is warmed up first: a short chat batch, then at each concurrency an editing batch that speculates, so the
+verification path's first-use costs (kernels compiled for its row counts, the rejection sampler's first calls)
+fall before the measured waves. Rates, steps and acceptance are over all rounds; the tokens compared are the first
+round's. Prints a table (with the ratio of step counts, which noise does not touch) and writes JSON (--out).
 
 Where a row's tokens differ from the plain engine's (bf16 on a GPU: a batch of other shape runs other GEMM tiles),
 the plain engine generates that row's requests again, untimed, with the top-5 logprobs (requests with logprobs
@@ -115,50 +122,78 @@ def workload_waves(batch: list[list[int]], concurrency: int) -> list[list[list[i
     return [[batch[(w * concurrency + i) % len(batch)] for i in range(concurrency)] for w in range(num_waves)]
 
 
-def run_setting(args, label: str, prompts: dict[str, list[list[int]]], warmup_prompt: list[int],
-                other: list[dict] | None = None, **overrides) -> list[dict]:
-    """One engine of the flags with these config fields changed, warmed up, then every workload and concurrency;
-    rows labelled `label`. other: the speculative engine's rows, in the same order, when this one is the plain
-    engine: it then explains, untimed, where each row's tokens differ from them (explain_differences)."""
+def measure(llm: LLM, waves: list[list[list[int]]], params: SamplingParams) -> tuple[float, list]:
+    """One round of a row: the waves one after another (c requests at a time). Returns seconds and results."""
+    elapsed, results = 0.0, []
+    for wave in waves:
+        t0 = time.perf_counter()
+        results += llm.generate(wave, params, use_tqdm=False)
+        elapsed += time.perf_counter() - t0
+    return elapsed, results
+
+
+def run_engine(args, overrides: dict, variants: dict[str, bool], prompts: dict[str, list[list[int]]],
+               warmup_prompt: list[int], compare: list[dict] | None = None) -> dict[str, list[dict]]:
+    """One engine of the flags with these config fields changed, warmed up, then every workload and concurrency for
+    each variant (label -> whether its requests opt out of speculation, SamplingParams.disable_speculation), their
+    rounds interleaved (in turn, the order reversed every other round: A B B A ...), so that the machine's drift
+    (GPU clocks, host noise: ~10% in per-step time between rows run seconds apart) weighs on each variant alike.
+    Rows labelled by variant, in the same order for each. compare: when this is the plain engine, the speculating
+    variant's rows, in the same order: it then explains, untimed, where their tokens differ from its own
+    (explain_differences)."""
     config = dataclasses.replace(engine_config_from_args(args), **overrides)
     engine_args = {k: v for k, v in vars(config).items() if k != "model"}
-    params = SamplingParams(temperature=0.0, ignore_eos=not args.stop_at_eos, max_tokens=args.max_tokens)
-    rows = []
+    params = {label: SamplingParams(temperature=0.0, ignore_eos=not args.stop_at_eos, max_tokens=args.max_tokens,
+                                    disable_speculation=opt_out) for label, opt_out in variants.items()}
+    labels = list(variants)
+    rows: dict[str, list[dict]] = {label: [] for label in labels}
     with LLM(config.model, **engine_args) as llm:
-        verifying = warm_up(llm, prompts, warmup_prompt, args.concurrency)
-        print(f"  {label}: warm-up ran {verifying} verifying steps", flush=True)
+        print(f"  {'/'.join(labels)}: warm-up ran {warm_up(llm, prompts, warmup_prompt, args.concurrency)} "
+              f"verifying steps", flush=True)
         for name, batch in prompts.items():
             for c in args.concurrency:
                 waves = workload_waves(batch, c)
                 requests = [prompt for wave in waves for prompt in wave]
-                before = llm.stats()
-                elapsed, results = 0.0, []
-                for wave in waves:  # one after another: c requests at a time
-                    t0 = time.perf_counter()
-                    results += llm.generate(wave, params, use_tqdm=False)
-                    elapsed += time.perf_counter() - t0
-                after = llm.stats()
-                tokens = sum(len(r.outputs[0].token_ids) for r in results)
-                delta = lambda f: getattr(after, f) - getattr(before, f)  # noqa: E731
-                steps = delta("num_speculative_steps")
-                rows.append({"method": label, "workload": name, "concurrency": c, "output_tokens": tokens,
-                             "seconds": elapsed, "tok_per_s": tokens / elapsed,
-                             "tpot_ms": 1000 * elapsed * c / tokens, "steps": delta("num_steps"),
-                             "verifying_steps": steps, "proposed": delta("num_proposed_tokens"),
-                             "accepted": delta("num_accepted_tokens"),
-                             "acceptance": delta("num_accepted_tokens") / max(1, delta("num_proposed_tokens")),
-                             "mean_accepted_length": 1 + delta("num_accepted_tokens") / steps if steps else 0.0,
-                             "accepted_per_position": [a - b for a, b in zip(after.accepted_per_position,
-                                                                            before.accepted_per_position or
-                                                                            [0] * len(after.accepted_per_position))],
-                             "tokens": [r.outputs[0].token_ids for r in results]})
-                r = rows[-1]
-                if other is not None:
-                    r["differences"] = explain_differences(llm, requests, params, r["tokens"],
-                                                           other[len(rows) - 1]["tokens"])
-                print(f"  {r['method']:<10}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
-                      f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
+                elapsed, tokens = dict.fromkeys(labels, 0.0), dict.fromkeys(labels, 0)
+                results: dict[str, list] = {}
+                counts = {label: [] for label in labels}  # (stats before, after) of each of its rounds
+                for r in range(args.rounds):
+                    for label in (labels if r % 2 == 0 else labels[::-1]):
+                        before = llm.stats()
+                        seconds, round_results = measure(llm, waves, params[label])
+                        counts[label].append((before, llm.stats()))
+                        elapsed[label] += seconds
+                        tokens[label] += sum(len(x.outputs[0].token_ids) for x in round_results)
+                        results.setdefault(label, round_results)  # the first round's tokens are compared
+                for label in labels:
+                    rows[label].append(row(label, name, c, args.rounds, elapsed[label], tokens[label],
+                                           results[label], counts[label]))
+                    r = rows[label][-1]
+                    print(f"  {label:<10}{name:<12}{c:>4}: {r['tok_per_s']:9.1f} tok/s, TPOT {r['tpot_ms']:.2f} ms, "
+                          f"{r['steps']} steps, accepted {r['accepted']}/{r['proposed']}", flush=True)
+                    if compare is not None:
+                        r["differences"] = explain_differences(llm, requests, params[label], r["tokens"],
+                                                               compare[len(rows[label]) - 1]["tokens"])
     return rows
+
+
+def row(label: str, workload: str, c: int, rounds: int, elapsed: float, tokens: int, results: list,
+        counts: list[tuple]) -> dict:
+    """A table row: rates over all rounds; the engine's step and speculation counts over the variant's own rounds
+    (stats before and after each)."""
+    delta = lambda f: sum(getattr(after, f) - getattr(before, f) for before, after in counts)  # noqa: E731
+    steps = delta("num_speculative_steps")
+    positions = [sum(pos) for pos in zip(*([a - b for a, b in zip(after.accepted_per_position,
+                                                                  before.accepted_per_position or
+                                                                  [0] * len(after.accepted_per_position))]
+                                           for before, after in counts))]
+    return {"method": label, "workload": workload, "concurrency": c, "rounds": rounds, "output_tokens": tokens,
+            "seconds": elapsed, "tok_per_s": tokens / elapsed, "tpot_ms": 1000 * elapsed * c / tokens,
+            "steps": delta("num_steps"), "verifying_steps": steps, "proposed": delta("num_proposed_tokens"),
+            "accepted": delta("num_accepted_tokens"),
+            "acceptance": delta("num_accepted_tokens") / max(1, delta("num_proposed_tokens")),
+            "mean_accepted_length": 1 + delta("num_accepted_tokens") / steps if steps else 0.0,
+            "accepted_per_position": positions, "tokens": [r.outputs[0].token_ids for r in results]}
 
 
 def describe(differences: list[dict | None] | None) -> str:
@@ -177,6 +212,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run each workload's waves this many times; rates and counts are over all of them")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="end each request at the model's end of sequence (--max-tokens a cap), not ignore_eos")
     parser.add_argument("--out", default="speculative.json")
@@ -192,51 +229,70 @@ def main() -> None:
     # Not one of the measured prompts: a text to copy, which n-gram proposals predict from the first tokens.
     warmup_prompt = tokenizer.encode_chat([{"role": "user", "content": f"Copy this text exactly: {CODE}"}])
     if args.self_draft_ks:
-        off = run_setting(args, "off", prompts, warmup_prompt, speculative_method=None, draft_model=None)
-        ceiling(args, config, prompts, warmup_prompt, off)
+        ceiling(args, config, prompts, warmup_prompt)
         return
-    # speculation first, then the plain engine, which explains where their tokens differ
+    # one engine speculates, its rounds interleaved with rounds of the same requests opted out; then a plain engine,
+    # which explains where the tokens differ
     method = config.speculative_method or "ngram"
-    on = run_setting(args, method, prompts, warmup_prompt, speculative_method=method)
-    off = run_setting(args, "off", prompts, warmup_prompt, other=on, speculative_method=None, draft_model=None)
+    rows = run_engine(args, {"speculative_method": method}, {method: False, "opted out": True}, prompts,
+                      warmup_prompt)
+    on, opted_out = rows[method], rows["opted out"]
+    off = run_engine(args, {"speculative_method": None, "draft_model": None}, {"off": False}, prompts, warmup_prompt,
+                     compare=on)["off"]
     proposer = f"draft {os.path.basename(config.draft_model)}" if method == "draft" else \
         f"ngram {config.ngram_min}..{config.ngram_max}"
     print(f"\nspeculative decoding, {proposer}, K={config.num_speculative_tokens}, max batch "
           f"{config.speculative_max_batch_size}, "
           + (f"to the end of sequence (at most {args.max_tokens} tokens)" if args.stop_at_eos
-             else f"{args.max_tokens} tokens each"))
-    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{method + ' tok/s':>13}{'ratio':>7}{'off TPOT':>10}"
-          f"{method + ' TPOT':>12}{'accept':>8}{'mean len':>9}  same tokens")
-    for a, b in zip(off, on):
+             else f"{args.max_tokens} tokens each") + f", {args.rounds} rounds")
+    print("ratio: against the same requests opted out, in the same engine, rounds interleaved; vs off: against the "
+          "plain engine, run after it; steps: the step count's ratio")
+    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}{'opted out':>11}{method + ' tok/s':>13}{'ratio':>7}"
+          f"{'vs off':>8}{'TPOT':>8}{'steps':>7}{'accept':>8}{'mean len':>9}  same tokens")
+    for a, o, b in zip(off, opted_out, on):
         same = a.pop("tokens") == b.pop("tokens")
+        o.pop("tokens")
         b["same_tokens_as_off"] = same
-        print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}{b['tok_per_s']:>13.1f}"
-              f"{b['tok_per_s'] / a['tok_per_s']:>7.2f}{a['tpot_ms']:>9.1f}m{b['tpot_ms']:>11.1f}m"
-              f"{b['acceptance']:>8.2f}{b['mean_accepted_length']:>9.2f}  {same}{describe(a.get('differences'))}")
+        print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}{o['tok_per_s']:>11.1f}"
+              f"{b['tok_per_s']:>13.1f}{b['tok_per_s'] / o['tok_per_s']:>7.2f}{b['tok_per_s'] / a['tok_per_s']:>8.2f}"
+              f"{b['tpot_ms']:>7.2f}m{b['steps'] / o['steps']:>7.2f}{b['acceptance']:>8.2f}"
+              f"{b['mean_accepted_length']:>9.2f}  {same}{describe(a.get('differences'))}")
     with open(args.out, "w") as f:
-        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, method: on}, f, indent=1)
+        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, "opted_out": opted_out, method: on},
+                  f, indent=1)
 
 
-def ceiling(args, config, prompts: dict[str, list[list[int]]], warmup_prompt: list[int], off: list[dict]) -> None:
-    """The model as its own draft at each K of --self-draft-ks, against off (already run): a table of ratios."""
+def ceiling(args, config, prompts: dict[str, list[list[int]]], warmup_prompt: list[int]) -> None:
+    """The model as its own draft at each K of --self-draft-ks, each engine's rounds interleaved with the same
+    requests opted out: a table of ratios."""
     ks = [int(k) for k in args.self_draft_ks.split(",")]
-    runs = {k: run_setting(args, f"self K={k}", prompts, warmup_prompt, speculative_method="draft",
-                           draft_model=config.model, num_speculative_tokens=k) for k in ks}
+    runs, opted_out = {}, {}
+    for k in ks:
+        rows = run_engine(args, {"speculative_method": "draft", "draft_model": config.model,
+                                 "num_speculative_tokens": k}, {f"self K={k}": False, "opted out": True},
+                          prompts, warmup_prompt)
+        runs[k], opted_out[k] = rows[f"self K={k}"], rows["opted out"]
     print(f"\nthe model as its own draft (the ceiling of a draft step), max batch {config.speculative_max_batch_size},"
-          f" {args.max_tokens} tokens each: tok/s against off, acceptance, mean accepted length")
-    print(f"{'workload':<12}{'conc':>5}{'off tok/s':>11}" + "".join(f"{f'K={k} ratio':>12}{'acc':>6}{'len':>6}"
-                                                             for k in ks) + "  same tokens")
-    for n, a in enumerate(off):
-        tokens = a.pop("tokens")
+          f" {args.max_tokens} tokens each, {args.rounds} rounds: tok/s against the same requests opted out (the same"
+          f" engine, interleaved), acceptance, mean accepted length")
+    print(f"{'workload':<12}{'conc':>5}{'opted out':>11}" + "".join(f"{f'K={k} ratio':>12}{'acc':>6}{'len':>6}"
+                                                              for k in ks) + "  same tokens")
+    for n, a in enumerate(opted_out[ks[0]]):
+        tokens = a["tokens"]
         same = all(runs[k][n].pop("tokens") == tokens for k in ks)
         print(f"{a['workload']:<12}{a['concurrency']:>5}{a['tok_per_s']:>11.1f}" + "".join(
-            f"{runs[k][n]['tok_per_s'] / a['tok_per_s']:>12.2f}{runs[k][n]['acceptance']:>6.2f}"
+            f"{runs[k][n]['tok_per_s'] / opted_out[k][n]['tok_per_s']:>12.2f}{runs[k][n]['acceptance']:>6.2f}"
             f"{runs[k][n]['mean_accepted_length']:>6.2f}" for k in ks) + f"  {same}")
         for k in ks:
-            runs[k][n]["same_tokens_as_off"] = same
+            runs[k][n]["same_tokens_as_opted_out"] = same
+    for rows in opted_out.values():
+        for r in rows:
+            r.pop("tokens", None)
     with open(args.out, "w") as f:
-        json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off,
+        json.dump({"config": {k: v for k, v in vars(config).items()},
+                   "opted_out": {str(k): rows for k, rows in opted_out.items()},
                    "self_draft": {str(k): rows for k, rows in runs.items()}}, f, indent=1)
+
 
 if __name__ == "__main__":
     main()
