@@ -5,15 +5,19 @@ Greedy, ignore_eos, fixed output length, so every engine generates the same toke
 are equal). --stop-at-eos ends each request at the model's end of sequence instead (--max-tokens stays a cap): what a
 real editing request costs, where ignore_eos would time the text a model writes after its answer has ended.
 
-    python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [--rounds 3] [engine flags]
+    python bench/speculative.py [--model DIR] [--concurrency 1,4,16,64] [--max-tokens 128] [--rounds 3]
+        [--requests-per-slot 4] [engine flags]
     python bench/speculative.py --self-draft-ks 1,2,4,8 [...]   # the mechanism's ceiling, see below
 
 --self-draft-ks runs the model as its own draft (every proposal accepted, bar near-ties) at each K against no
 speculation: the most a draft-model step can give at that K, where the draft costs what the target costs.
 
-Each concurrency c runs a workload's prompts in waves of c requests, taking the prompts in turn until every one ran
-at least once (at concurrency 1 each alone, one after another; when c exceeds them, one wave, the prompts
-repeated), --rounds times over; TPOT is the waves' wall time over the tokens each request generated (time to first
+Each concurrency c is a closed loop of c clients (LLM.generate's max_concurrency): a request is sent as soon as
+one ends, as a server's clients keep its slots full; --requests-per-slot x c requests a row (every prompt at least
+once, taken in turn). Waves of c requests that wait for the slowest one (as this bench ran until 2026-12-04) count
+a sequence's gain only when every sequence of the wave gains: plain chat there ran as many steps with speculation as
+without (a step ratio of 1.00-1.02 at 4 and 16), so it paid the verifications' cost and got nothing. Each row runs
+--rounds times; TPOT is its wall time times c over the tokens generated (time to first
 token included). The speculating engine runs each row's rounds interleaved (A B B A ...) with rounds of the same
 requests opted out of speculation (SamplingParams.disable_speculation): a row is a fraction of a second, and the
 machine's drift between rows a few seconds apart (GPU clocks, host noise) moved per-step times by ~10% when each
@@ -22,8 +26,8 @@ speculation configured), run after it, which also shows what configuring specula
 not use it. Two engines up at once on one GPU are no cure: both slowed by 10-30% (H200, 2026-12-04). Each engine
 is warmed up first: a short chat batch, then at each concurrency an editing batch that speculates, so the
 verification path's first-use costs (kernels compiled for its row counts, the rejection sampler's first calls)
-fall before the measured waves. Rates, steps and acceptance are over all rounds; the tokens compared are the first
-round's. Prints a table (with the ratio of step counts, which noise does not touch) and writes JSON (--out).
+fall before the measured rows. Rates, steps and acceptance are over all rounds; the tokens compared are the first
+round's. Prints a table (with the ratio of step counts, which host noise barely moves) and writes JSON (--out).
 
 Where a row's tokens differ from the plain engine's (bf16 on a GPU: a batch of other shape runs other GEMM tiles),
 the plain engine generates that row's requests again, untimed, with the top-5 logprobs (requests with logprobs
@@ -105,7 +109,7 @@ def explain_differences(llm: LLM, requests: list[list[int]], params: SamplingPar
 
 
 def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[int], concurrency: list[int]) -> int:
-    """Runs every path the measured waves take once: plain decode and prefill, and (with speculation on)
+    """Runs every path the measured rows take once: plain decode and prefill, and (with speculation on)
     verification at each measured batch size. Returns the verifying steps it ran."""
     before = llm.stats().num_speculative_steps
     llm.generate(prompts[next(iter(prompts))][:2], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -115,21 +119,18 @@ def warm_up(llm: LLM, prompts: dict[str, list[list[int]]], warmup_prompt: list[i
     return llm.stats().num_speculative_steps - before
 
 
-def workload_waves(batch: list[list[int]], concurrency: int) -> list[list[list[int]]]:
-    """The waves a workload runs in at this concurrency: `concurrency` requests each, taking the prompts in turn
-    (wrapping round) until every prompt ran at least once: at 1, each prompt alone, one after another."""
-    num_waves = -(-len(batch) // concurrency)
-    return [[batch[(w * concurrency + i) % len(batch)] for i in range(concurrency)] for w in range(num_waves)]
+def workload_requests(batch: list[list[int]], concurrency: int, per_slot: int) -> list[list[int]]:
+    """A row's requests at this concurrency: the workload's prompts in turn (wrapping round), per_slot for each of
+    the c slots, and every prompt at least once."""
+    return [batch[i % len(batch)] for i in range(max(len(batch), per_slot * concurrency))]
 
 
-def measure(llm: LLM, waves: list[list[list[int]]], params: SamplingParams) -> tuple[float, list]:
-    """One round of a row: the waves one after another (c requests at a time). Returns seconds and results."""
-    elapsed, results = 0.0, []
-    for wave in waves:
-        t0 = time.perf_counter()
-        results += llm.generate(wave, params, use_tqdm=False)
-        elapsed += time.perf_counter() - t0
-    return elapsed, results
+def measure(llm: LLM, requests: list[list[int]], params: SamplingParams, concurrency: int) -> tuple[float, list]:
+    """One round of a row: the requests, `concurrency` at a time in a closed loop (LLM.generate's max_concurrency).
+    Returns seconds and results."""
+    t0 = time.perf_counter()
+    results = llm.generate(requests, params, use_tqdm=False, max_concurrency=concurrency)
+    return time.perf_counter() - t0, results
 
 
 def run_engine(args, overrides: dict, variants: dict[str, bool], prompts: dict[str, list[list[int]]],
@@ -152,15 +153,14 @@ def run_engine(args, overrides: dict, variants: dict[str, bool], prompts: dict[s
               f"verifying steps", flush=True)
         for name, batch in prompts.items():
             for c in args.concurrency:
-                waves = workload_waves(batch, c)
-                requests = [prompt for wave in waves for prompt in wave]
+                requests = workload_requests(batch, c, args.requests_per_slot)
                 elapsed, tokens = dict.fromkeys(labels, 0.0), dict.fromkeys(labels, 0)
                 results: dict[str, list] = {}
                 counts = {label: [] for label in labels}  # (stats before, after) of each of its rounds
                 for r in range(args.rounds):
                     for label in (labels if r % 2 == 0 else labels[::-1]):
                         before = llm.stats()
-                        seconds, round_results = measure(llm, waves, params[label])
+                        seconds, round_results = measure(llm, requests, params[label], c)
                         counts[label].append((before, llm.stats()))
                         elapsed[label] += seconds
                         tokens[label] += sum(len(x.outputs[0].token_ids) for x in round_results)
@@ -213,7 +213,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3,
-                        help="run each workload's waves this many times; rates and counts are over all of them")
+                        help="run each row this many times; rates and counts are over all of them")
+    parser.add_argument("--requests-per-slot", type=int, default=4,
+                        help="each row sends this many requests per slot of its concurrency (all prompts at least once)")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="end each request at the model's end of sequence (--max-tokens a cap), not ignore_eos")
     parser.add_argument("--out", default="speculative.json")

@@ -51,8 +51,12 @@ class Sequence:
     num_proposed_tokens: int = 0  # over its life, for its usage
     num_accepted_tokens: int = 0
     speculation_backoff: int = 0  # plain decodes before it proposes again (core/speculative/policy.py)
-    speculation_hits: float = 0.0  # its proposals' verdicts, decayed: accepted proposals (policy.py)
-    speculation_misses: float = 0.0  # and verdicts that stopped short
+    # its proposals' verdicts, decayed (policy.py): the first predicted token's (a proposal's first, or the guess
+    # of a chained step's input) right and wrong; the later proposals' accepted and verdicts that stopped among them
+    speculation_first_hits: float = 0.0
+    speculation_first_misses: float = 0.0
+    speculation_hits: float = 0.0
+    speculation_misses: float = 0.0
     speculation_failures: int = 0  # verdicts in a row that accepted nothing
     proposer_cache: object = None  # the proposer's own per-sequence state (ngram.py: its tokens as an array)
     blocks_kept: int = -1  # the executors' mirror is cut to this many blocks by the next plan; -1: nothing to cut

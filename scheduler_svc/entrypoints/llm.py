@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 from protos import engine_pb2
@@ -123,9 +124,14 @@ class LLM:
         return validate_request(ids, params, self.ready, self.limits)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: int | list[int] = 0) -> list[GenerationResult]:
+                 use_tqdm: bool = True, priority: int | list[int] = 0,
+                 max_concurrency: int | None = None) -> list[GenerationResult]:
         """Generate for a prompt or a list of prompts (text or token ids); results in input order. priority:
-        lower is served first (one for all, or one per prompt)."""
+        lower is served first (one for all, or one per prompt). max_concurrency: at most this many prompts in the
+        engine at once, the next sent as soon as one ends (as that many clients would, each sending its next
+        request when its last one is answered); all at once when None."""
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -138,6 +144,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         results, trackers, requests = [], {}, []
         batch_id = uuid.uuid4().hex[:12]
+        prompt_of, open_outputs = {}, []  # sub-request id -> its prompt; each prompt's outputs not yet ended
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             text, ids = self._tokenize(prompt)
             params = self._validate(ids, params).params  # max_tokens set, fitted to this prompt when unset
@@ -146,12 +153,24 @@ class LLM:
             rids = [result.request_id] if params.n == 1 else [f"{result.request_id}#{j}" for j in range(params.n)]
             for rid, out in zip(rids, result.outputs):
                 trackers[rid] = (_Tracker(self.tokenizer, ids, params, out), result)
+                prompt_of[rid] = i
+            open_outputs.append(len(rids))
             # beam search: outputs[j] is the j-th best
-            requests += params.add_requests(rids, ids, priority=priorities[i])
-        for request in requests:
-            self.client.add(request)
+            requests.append(params.add_requests(rids, ids, priority=priorities[i]))
+        waiting = deque(range(len(requests)))
+
+        def send_next(ended: str | None = None) -> None:  # a prompt's last output ended: its slot takes the next
+            if ended is not None:
+                open_outputs[prompt_of[ended]] -= 1
+                if open_outputs[prompt_of[ended]] or not waiting:
+                    return
+            for request in requests[waiting.popleft()]:
+                self.client.add(request)
+
+        for _ in range(min(max_concurrency or len(requests), len(requests))):
+            send_next()
         try:
-            self._run(trackers, use_tqdm)
+            self._run(trackers, use_tqdm, send_next)
         except BaseException:
             self.client.abort([rid for rid, (t, _) in trackers.items() if not t.done])
             raise
@@ -161,7 +180,7 @@ class LLM:
             result.num_accepted_tokens += tracker.tracker.num_accepted_tokens
         return results
 
-    def _run(self, trackers: dict, use_tqdm: bool) -> None:
+    def _run(self, trackers: dict, use_tqdm: bool, on_done=lambda request_id: None) -> None:
         from tqdm import tqdm
 
         pending = set(trackers)
@@ -189,6 +208,7 @@ class LLM:
                     if tracker.done:
                         result.finished_at = time.perf_counter()
                         pending.discard(ro.request_id)
+                        on_done(ro.request_id)
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} tok/s")
         finally:

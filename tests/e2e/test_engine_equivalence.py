@@ -2,6 +2,7 @@
 (fp32, same weights), also when preemption, chunked prefill and prefix caching are forced."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -129,3 +130,29 @@ def test_smollm2_equals_transformers_under_a_preemption_mode_and_policy(embedded
     assert stats.prefill_tokens_per_s > 0  # calibrated at start-up (auto), or measured from the steps run
     assert_greedy_matches([r.outputs[0] for r in results], ref)
     assert stats.free_kv_blocks == stats.total_kv_blocks and stats.num_swapped == 0
+
+
+def test_max_concurrency_keeps_that_many_prompts_in_the_engine_and_changes_no_token(tmp_path_factory):
+    """LLM.generate(max_concurrency=c) sends the next prompt as one ends (a closed loop of c clients): at c = 1
+    each prompt runs alone, so the steps add up to every prompt's own; a prompt of n = 2 holds its slot until both
+    of its outputs end; the tokens are HF's."""
+    path = tiny_checkpoint("qwen3", tmp_path_factory)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(4, 40))] for _ in range(4)]
+    ref = hf_greedy(path, prompts, NEW_TOKENS)
+    params = [GREEDY, GREEDY, dataclasses.replace(GREEDY, n=2), GREEDY]
+    with LLM(path) as llm:
+        with pytest.raises(ValueError, match="max_concurrency"):
+            llm.generate(prompts, GREEDY, use_tqdm=False, max_concurrency=0)
+        before = llm.stats().num_steps
+        alone = llm.generate(prompts, params, use_tqdm=False, max_concurrency=1)
+        steps_alone = llm.stats().num_steps - before
+        before = llm.stats().num_steps
+        together = llm.generate(prompts, params, use_tqdm=False)
+        steps_together = llm.stats().num_steps - before
+    # each prompt alone: a prefill step, then a decode step per further token (its n = 2 outputs decode together)
+    assert steps_alone >= len(prompts) * NEW_TOKENS > 2 * steps_together
+    for results in (alone, together):
+        assert_greedy_matches([r.outputs[0] for r in results], ref)
+        assert results[2].outputs[1].token_ids == results[2].outputs[0].token_ids  # greedy: both outputs alike
+    assert [r.finished_at for r in alone] == sorted(r.finished_at for r in alone)
