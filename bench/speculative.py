@@ -193,7 +193,12 @@ def row(label: str, workload: str, c: int, rounds: int, elapsed: float, tokens: 
             "accepted": delta("num_accepted_tokens"),
             "acceptance": delta("num_accepted_tokens") / max(1, delta("num_proposed_tokens")),
             "mean_accepted_length": 1 + delta("num_accepted_tokens") / steps if steps else 0.0,
-            "accepted_per_position": positions, "tokens": [r.outputs[0].token_ids for r in results]}
+            "accepted_per_position": positions, "tokens": [r.outputs[0].token_ids for r in results],
+            # where the steps' time went: steps with a prefill chunk run eagerly, decode-only ones in the graphs
+            "prefill_steps": delta("num_prefill_steps"), "prefill_step_seconds": delta("prefill_step_seconds"),
+            "decode_step_seconds": delta("decode_step_seconds"),
+            "executor_busy_seconds": delta("executor_busy_seconds"),
+            "executor_idle_seconds": delta("executor_idle_seconds")}
 
 
 def describe(differences: list[dict | None] | None) -> str:
@@ -205,6 +210,22 @@ def describe(differences: list[dict | None] | None) -> str:
     first = ", ".join(f"@{d['position']}" + ("" if d["gap_nats"] is None else f" {d['gap_nats']:.3f}n")
                       + (" rerun differs" if d.get("rerun_differs") else "") for d in found[:4])
     return f" ({len(found)} differ, {ties} near-tie{'s' if ties != 1 else ''}: {first})"
+
+
+def time_shares(opted_out: list[dict], on: list[dict], method: str) -> None:
+    """Where each row's step time went, both variants: decode-only steps (the decode graphs on CUDA), steps with a
+    prefill chunk (eager varlen there), and rank 0's idle time between its reply and the next plan."""
+    print("\nwhere the time went (ms a step): decode-only steps (in the graphs), steps with a prefill chunk (eager on "
+          "CUDA), and rank 0's idle time waiting for the next plan")
+    print(f"{'workload':<12}{'conc':>5}  {'variant':<10}{'steps':>7}{'prefill':>9}{'decode ms':>11}{'prefill ms':>12}"
+          f"{'idle ms':>9}")
+    for o, b in zip(opted_out, on):
+        for label, r in (("opted out", o), (method, b)):
+            decode_steps = max(1, r["steps"] - r["prefill_steps"])
+            print(f"{r['workload']:<12}{r['concurrency']:>5}  {label:<10}{r['steps']:>7}{r['prefill_steps']:>9}"
+                  f"{1e3 * r['decode_step_seconds'] / decode_steps:>11.3f}"
+                  f"{1e3 * r['prefill_step_seconds'] / max(1, r['prefill_steps']):>12.3f}"
+                  f"{1e3 * r['executor_idle_seconds'] / max(1, r['steps']):>9.3f}")
 
 
 def main() -> None:
@@ -259,6 +280,7 @@ def main() -> None:
               f"{b['tok_per_s']:>13.1f}{b['tok_per_s'] / o['tok_per_s']:>7.2f}{b['tok_per_s'] / a['tok_per_s']:>8.2f}"
               f"{b['tpot_ms']:>7.2f}m{b['steps'] / o['steps']:>7.2f}{b['acceptance']:>8.2f}"
               f"{b['mean_accepted_length']:>9.2f}  {same}{describe(a.get('differences'))}")
+    time_shares(opted_out, on, method)
     with open(args.out, "w") as f:
         json.dump({"config": {k: v for k, v in vars(config).items()}, "off": off, "opted_out": opted_out, method: on},
                   f, indent=1)

@@ -25,6 +25,7 @@ class SchedulerCounters:
     num_steps: int = 0  # steps whose result was applied (failed ones included)
     num_partial_prefill_chunks: int = 0  # chunks that did not reach their sequence's end
     num_mixed_steps: int = 0  # steps with both decodes and prefill chunks
+    num_prefill_steps: int = 0  # steps with a prefill chunk, mixed or not (eager on CUDA: no decode graph)
     num_prefill_tokens: int = 0
 
 
@@ -40,6 +41,7 @@ def count_step(c: SchedulerCounters, scheduled: list[ScheduledSeq]) -> int:
             num_prefill_tokens += s.num_new_tokens
     c.num_prefill_tokens += num_prefill_tokens
     c.num_mixed_steps += bool(decodes and prefills)
+    c.num_prefill_steps += bool(prefills)
     return num_prefill_tokens
 
 
