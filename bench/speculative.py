@@ -157,6 +157,8 @@ def run_engine(args, overrides: dict, variants: dict[str, bool], prompts: dict[s
                 elapsed, tokens = dict.fromkeys(labels, 0.0), dict.fromkeys(labels, 0)
                 results: dict[str, list] = {}
                 counts = {label: [] for label in labels}  # (stats before, after) of each of its rounds
+                for label in labels * args.warm_rounds:  # untimed: whatever a row's first run pays once
+                    measure(llm, requests, params[label], c)
                 for r in range(args.rounds):
                     for label in (labels if r % 2 == 0 else labels[::-1]):
                         before = llm.stats()
@@ -198,7 +200,17 @@ def row(label: str, workload: str, c: int, rounds: int, elapsed: float, tokens: 
             "prefill_steps": delta("num_prefill_steps"), "prefill_step_seconds": delta("prefill_step_seconds"),
             "decode_step_seconds": delta("decode_step_seconds"),
             "executor_busy_seconds": delta("executor_busy_seconds"),
-            "executor_idle_seconds": delta("executor_idle_seconds")}
+            "executor_idle_seconds": delta("executor_idle_seconds"),
+            # steps by wall time (SchedulerStats.step_seconds_bounds): a one-off stall shows here
+            "step_seconds_counts": step_count_deltas(counts),
+            "step_seconds_bounds": list(counts[0][1].step_seconds_bounds)}
+
+
+def step_count_deltas(counts: list[tuple]) -> list[int]:
+    """Steps by wall time over a variant's rounds (SchedulerStats.step_seconds_counts, before and after each)."""
+    n = len(counts[0][1].step_seconds_counts)
+    return [sum(after.step_seconds_counts[i] - (before.step_seconds_counts[i] if len(before.step_seconds_counts) > i
+                                                 else 0) for before, after in counts) for i in range(n)]
 
 
 def describe(differences: list[dict | None] | None) -> str:
@@ -212,20 +224,26 @@ def describe(differences: list[dict | None] | None) -> str:
     return f" ({len(found)} differ, {ties} near-tie{'s' if ties != 1 else ''}: {first})"
 
 
+def slow_steps(r: dict, seconds: float) -> int:
+    """How many of a row's steps took longer than `seconds` (one of SchedulerStats.step_seconds_bounds)."""
+    return sum(r["step_seconds_counts"][r["step_seconds_bounds"].index(seconds) + 1:])
+
+
 def time_shares(opted_out: list[dict], on: list[dict], method: str) -> None:
     """Where each row's step time went, both variants: decode-only steps (the decode graphs on CUDA), steps with a
     prefill chunk (eager varlen there), and rank 0's idle time between its reply and the next plan."""
     print("\nwhere the time went (ms a step): decode-only steps (in the graphs), steps with a prefill chunk (eager on "
           "CUDA), and rank 0's idle time waiting for the next plan")
     print(f"{'workload':<12}{'conc':>5}  {'variant':<10}{'steps':>7}{'prefill':>9}{'decode ms':>11}{'prefill ms':>12}"
-          f"{'idle ms':>9}")
+          f"{'idle ms':>9}  steps over 20 ms / 100 ms")
     for o, b in zip(opted_out, on):
         for label, r in (("opted out", o), (method, b)):
             decode_steps = max(1, r["steps"] - r["prefill_steps"])
             print(f"{r['workload']:<12}{r['concurrency']:>5}  {label:<10}{r['steps']:>7}{r['prefill_steps']:>9}"
                   f"{1e3 * r['decode_step_seconds'] / decode_steps:>11.3f}"
                   f"{1e3 * r['prefill_step_seconds'] / max(1, r['prefill_steps']):>12.3f}"
-                  f"{1e3 * r['executor_idle_seconds'] / max(1, r['steps']):>9.3f}")
+                  f"{1e3 * r['executor_idle_seconds'] / max(1, r['steps']):>9.3f}  {slow_steps(r, 0.02)} / "
+                  f"{slow_steps(r, 0.1)}")
 
 
 def main() -> None:
@@ -235,6 +253,8 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3,
                         help="run each row this many times; rates and counts are over all of them")
+    parser.add_argument("--warm-rounds", type=int, default=1,
+                        help="run each row's variants this many times untimed first (one-off costs: JIT, caches)")
     parser.add_argument("--requests-per-slot", type=int, default=4,
                         help="each row sends this many requests per slot of its concurrency (all prompts at least once)")
     parser.add_argument("--stop-at-eos", action="store_true",

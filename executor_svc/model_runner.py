@@ -23,7 +23,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
-from executor_svc.speculative_verify import plain_rows, verdict_from_draws, verify_chunks
+from executor_svc.speculative_verify import draws_decide, plain_rows, verdict_from_draws, verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -257,6 +257,8 @@ class ModelRunner:
         if inputs.sampling_chunks and inputs.logits is None:
             rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
             inputs.logits = self.model.compute_logits(rows)
+        if inputs.verifies:  # proposals beside a prefill chunk (the varlen path): greedy rows need only their argmax
+            inputs.verify_from_draws = draws_decide(inputs.sampling_chunks, inputs.sampled is not None)
         return inputs
 
     def _launch_rows(self, rows) -> StepInputs:
@@ -264,8 +266,6 @@ class ModelRunner:
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
         chunks = rows.sampling_chunks
-        # a draft's sampled proposals come with q (draft_probs): rejection sampling against it accepts more often than
-        # one draw per row, which is exact for any proposer but ignores q
         plain = plain_rows(chunks) and all(c.draft_probs is None for c in chunks)
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
@@ -282,9 +282,7 @@ class ModelRunner:
             if columns is not None:
                 inputs.sampled = self.graphs.sampled[: rows.num_decodes]
         inputs.verifies = True
-        # without the graph's draws, greedy rows still need only their argmax; sampled ones take verify_chunks
-        inputs.verify_from_draws = plain and (inputs.sampled is not None
-                                              or all(c.seq.sampling_row.greedy for c in chunks))
+        inputs.verify_from_draws = draws_decide(chunks, inputs.sampled is not None)
         return inputs
 
     @torch.inference_mode()

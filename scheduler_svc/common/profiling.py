@@ -3,8 +3,8 @@
     NANOSERVE_PYPROFILE_DIR=/tmp/py NANOSERVE_PYPROFILE_STEPS=80:20,1000:20 nanoserve serve ...
 
 The scheduler counts the steps it plans, an executor the plans it runs. Each process writes
-`<role>_steps_<first>_<count>.txt` per window: wall milliseconds per step and the top functions by
-their own time.
+`<role>_<pid>_steps_<first>_<count>.txt` per window (the pid keeps a later engine's files apart): wall
+milliseconds per step, the top functions by their own time, and by their cumulative time.
 """
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ class PythonProfileWindow:
 
     def _write(self, first: int, count: int, wall_s: float) -> None:
         text = io.StringIO()
-        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(30)
-        with open(os.path.join(self.out_dir, f"{self.role}_steps_{first}_{count}.txt"), "w") as f:
+        stats = pstats.Stats(self.profile, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)  # where the step's time goes, waits included
+        with open(os.path.join(self.out_dir, f"{self.role}_{os.getpid()}_steps_{first}_{count}.txt"), "w") as f:
             f.write(f"{count} steps, {wall_s * 1e3 / count:.3f} ms per step (under cProfile)\n")
             f.write(text.getvalue())

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from executor_svc.sampler import Sampler, SamplingBatch
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from executor_svc.speculative_verify import (plain_rows, rejection_sample, target_probs, verdict_from_draws,
+from executor_svc.speculative_verify import (draws_decide, plain_rows, rejection_sample, target_probs, verdict_from_draws,
                                              verify_chunks)
 from protos import engine_pb2
 from support.tiny_checkpoints import tiny_checkpoint
@@ -272,6 +272,21 @@ def test_a_step_with_filtered_seeded_logprob_or_masked_rows_takes_the_full_verif
     masked = chunk(5, GREEDY, [])
     masked.late_mask = True
     assert not plain_rows([plain, masked])
+
+
+def test_greedy_rows_are_decided_by_their_argmaxes_without_a_graph_and_sampled_ones_by_the_graphs_draws():
+    """A verifying step beside a prefill chunk runs eagerly (no decode graph, so no draws): its greedy rows still need
+    only their argmax; temperature rows need the graph's draws, else the full verification; a draft's q never takes
+    the draw rule."""
+    greedy, hot = chunk(0, GREEDY, [1, 2]), chunk(1, engine_pb2.SamplingOptions(temperature=0.7), [3])
+    assert draws_decide([greedy, chunk(2, GREEDY, [])], drawn=False)
+    assert not draws_decide([greedy, hot], drawn=False)
+    assert draws_decide([greedy, hot], drawn=True)
+    assert not draws_decide([greedy, chunk(3, engine_pb2.SamplingOptions(temperature=0.7, top_p=0.5), [1])],
+                            drawn=True)
+    drafted = chunk(4, GREEDY, [5])
+    drafted.draft_probs = torch.full((1, 8), 1 / 8)
+    assert not draws_decide([greedy, drafted], drawn=True)
 
 
 def test_the_verdict_from_one_draw_per_row_keeps_the_target_distribution(tiny_logits):

@@ -1,5 +1,6 @@
 """The executor's profiling windows: the spec parser, the busy-time union, and a window's summary."""
 import json
+import os
 
 import pytest
 import torch
@@ -45,8 +46,9 @@ def test_python_profile_windows_write_one_report_each(tmp_path):
         window.on_step()
         sum(i * i for i in range(1000))
     reports = sorted(p.name for p in tmp_path.iterdir())
-    assert reports == ["scheduler_steps_1_2.txt", "scheduler_steps_5_1.txt"]
-    assert "ms per step" in (tmp_path / "scheduler_steps_1_2.txt").read_text()
+    pid = os.getpid()
+    assert reports == [f"scheduler_{pid}_steps_1_2.txt", f"scheduler_{pid}_steps_5_1.txt"]
+    assert "ms per step" in (tmp_path / f"scheduler_{pid}_steps_1_2.txt").read_text()
 
 
 class _Runner:
