@@ -342,7 +342,9 @@ class EngineCore:
                 self._launch_step()
             self._emit(updates, sampled)
         elif self.scheduler.has_unfinished():
-            time.sleep(0.001)  # nothing fits this instant (e.g. all waiting on blocks); don't spin hot
+            # nothing fits this instant (e.g. all waiting on blocks): wait for the next message, which is what can
+            # change that, rather than sleep (a 1 ms sleep took 10 ms on the H200 machine: 6 of 500 steps there)
+            self.transport.poll(1, self)
 
     def _depth(self) -> int:
         """Steps planned ahead of the oldest unanswered one. While constrained sequences run, one more: rank 0

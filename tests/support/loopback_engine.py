@@ -3,6 +3,7 @@ plans through the real plan mirrors, so a test can send any bytes to either sock
 scheduler does, with no process and no model."""
 from __future__ import annotations
 
+import time
 import zlib
 from collections import deque
 
@@ -98,6 +99,8 @@ class LoopbackTransport:
             self.executors[rank].receive(copy)
 
     def poll(self, timeout_ms: int, core: EngineCore) -> None:
+        if not self.inbox and timeout_ms > 0:  # as a socket poll with nothing to read: wait out the timeout
+            time.sleep(timeout_ms / 1000)
         while self.inbox:
             side, identity, payload = self.inbox.popleft()
             (core.on_frontend if side == "frontend" else core.on_executor)(identity, payload)
