@@ -235,10 +235,14 @@ class Scheduler:
                     proposal = self._proposal(seq, seq.token_ids, end, k)
                 elif chain and self._chains(seq):  # proposals after a guess of the token in flight
                     assumed = self._assumed_tokens(seq)
-                    if assumed is not None:
-                        guessed = self._proposal(seq, assumed, end, k, guess=True)
-                        if guessed:
-                            guess, proposal = guessed[0], guessed[1:]
+                    if assumed is None:
+                        # a plain decode in flight behind another guessed nothing (three or more steps in flight):
+                        # planned ahead again it would never propose; it waits a step instead, then guesses
+                        i += 1
+                        continue
+                    guessed = self._proposal(seq, assumed, end, k, guess=True)
+                    if guessed:
+                        guess, proposal = guessed[0], guessed[1:]
                 else:  # a proposal needs every token: wait for the one in flight rather than plan ahead of it
                     i += 1
                     continue

@@ -82,6 +82,20 @@ def test_with_async_scheduling_the_next_verification_is_planned_on_a_guess_befor
     assert seq.num_computed_tokens == 16 and seq.num_placeholders == 0 and not seq.verifying
 
 
+def test_behind_two_plain_decodes_in_flight_a_sequence_waits_a_step_then_proposes_on_a_guess():
+    """With three steps in flight, planning plain decodes ahead forever would never let it propose (the second
+    step's input is unknown and unguessed): it sits out a step, then guesses the one decode left in flight."""
+    sched = speculating_scheduler(chain_verifications=True)
+    seq = decode_ready(sched)
+    seq.speculation_backoff = 2  # (after a rejection) two plain decodes, planned ahead of each other
+    first, second = sched.schedule(), sched.schedule()
+    assert [s.proposal for s in first.scheduled + second.scheduled] == [(), ()]
+    assert sched.schedule().scheduled == []  # wants to propose, but cannot guess what the first decode yields
+    sched.postprocess(first, {seq.seq_id: 9})  # ... 7 8 9; the second decode is still in flight
+    (s,) = sched.schedule().scheduled
+    assert s.guess == 5 and list(s.proposal) == [6, 7, 8]  # "8 9" continued "5 6 7 8" before
+
+
 def test_a_short_verdict_voids_the_step_planned_on_it_and_moves_the_count_back():
     sched = speculating_scheduler(chain_verifications=True, block_size=2)
     seq = decode_ready(sched)
