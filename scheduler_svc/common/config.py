@@ -69,7 +69,9 @@ class EngineConfig:
     num_speculative_tokens: int = 8  # at most, per sequence and step (policy.py picks), verified in one forward
     ngram_min: int = 3  # n-gram proposals: the shortest suffix matched earlier (shorter ones mostly miss)
     ngram_max: int = 4  # and the longest (tried first)
-    speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
+    # speculation pauses while more sequences than this run: on the H200 n-gram chat gained 1.28x at 4 running and lost
+    # (0.83x) at 16 (bench/RESULTS.md, 2026-12-04)
+    speculative_max_batch_size: int = 8
     draft_model: str | None = None  # speculative method draft: the proposer's checkpoint (same tokenizer and vocab)
 
     def __post_init__(self) -> None:

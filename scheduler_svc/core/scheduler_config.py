@@ -29,7 +29,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4  # proposals per sequence and step, at most
     ngram_min: int = 1  # n-gram proposals: the suffix lengths looked up
     ngram_max: int = 4
-    speculative_max_batch_size: int = 16  # speculation pauses while more sequences than this run
+    speculative_max_batch_size: int = 8  # speculation pauses while more sequences than this run (EngineConfig's)
     chain_verifications: bool = False  # async scheduling: plan a verifying sequence's next step before its verdict
 
     def __post_init__(self) -> None:
