@@ -359,8 +359,7 @@ class ModelRunner:
         lp = None
         if self.rank == 0 and inputs.verify_from_draws:  # one draw per row decides (the graph's, or the argmax)
             draws = inputs.sampled if inputs.sampled is not None else inputs.logits.argmax(dim=-1)
-            verdict = verdict_from_draws(draws, chunks, self.staging.upload)
-            both = torch.stack([verdict.token_ids, verdict.num_accepted])
+            both = verdict_from_draws(draws, chunks, self.staging.upload).both  # [tokens; accepted counts]
         elif self.rank == 0:
             verdict = verify_chunks(inputs.logits, chunks, self.facts.vocab_size, self.staging.upload,
                                     self._sample_plain, self.sampler._generators, self._noise_rng)

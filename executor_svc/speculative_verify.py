@@ -16,6 +16,7 @@ seed, its proposals and its history only, not on its neighbours or its place in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Callable
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from executor_svc.sampler import SamplingBatch, mix_seed, tempered_and_filtered
 from executor_svc.sampling_row import SamplingRow
 from executor_svc.seq_mirror import ScheduledChunk
+from kernels.speculative_verdict import verdict
 
 Upload = Callable[[dict[str, np.ndarray], str], dict[str, torch.Tensor]]  # PinnedStaging.upload(arrays, group)
 
@@ -35,6 +37,7 @@ class Verdict:
     token_ids: torch.Tensor  # int64 [S]: the token drawn after the chunk's accepted proposals (its only one without)
     num_accepted: torch.Tensor  # int64 [S]: how many leading proposals were accepted
     logprobs: tuple | None = None  # as SamplerOutput's, [S] rows, for chunks without proposals that asked for them
+    both: torch.Tensor | None = None  # [2, S]: token_ids and num_accepted in one tensor, when they were made so
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplingRow], vocab_size: int, upload: Upload | None = None,
@@ -118,22 +121,19 @@ def verdict_from_draws(draws: torch.Tensor, chunks: list[ScheduledChunk], upload
 
     For a point-mass proposal (n-gram) this is rejection sampling itself: d_j is accepted with probability p_j(d_j),
     and a rejected row's draw is p_j given x_j != d_j, i.e. max(0, p_j - onehot(d_j)) renormalized, the residual;
-    greedy rows accept exactly the argmax and yield it, the plain sampler's greedy tokens. One upload of two small
-    index arrays and a few kernels, no host sync, no distributions over the vocabulary."""
-    counts = np.fromiter((len(c.proposal) for c in chunks), dtype=np.int64, count=len(chunks))
-    first_row = np.zeros(len(chunks), dtype=np.int64)
+    greedy rows accept exactly the argmax and yield it, the plain sampler's greedy tokens. One upload of one small
+    array and one kernel, no host sync, no distributions over the vocabulary."""
+    n = len(chunks)
+    counts = np.fromiter((len(c.proposal) for c in chunks), dtype=np.int64, count=n)
+    first_row = np.zeros(n, dtype=np.int64)
     np.cumsum(1 + counts[:-1], out=first_row[1:])
     k = np.where([c.void or c.proposals_dropped for c in chunks], 0, counts)  # proposals verified
-    k_max = max(1, int(k.max()))
-    index = first_row[:, None] + np.minimum(np.arange(k_max + 1), k[:, None])  # [C, K_max + 1] rows
-    drafts = np.full((len(chunks), k_max), -1, dtype=np.int64)  # -1 past a chunk's proposals: never accepted
-    for i in np.flatnonzero(k):
-        drafts[i, : k[i]] = chunks[i].proposal
-    dev = upload({"index": index, "drafts": drafts}, "verify")
-    picked = draws[dev["index"]]  # [C, K_max + 1]
-    num_accepted = (picked[:, :k_max] == dev["drafts"]).cumprod(dim=1).sum(dim=1)
-    token_ids = picked.gather(1, num_accepted[:, None]).squeeze(1)
-    return Verdict(token_ids, num_accepted)
+    # each row's draw is compared with the proposal after it; -1 after a chunk's last row (never accepted)
+    targets = np.fromiter(chain.from_iterable((*c.proposal, -1) for c in chunks), dtype=np.int64,
+                          count=n + int(counts.sum()))
+    spec = upload({"spec": np.concatenate([first_row, k, targets])}, "verify")["spec"]
+    both = verdict(draws, spec, n, int(k.max()))  # one kernel: kernels/speculative_verdict.py
+    return Verdict(both[0], both[1], both=both)
 
 
 def verify_chunks(logits: torch.Tensor, chunks: list[ScheduledChunk], vocab_size: int, upload: Upload,
