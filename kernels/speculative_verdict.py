@@ -10,10 +10,12 @@ after each chunk's last proposal) so that the host uploads it in one copy. Nothi
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.triton_runtime import INTERPRET
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU image has no Triton: its executors take the torch reference
+    triton = None
 
 # Lanes a program compares: every K up to this shares one compiled kernel (a new K would compile mid-serving)
 MIN_LANES = 16
@@ -35,20 +37,25 @@ def verdict_reference(draws: torch.Tensor, spec: torch.Tensor, num_chunks: int, 
     return torch.stack([draws[first + n], n])
 
 
-@triton.jit(do_not_specialize=["num_chunks"])  # one variant for every batch
-def _verdict_kernel(draws_ptr, spec_ptr, out_ptr, num_chunks, LANES: tl.constexpr):
-    c = tl.program_id(0)
-    first = tl.load(spec_ptr + c)
-    k = tl.load(spec_ptr + num_chunks + c)
-    j = tl.arange(0, LANES)
-    valid = j < k
-    drawn = tl.load(draws_ptr + first + j, mask=valid, other=0)
-    proposed = tl.load(spec_ptr + 2 * num_chunks + first + j, mask=valid, other=-1)
-    # the first lane that is not an accepted proposal: the count accepted (lanes past k never are)
-    stop = tl.where(valid & (drawn == proposed), LANES, j)
-    n = tl.minimum(tl.min(stop, axis=0).to(tl.int64), k)
-    tl.store(out_ptr + c, tl.load(draws_ptr + first + n))
-    tl.store(out_ptr + num_chunks + c, n)
+if triton is not None:
+    from kernels.triton_runtime import INTERPRET
+
+    @triton.jit(do_not_specialize=["num_chunks"])  # one variant for every batch
+    def _verdict_kernel(draws_ptr, spec_ptr, out_ptr, num_chunks, LANES: tl.constexpr):
+        c = tl.program_id(0)
+        first = tl.load(spec_ptr + c)
+        k = tl.load(spec_ptr + num_chunks + c)
+        j = tl.arange(0, LANES)
+        valid = j < k
+        drawn = tl.load(draws_ptr + first + j, mask=valid, other=0)
+        proposed = tl.load(spec_ptr + 2 * num_chunks + first + j, mask=valid, other=-1)
+        # the first lane that is not an accepted proposal: the count accepted (lanes past k never are)
+        stop = tl.where(valid & (drawn == proposed), LANES, j)
+        n = tl.minimum(tl.min(stop, axis=0).to(tl.int64), k)
+        tl.store(out_ptr + c, tl.load(draws_ptr + first + n))
+        tl.store(out_ptr + num_chunks + c, n)
+else:
+    INTERPRET = False
 
 
 def verdict(draws: torch.Tensor, spec: torch.Tensor, num_chunks: int, max_k: int) -> torch.Tensor:

@@ -153,3 +153,26 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     cycle = _cycle_within_packages()
     assert cycle is not None and set(cycle) == {"scheduler_svc.core.a", "scheduler_svc.core.b"}
+
+
+# The CPU image installs the CPU torch wheel, which brings no Triton: an executor there imports every module of its
+# step path without it (kernels that need Triton are imported where they run, or fall back to torch)
+NO_TRITON_PROBE = """
+import importlib.abc, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTriton())
+import executor_svc.executor, executor_svc.model_runner, executor_svc.speculative_verify, executor_svc.draft_model
+assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules)
+"""
+
+
+def test_the_executor_imports_its_step_path_without_triton():
+    result = subprocess.run([sys.executable, "-c", NO_TRITON_PROBE], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
