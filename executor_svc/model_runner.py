@@ -23,7 +23,7 @@ from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk, SequenceMirrors, draw_masks
-from executor_svc.speculative_verify import draws_decide, plain_rows, verdict_from_draws, verify_chunks
+from executor_svc.speculative_verify import draws_decide, drawable, verdict_from_draws, verify_chunks
 from kernels.attention.registry import get_backend
 from kernels.kv_quant import FP8_DTYPE, INT8_DTYPE, is_quantized
 from kernels.kv_rotation import hadamard_matrix
@@ -266,7 +266,7 @@ class ModelRunner:
         graph when one is large enough, else eagerly; one logits row per row."""
         bucket = self.graphs.bucket(len(rows.arrays["seqlens_k"]), rows.max_seqlen_k) if self.graphs else None
         chunks = rows.sampling_chunks
-        plain = plain_rows(chunks) and all(c.draft_probs is None for c in chunks)
+        plain = drawable(chunks)  # the graph's draws will decide
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
             inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))

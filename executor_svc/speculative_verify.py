@@ -102,15 +102,19 @@ def plain_rows(chunks: list[ScheduledChunk]) -> bool:
     return all(c.seq.sampling_row.plain and c.token_mask is None and not c.late_mask for c in chunks)
 
 
+def drawable(chunks: list[ScheduledChunk]) -> bool:
+    """Whether one draw per logits row can decide a verifying step: its chunks are plain (plain_rows) and carry no
+    draft distribution q (a draft's sampled proposals: rejection sampling against q accepts more often than the draw
+    rule, exact for any proposer but blind to q)."""
+    return plain_rows(chunks) and all(c.draft_probs is None for c in chunks)
+
+
 def draws_decide(chunks: list[ScheduledChunk], drawn: bool) -> bool:
-    """Whether one draw per logits row decides a verifying step's verdict (verdict_from_draws): its chunks are plain
-    (plain_rows) and carry no draft distribution q (a draft's sampled proposals: rejection sampling against q accepts
-    more often than the draw rule, exact for any proposer but blind to q), and either the rows were drawn (drawn: a
-    decode graph sampled them) or every row is greedy, whose draw is its argmax. Otherwise verify_chunks decides,
-    over float64 distributions of the whole vocabulary: milliseconds for a step, which a greedy step beside a
-    prefill chunk (the varlen path, no graph) used to pay."""
-    return plain_rows(chunks) and all(c.draft_probs is None for c in chunks) and (
-        drawn or all(c.seq.sampling_row.greedy for c in chunks))
+    """Whether one draw per logits row decides a verifying step's verdict (verdict_from_draws): its chunks are
+    drawable and either the rows were drawn (drawn: a decode graph sampled them) or every row is greedy, whose draw
+    is its argmax. Otherwise verify_chunks decides, over float64 distributions of the whole vocabulary: milliseconds
+    for a step, which a greedy step beside a prefill chunk (the varlen path, no graph) used to pay."""
+    return drawable(chunks) and (drawn or all(c.seq.sampling_row.greedy for c in chunks))
 
 
 def verdict_from_draws(draws: torch.Tensor, chunks: list[ScheduledChunk], upload: Upload) -> Verdict:

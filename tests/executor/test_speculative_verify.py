@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from executor_svc.sampler import Sampler, SamplingBatch
 from executor_svc.seq_mirror import MirroredSeq, ScheduledChunk
-from executor_svc.speculative_verify import (draws_decide, plain_rows, rejection_sample, target_probs, verdict_from_draws,
-                                             verify_chunks)
+from executor_svc.speculative_verify import (draws_decide, plain_rows, rejection_sample, target_probs,
+                                             verdict_from_draws, verify_chunks)
 from protos import engine_pb2
 from support.tiny_checkpoints import tiny_checkpoint
 

@@ -7,7 +7,6 @@ random steps: ragged proposal counts, chunks without proposals, void chunks (k =
 match their proposals for a random stretch and then differ (or all match)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
