@@ -196,7 +196,7 @@ def row(label: str, workload: str, c: int, rounds: int, elapsed: float, tokens: 
             "acceptance": delta("num_accepted_tokens") / max(1, delta("num_proposed_tokens")),
             "mean_accepted_length": 1 + delta("num_accepted_tokens") / steps if steps else 0.0,
             "accepted_per_position": positions, "tokens": [r.outputs[0].token_ids for r in results],
-            # where the steps' time went: steps with a prefill chunk run eagerly, decode-only ones in the graphs
+            # where the steps' time went: decode-only steps in the decode graphs, steps with a prefill chunk apart
             "prefill_steps": delta("num_prefill_steps"), "prefill_step_seconds": delta("prefill_step_seconds"),
             "decode_step_seconds": delta("decode_step_seconds"),
             "executor_busy_seconds": delta("executor_busy_seconds"),
@@ -231,9 +231,9 @@ def slow_steps(r: dict, seconds: float) -> int:
 
 def time_shares(opted_out: list[dict], on: list[dict], method: str) -> None:
     """Where each row's step time went, both variants: decode-only steps (the decode graphs on CUDA), steps with a
-    prefill chunk (eager varlen there), and rank 0's idle time between its reply and the next plan."""
-    print("\nwhere the time went (ms a step): decode-only steps (in the graphs), steps with a prefill chunk (eager on "
-          "CUDA), and rank 0's idle time waiting for the next plan")
+    prefill chunk (piecewise graphs there, attention eager), and rank 0's idle time between its reply and the next plan."""
+    print("\nwhere the time went (ms a step): decode-only steps (in the graphs), steps with a prefill chunk (piecewise "
+          "graphs on CUDA), and rank 0's idle time waiting for the next plan")
     print(f"{'workload':<12}{'conc':>5}  {'variant':<10}{'steps':>7}{'prefill':>9}{'decode ms':>11}{'prefill ms':>12}"
           f"{'idle ms':>9}  steps over 20 ms / 100 ms")
     for o, b in zip(opted_out, on):

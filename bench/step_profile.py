@@ -9,8 +9,9 @@ With --verify K it also times, at each batch size, a step where every sequence v
 (speculative decoding: B (K + 1) one-token rows, in the decode graphs when they fit), next to the plain decode
 step of the same sequences: the ratio is what a verification costs (scheduler_svc/core/speculative/policy.py's
 VERIFY_STEP_COST and VERIFY_ROW_COST). --temperature 0 takes the greedy verdict, > 0 rejection sampling.
+With --prefill N, a mixed step: the same decodes beside a prompt's N-token chunk (on CUDA the varlen path, eager).
 
-    python bench/step_profile.py [--batch 256 | --batch 1,4,16] [--context 600] [--steps 30] [--verify 4]
+    python bench/step_profile.py [--batch 256 | --batch 1,4,16] [--context 600] [--steps 30] [--verify 4] [--prefill 64]
                                  [--shape qwen3-0.6b|smollm2-135m] [engine flags]
 """
 from __future__ import annotations
@@ -47,19 +48,21 @@ PHASES = ("prepare", "launch host", "launch", "sample", "finalize", "total")
 
 
 def time_steps(runner: ModelRunner, seqs: list[MirroredSeq], steps: int, verify: int,
-               cprofile: bool = False) -> dict[str, float]:
+               cprofile: bool = False, prefill: MirroredSeq | None = None) -> dict[str, float]:
     """Median ms of each phase over `steps` steps (after 3 untimed): plain decodes, each appending its token, or
-    with verify > 0 verifications of `verify` proposals per sequence at the same positions again and again."""
+    with verify > 0 verifications of `verify` proposals per sequence at the same positions again and again.
+    prefill: a sequence whose whole prompt goes into every step beside them, as a chunk (a mixed step: eager)."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
 
     def chunks() -> list[ScheduledChunk]:
+        extra = [ScheduledChunk(prefill, 0, len(prefill.token_ids))] if prefill is not None else []
         if not verify:
-            return [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs]
+            return [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids)) for s in seqs] + extra
         # proposals after the last token: the next tokens of a repeating pattern (random weights reject most)
         return [ScheduledChunk(s, len(s.token_ids) - 1, len(s.token_ids) + verify,
                                proposal=[(s.seq_id * 7 + len(s.token_ids) + j) % 1000 for j in range(verify)])
-                for s in seqs]
+                for s in seqs] + extra
 
     def step(record: bool) -> None:
         """The executor's own calls, each synced: launch = prepare + forward + logits (and, in a single-rank
@@ -81,7 +84,7 @@ def time_steps(runner: ModelRunner, seqs: list[MirroredSeq], steps: int, verify:
         t3 = time.perf_counter()
         tokens = [t.token_id for t in runner.finalize(pending)]
         t4 = time.perf_counter()
-        if not verify:
+        if not verify:  # the prefill chunk's token (last) is dropped: it runs the same prompt again
             for s, t in zip(seqs, tokens):
                 s.token_ids.append(t)
                 s.num_computed_tokens += 1
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--verify", type=int, default=0, help="also time steps verifying this many proposals each")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="without --model: random "
                         "weights of this architecture")
+    parser.add_argument("--prefill", type=int, default=0, help="also time mixed steps: the decodes beside a prefill "
+                        "chunk of this many tokens (eager on CUDA)")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     parser.add_argument("--cprofile", action="store_true", help="also print the top python functions")
     add_engine_args(parser)
@@ -126,9 +131,10 @@ def main() -> None:
     config = engine_config_from_args(args)
     bs = config.block_size
     # room for the plain steps' tokens and a verification's proposals past them
-    blocks_per_seq = -(-(args.context + 2 * args.steps + 8 + args.verify) // bs)
+    blocks_per_seq = -(-(args.context + 3 * args.steps + 16 + args.verify) // bs)
     config.max_num_seqs = max(config.max_num_seqs, max(batches) * (args.verify + 1))  # graphs hold every row
-    config.num_gpu_blocks = config.num_gpu_blocks or max(batches) * blocks_per_seq + 8
+    prefill_blocks = -(-args.prefill // bs)
+    config.num_gpu_blocks = config.num_gpu_blocks or max(batches) * blocks_per_seq + prefill_blocks + 8
     runner = ModelRunner(config)
     results = []
     with torch.inference_mode():
@@ -149,6 +155,16 @@ def main() -> None:
                 row["ratio"] = verify["total"] / plain["total"]
                 print(f"{'K=' + str(args.verify):>8}" + " ".join(f"{v:>12.3f}" for v in verify.values()))
                 print(f"a verifying step ({batch * (args.verify + 1)} rows) costs {row['ratio']:.2f}x a plain one")
+            if args.prefill:
+                first = max(batches) * blocks_per_seq  # the blocks after the decoding sequences'
+                chunk_seq = MirroredSeq(10**6, [(7 * t) % 1000 for t in range(args.prefill)], args.prefill,
+                                        list(range(first, first + prefill_blocks)), 0,
+                                        engine_pb2.SamplingOptions(temperature=args.temperature, top_p=1.0))
+                mixed = time_steps(runner, seqs, args.steps, 0, args.cprofile, prefill=chunk_seq)
+                row["mixed"], row["prefill"] = mixed, args.prefill
+                row["mixed_ratio"] = mixed["total"] / plain["total"]
+                print(f"{'+' + str(args.prefill):>8}" + " ".join(f"{v:>12.3f}" for v in mixed.values()))
+                print(f"a mixed step (a {args.prefill}-token chunk beside them) costs {row['mixed_ratio']:.2f}x")
             else:
                 kv_bytes = runner.kv_pool.layout.bytes_per_block // bs * batch * args.context
                 print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> launch at "

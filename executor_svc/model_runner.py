@@ -19,6 +19,7 @@ from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_bloc
 from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
                                          pool_amax)
 from executor_svc.model_loader import load_model
+from executor_svc.piecewise_graphs import PiecewiseGraphs
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
@@ -151,6 +152,12 @@ class ModelRunner:
                                        self.facts.hidden_size, self.dtype, self.device,
                                        vocab_size=self.facts.vocab_size if world_size == 1 else None)
             self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None  # steps with a prefill chunk, attention eager between graphs
+        max_piecewise = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
+        if self.graphs is not None and max_piecewise > 0:
+            self.piecewise = PiecewiseGraphs(self.model, max_piecewise, self.block_size, self.facts.hidden_size,
+                                             self.dtype, self.device)
+            self.piecewise.capture()
         self.fused_masked_draw = False  # masked decode rows drawn by the graph's kernel (DecodeGraphs.redraw_masked)
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling
@@ -233,7 +240,7 @@ class ModelRunner:
             bucket = self.graphs.bucket(len(chunks), max(c.end for c in chunks))
         if bucket is None:
             inputs = self.prepare_inputs(one_token_chunks_first(chunks))
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self._forward(inputs)
         else:
             # a decode graph samples in place when every row samples plainly (temperature alone); otherwise the
             # graph gives the logits and the sampler runs after it. Token masks (structured output, perhaps still
@@ -261,6 +268,15 @@ class ModelRunner:
             inputs.verify_from_draws = draws_decide(inputs.sampling_chunks, inputs.sampled is not None)
         return inputs
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The hidden states of a step no decode graph runs: in piecewise graphs when a token bucket holds it (the
+        layers graphed, attention eager), else eagerly. A piecewise step's are a static buffer's, valid until the
+        next step's forward."""
+        tb = self.piecewise.bucket(inputs.input_ids.shape[0]) if self.piecewise is not None else None
+        if tb is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.piecewise.run(tb, inputs.input_ids, inputs.positions, inputs.meta)
+
     def _launch_rows(self, rows) -> StepInputs:
         """A step of decodes and verifications, as one-token rows (input_batch.verification_rows): in a decode
         graph when one is large enough, else eagerly; one logits row per row."""
@@ -269,7 +285,7 @@ class ModelRunner:
         plain = drawable(chunks)  # the graph's draws will decide
         if bucket is None:
             inputs = device_inputs(rows, self.staging, self.block_size, self.prev_sampled)
-            inputs.logits = self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.meta))
+            inputs.logits = self.model.compute_logits(self._forward(inputs))
         else:  # plain rows: the graph's own draw of each row decides (verdict_from_draws); otherwise it is not used
             columns = None
             if plain and self.graphs.samples:

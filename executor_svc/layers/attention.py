@@ -34,6 +34,9 @@ class Attention(nn.Module):
         # (kernels/kv_rotation.py, --kv-cache-rotation); None: stored as they come
         self.kv_rotation: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None  # set by the model loader
+        # set while the forward is captured in pieces (executor_svc/piecewise_graphs.py): called with q after the
+        # K/V store in place of attention, it returns the buffer the rest of the forward reads the output from
+        self.cut = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
@@ -63,5 +66,11 @@ class Attention(nn.Module):
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.kv_scales)
         q = q.view(-1, self.num_heads, self.head_dim)
+        if self.cut is not None:
+            return self.cut(self, q)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] (normed, rotated, its K/V stored) over the pool -> [T, H*D]."""
         out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)

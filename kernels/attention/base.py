@@ -13,6 +13,7 @@ write and dequantizes on load as kernels/kv_quant.py defines. Other pools take n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -57,17 +58,20 @@ class AttentionMetadata:
         """One-token sequences first, then sequences with several new tokens."""
         return 0 < self.num_decodes < self.num_seqs
 
+    @cached_property
     def decode_part(self) -> "AttentionMetadata":
-        """The leading one-token sequences of a mixed step; their tokens are q[:num_decodes]."""
+        """The leading one-token sequences of a mixed step; their tokens are q[:num_decodes]. Made once a step
+        (every layer asks): its slices are host work."""
         d = self.num_decodes
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:d], cu_seqlens_q=self.cu_seqlens_q[: d + 1], seqlens_k=self.seqlens_k[:d],
             block_tables=self.block_tables[:d], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k,
             block_size=self.block_size, decode_order=self.decode_order, num_decodes=d)
 
+    @cached_property
     def prefill_part(self) -> "AttentionMetadata":
         """The sequences after the leading one-token ones; cu_seqlens_q keeps its offsets into the
-        step's tokens (it starts at num_decodes, not 0)."""
+        step's tokens (it starts at num_decodes, not 0). Made once a step, as decode_part."""
         d = self.num_decodes
         return AttentionMetadata(
             slot_mapping=self.slot_mapping, cu_seqlens_q=self.cu_seqlens_q[d:], seqlens_k=self.seqlens_k[d:],

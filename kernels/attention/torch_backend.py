@@ -55,8 +55,8 @@ class TorchAttentionBackend:
         # padded to the longest chunk, each one-token row would cost as much as that chunk
         d = meta.num_decodes
         out = torch.empty_like(q)
-        out[:d] = self._attend(q[:d], k_cache, v_cache, meta.decode_part(), scale, kv_scales)
-        out[d:] = self._attend(q[d:], k_cache, v_cache, meta.prefill_part(), scale, kv_scales)
+        out[:d] = self._attend(q[:d], k_cache, v_cache, meta.decode_part, scale, kv_scales)
+        out[d:] = self._attend(q[d:], k_cache, v_cache, meta.prefill_part, scale, kv_scales)
         return out
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -421,7 +421,7 @@ class TritonAttentionBackend:
         if not meta.is_mixed:
             return paged_prefill_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales)
         # the prefill kernel writes only its own sequences' rows (cu_seqlens_q offsets into all of q)
-        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part(), scale, kv_scales=kv_scales)
+        out = paged_prefill_attention(q, k_cache, v_cache, meta.prefill_part, scale, kv_scales=kv_scales)
         d = meta.num_decodes
-        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part(), scale, out=out[:d], kv_scales=kv_scales)
+        paged_decode_attention(q[:d], k_cache, v_cache, meta.decode_part, scale, out=out[:d], kv_scales=kv_scales)
         return out

@@ -53,6 +53,9 @@ class EngineConfig:
     preemption_mode: str | None = None  # None: resolved_preemption_mode()
     preemption_policy: str = "newest"  # which running sequence gives way
     enforce_eager: bool = False
+    # steps with a prefill chunk of at most this many tokens run as piecewise CUDA graphs (attention eager between
+    # them, executor_svc/piecewise_graphs.py); 0: such steps run eagerly
+    cuda_graph_max_tokens: int = 2048
     executor_timeout_s: float = 10.0  # no heartbeat for this long means the executor is lost
     frontend_timeout_s: float = 10.0  # a front end silent this long is gone: its requests are aborted
     beam_group_timeout_s: float = 30.0  # a beam search whose members have not all arrived by then fails
@@ -95,6 +98,8 @@ class EngineConfig:
         need(self.max_num_seqs > 0, f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens > 0,
              f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        need(self.cuda_graph_max_tokens >= 0,
+             f"--cuda-graph-max-tokens must be >= 0, got {self.cuda_graph_max_tokens}")
         need(self.max_model_len is None or self.max_model_len > 0,
              f"--max-model-len must be positive, got {self.max_model_len}")
         need(self.tensor_parallel_size > 0,
@@ -222,6 +227,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "also lets a waiting request of higher priority preempt)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"].default,
                    help="disable CUDA graphs")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=d["cuda_graph_max_tokens"].default,
+                   help="steps with a prefill chunk of at most this many tokens run as CUDA graphs of the layers "
+                        "between attention calls, attention eager (0: eagerly); decode steps are graphed whole")
     g.add_argument("--executor-timeout-s", type=float, default=d["executor_timeout_s"].default)
     g.add_argument("--frontend-timeout-s", type=float, default=d["frontend_timeout_s"].default,
                    help="abort the requests of a front end not heard from for this long")

@@ -196,7 +196,7 @@ def _mixed_step(device: str, dtype, seed: int, decode_k, prefill_q, prefill_k, h
 def test_mixed_step_runs_its_one_token_rows_in_the_decode_kernel_and_matches_the_reference():
     q, k_cache, v_cache, meta = _mixed_step("cpu", torch.float32, 8, [5, 23, 1], [4, 7], [10, 7], (4, 2, 16), 4)
     assert meta.is_mixed and not meta.is_decode
-    part = meta.prefill_part()
+    part = meta.prefill_part
     assert part.num_seqs == 2 and part.cu_seqlens_q.tolist() == [3, 7, 14]  # offsets into the step's tokens
     out = ta.TritonAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
     assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, 0.25)) < 1e-3
