@@ -157,7 +157,12 @@ class ModelRunner:
         if self.graphs is not None and max_piecewise > 0:
             self.piecewise = PiecewiseGraphs(self.model, max_piecewise, self.block_size, self.facts.hidden_size,
                                              self.dtype, self.device)
-            self.piecewise.capture()
+            try:
+                self.piecewise.capture()
+            except Exception as e:  # a model with a layer that cannot be captured still serves, those steps eager
+                log.warning("piecewise CUDA graphs were not captured (%s: %s): steps with a prefill chunk run eagerly",
+                            type(e).__name__, e)
+                self.piecewise = None
         self.fused_masked_draw = False  # masked decode rows drawn by the graph's kernel (DecodeGraphs.redraw_masked)
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling

@@ -121,6 +121,13 @@ class PiecewiseGraphs:
                     self._forward(tb, meta)
                     self._end_segment(tb)
                     self._capturing = None
+        except Exception:
+            if self._capturing is not None:  # end the broken capture, so that the device stays usable
+                try:
+                    self._capturing.capture_end()
+                except RuntimeError:
+                    pass
+            raise
         finally:
             for layer in self.layers:
                 layer.cut = None
