@@ -150,6 +150,8 @@ class StepLoop:
         while True:
             if self.backlog:
                 return self.backlog.popleft()
+            # a step pending on the device: spin between the socket and its event (zmq waits whole milliseconds, and
+            # a 1 ms wait would add up to a step's length to steps of ~1 ms); idle: block up to a second
             if self.sock.poll(0 if self.pending else 1000):
                 payload = self.sock.recv()
                 try:
@@ -159,8 +161,6 @@ class StepLoop:
                     continue
             if self.pending is not None and self.pending.step.done():
                 return None
-            if self.pending is not None:
-                self.sock.poll(0.2)  # ms: a short wait keeps both the socket and the device in view
 
     def reply_pending(self) -> None:
         if self.pending is None:
