@@ -26,3 +26,13 @@ def test_a_step_replays_the_smallest_bucket_that_holds_it(max_tokens, num_tokens
 def test_no_buckets_when_piecewise_graphs_are_off():
     assert token_buckets(0) == []
     assert bucket_for(token_buckets(0), 1) is None
+
+
+def test_a_negative_token_limit_is_refused():
+    import pytest
+
+    from scheduler_svc.common.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--cuda-graph-max-tokens must be >= 0, got -1"):
+        EngineConfig(cuda_graph_max_tokens=-1)
+    assert EngineConfig(cuda_graph_max_tokens=0).cuda_graph_max_tokens == 0
