@@ -266,11 +266,11 @@ def interpret_check() -> None:
 def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16") -> dict:
     """One config compiled for sm_90 by Triton's own ptxas: shared memory, registers, spills (no GPU needed)."""
     import re
-    import subprocess
-    import tempfile
 
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
+
+    from bench.studies.kernel_sass import cuobjdump
 
     block_m, block_n, block_k, warps, stages, ws = config
     fn = _tma_fp8_gemm_kernel
@@ -292,14 +292,7 @@ def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16") -> dict:
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
     seconds = time.perf_counter() - start
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+    usage, sass = cuobjdump(kernel)
     ttgir = kernel.asm.get("ttgir", "")
     return {"shared_bytes": kernel.metadata.shared, "fits": kernel.metadata.shared <= SM90_SHARED_BYTES,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),

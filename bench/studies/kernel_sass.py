@@ -74,10 +74,8 @@ def first_loop_size(sass: str) -> int:
     return 0
 
 
-def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    sig, attrs = signature(fn, pointer_types, constexprs)
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+def cuobjdump(kernel) -> tuple[str, str]:
+    """(resource usage, SASS) of a compiled kernel's cubin, by the cuobjdump that ships with Triton."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -86,6 +84,14 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
                                check=True).stdout
         sass = subprocess.run([tools / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True,
                               check=True).stdout
+    return usage, sass
+
+
+def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    sig, attrs = signature(fn, pointer_types, constexprs)
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    usage, sass = cuobjdump(kernel)
     opcodes = collections.Counter(OPCODE.findall(sass))
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
