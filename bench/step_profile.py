@@ -9,7 +9,8 @@ With --verify K it also times, at each batch size, a step where every sequence v
 (speculative decoding: B (K + 1) one-token rows, in the decode graphs when they fit), next to the plain decode
 step of the same sequences: the ratio is what a verification costs (scheduler_svc/core/speculative/policy.py's
 VERIFY_STEP_COST and VERIFY_ROW_COST). --temperature 0 takes the greedy verdict, > 0 rejection sampling.
-With --prefill N, a mixed step: the same decodes beside a prompt's N-token chunk (on CUDA the varlen path, eager).
+With --prefill N, a mixed step: the same decodes beside a prompt's N-token chunk (on CUDA in the piecewise
+graphs, attention eager; eager with --cuda-graph-max-tokens 0).
 
     python bench/step_profile.py [--batch 256 | --batch 1,4,16] [--context 600] [--steps 30] [--verify 4] [--prefill 64]
                                  [--shape qwen3-0.6b|smollm2-135m] [engine flags]
@@ -51,7 +52,7 @@ def time_steps(runner: ModelRunner, seqs: list[MirroredSeq], steps: int, verify:
                cprofile: bool = False, prefill: MirroredSeq | None = None) -> dict[str, float]:
     """Median ms of each phase over `steps` steps (after 3 untimed): plain decodes, each appending its token, or
     with verify > 0 verifications of `verify` proposals per sequence at the same positions again and again.
-    prefill: a sequence whose whole prompt goes into every step beside them, as a chunk (a mixed step: eager)."""
+    prefill: a sequence whose whole prompt goes into every step beside them, as a chunk (a mixed step)."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
 
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b", help="without --model: random "
                         "weights of this architecture")
     parser.add_argument("--prefill", type=int, default=0, help="also time mixed steps: the decodes beside a prefill "
-                        "chunk of this many tokens (eager on CUDA)")
+                        "chunk of this many tokens")
     parser.add_argument("--out", default=None, help="write the medians as JSON here")
     parser.add_argument("--cprofile", action="store_true", help="also print the top python functions")
     add_engine_args(parser)
@@ -165,7 +166,7 @@ def main() -> None:
                 row["mixed_ratio"] = mixed["total"] / plain["total"]
                 print(f"{'+' + str(args.prefill):>8}" + " ".join(f"{v:>12.3f}" for v in mixed.values()))
                 print(f"a mixed step (a {args.prefill}-token chunk beside them) costs {row['mixed_ratio']:.2f}x")
-            else:
+            if not args.verify:
                 kv_bytes = runner.kv_pool.layout.bytes_per_block // bs * batch * args.context
                 print(f"KV bytes per step {kv_bytes / 1e9:.2f} GB -> launch at "
                       f"{kv_bytes / plain['launch'] / 1e9:.2f} TB/s")

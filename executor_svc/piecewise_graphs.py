@@ -31,8 +31,6 @@ from kernels.attention.base import AttentionMetadata
 
 log = logging.getLogger("nanoserve.executor")
 
-SMALLEST_BUCKET = 16
-
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Powers of two from 16 to 256, then every 256, up to max_tokens (and max_tokens itself)."""
