@@ -77,6 +77,9 @@ SWEEP = [
     # --compile-check does)
     (64, 64, 128, 4, 6, True), (64, 128, 128, 4, 4, True), (64, 128, 128, 4, 6, True),
 ]
+# (PREFETCH, PDL) per config: W's tiles prefetched into L2 that many K tiles ahead of the TMA loads (0: none), and the
+# kernel launched as a programmatic dependent of the one before (it prefetches, then waits for that kernel's end)
+PREFETCH_PDL = [(0, False), (8, False), (0, True), (8, True)]
 SPLITS = (1, 2, 3, 4)  # split-K counts timed per config where the units stay within MAX_WAVES of the SMs
 MAX_WAVES = 4
 
@@ -99,18 +102,41 @@ def _epilogue(acc, off_m, off_n, m, n, a_scale_ptr, w_scale_ptr, bias_ptr, c_des
     c_desc.store([off_m, off_n], acc.to(c_desc.dtype))  # TMA clips rows >= m and columns >= n
 
 
+@triton.jit
+def _prefetch_w(w_ptr, off_n, col, n, k, stride_w, nbytes, BLOCK_N: tl.constexpr):
+    """Each of the tile's W rows from column `col`, `nbytes` of it (clipped to the row), into L2: one
+    cp.async.bulk.prefetch.L2 a row, fire and forget (no shared memory, nothing to wait for). Rows past n repeat the
+    last row; the clipped size stays a multiple of 16 as K is."""
+    rows = tl.minimum(off_n + tl.arange(0, BLOCK_N), n - 1).to(tl.int64)
+    size = tl.maximum(tl.minimum(nbytes, k - col), 16)  # never past the row; at least one 16-byte unit
+    col = tl.minimum(col, k - 16)
+    ptrs = w_ptr + rows * stride_w + col
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
+                              [ptrs, tl.full([BLOCK_N], 0, tl.int32) + size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["m", "split_k"])
 def _tma_fp8_gemm_kernel(
-    a_desc, w_desc, c_desc, a_scale_ptr, w_scale_ptr, bias_ptr, partial_ptr, counter_ptr,
-    m, n, k, split_k,
+    a_desc, w_desc, c_desc, a_scale_ptr, w_scale_ptr, bias_ptr, partial_ptr, counter_ptr, w_ptr,
+    m, n, k, split_k, stride_w,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     num_m = tl.cdiv(m, BLOCK_M)
     num_kt = tl.cdiv(k, BLOCK_K)
     kts_per_split = tl.cdiv(num_kt, split_k)
     num_units = num_m * tl.cdiv(n, BLOCK_N) * split_k
+    if PDL:
+        # launched early (programmatic dependent launch): W does not depend on the kernel before, so its first
+        # PREFETCH tiles stream into L2 while that kernel finishes; the activations are read only after the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:
+            first = tl.program_id(0)
+            first_split = (first // num_m) % split_k
+            _prefetch_w(w_ptr, (first // (num_m * split_k)) * BLOCK_N, first_split * kts_per_split * BLOCK_K, n, k,
+                        stride_w, PREFETCH * BLOCK_K, BLOCK_N)
+        tl.extra.cuda.gdc_wait()
     # M tile fastest, then the K split, then the N tile: the programs running at once share W's slice in L2
     for unit in tl.range(tl.program_id(0), num_units, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
         pid_m = unit % num_m
@@ -121,7 +147,13 @@ def _tma_fp8_gemm_kernel(
         first_kt = split * kts_per_split
         last_kt = tl.minimum(first_kt + kts_per_split, num_kt)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PREFETCH > 0:  # the unit's first PREFETCH tiles of W at once, then one tile PREFETCH ahead each step
+            _prefetch_w(w_ptr, off_n, first_kt * BLOCK_K, n, k, stride_w,
+                        (tl.minimum(first_kt + PREFETCH, last_kt) - first_kt) * BLOCK_K, BLOCK_N)
         for kt in range(first_kt, last_kt):
+            if PREFETCH > 0:
+                _prefetch_w(w_ptr, off_n, tl.minimum(kt + PREFETCH, last_kt - 1) * BLOCK_K, n, k, stride_w, BLOCK_K,
+                            BLOCK_N)
             a = a_desc.load([off_m, kt * BLOCK_K])  # [BLOCK_M, BLOCK_K], zeros past m and k
             w = w_desc.load([off_n, kt * BLOCK_K])  # [BLOCK_N, BLOCK_K], K-major as fp8 wgmma needs
             acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=PROMOTE_K)  # an fp32 add every 128 of K at most
@@ -175,7 +207,8 @@ def launch_plan(m: int, n: int, k: int, tiles: tuple, sms: int) -> dict:
 
 
 def tma_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, tiles: tuple | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype, bias: torch.Tensor | None = None, tiles: tuple | None = None,
+                 prefetch: int = 0, pdl: bool = False) -> torch.Tensor:
     """a [M, K] fp8 with per-token scales [M, 1], w [N, K] fp8 with per-channel scales [N, 1] -> [M, N] in out_dtype.
     `tiles`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize, split_k), default_tiles' when None."""
     m, k = a.shape
@@ -200,9 +233,10 @@ def tma_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
     c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [block_m, block_n])
     _tma_fp8_gemm_kernel[(plan["grid"],)](
         a_desc, w_desc, c_desc, a_scale.reshape(-1), w_scale.reshape(-1), bias if bias is not None else out,
-        partial, counters, m, n, k, split_k,
+        partial, counters, w, m, n, k, split_k, w.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PROMOTE_K=min(block_k, PROMOTE_K), WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages,
+        PROMOTE_K=min(block_k, PROMOTE_K), WARP_SPECIALIZE=ws, PREFETCH=prefetch, PDL=pdl, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
@@ -263,7 +297,7 @@ def interpret_check() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16") -> dict:
+def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16", prefetch: int = 0, pdl: bool = False) -> dict:
     """One config compiled for sm_90 by Triton's own ptxas: shared memory, registers, spills (no GPU needed)."""
     import re
 
@@ -277,16 +311,16 @@ def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16") -> dict:
     types = {"a_desc": f"tensordesc<fp8e4nv[{block_m}, {block_k}]>",
              "w_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>",
              "c_desc": f"tensordesc<{out_dtype}[{block_m}, {block_n}]>", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
-             "bias_ptr": f"*{out_dtype}", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+             "bias_ptr": f"*{out_dtype}", "partial_ptr": "*fp32", "counter_ptr": "*i32", "w_ptr": "*fp8e4nv"}
     constexprs = dict(HAS_BIAS=False, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                      PROMOTE_K=min(block_k, PROMOTE_K), WARP_SPECIALIZE=ws)
+                      PROMOTE_K=min(block_k, PROMOTE_K), WARP_SPECIALIZE=ws, PREFETCH=prefetch, PDL=pdl)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*") or name in ("n", "k"):
+        if sig[name].startswith("*") or name in ("n", "k", "stride_w"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     start = time.perf_counter()
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -297,7 +331,8 @@ def compile_sm90(config: tuple, split: bool, out_dtype: str = "bf16") -> dict:
     return {"shared_bytes": kernel.metadata.shared, "fits": kernel.metadata.shared <= SM90_SHARED_BYTES,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-            "tma_loads": sass.count("UTMALDG"), "wgmma": sass.count("GMMA."),
+            "tma_loads": sass.count("UTMALDG"), "wgmma": sass.count("GMMA."), "prefetches": sass.count("UBLKPF"),
+            "griddepcontrol": sass.count("ACQBULK") + sass.count("PREEXIT"),
             "warp_specialized": "ttg.warp_specialize" in ttgir, "compile_s": round(seconds, 1)}
 
 
@@ -320,6 +355,19 @@ def compile_check() -> bool:
               f"{r['tma_loads']:>4} {r['wgmma']:>5} {r['warp_specialized']!s:>5.1} {r['compile_s']:>5}"
               + ("" if r["fits"] else "  TOO MUCH SHARED MEMORY")
               + ("" if r["warp_specialized"] == config[5] else "  NOT WARP-SPECIALISED"))
+    print(f"\n{'BM':>4} {'BN':>4} {'BK':>4} {'warps':>5} {'stages':>6} {'prefetch':>8} {'pdl':>4} {'smem KB':>8} "
+          f"{'regs':>5} {'TMA':>4} {'PF ops':>6} {'GDC ops':>7}")
+    for config, (prefetch, pdl) in itertools.product([c for c in SWEEP if not c[5]], PREFETCH_PDL[1:]):
+        try:
+            r = compile_sm90(config, False, "bf16", prefetch, pdl)
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            print(*config, prefetch, pdl, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        ok &= r["fits"] and (r["prefetches"] > 0) == (prefetch > 0)
+        print(f"{config[0]:>4} {config[1]:>4} {config[2]:>4} {config[3]:>5} {config[4]:>6} {prefetch:>8} {pdl!s:>4.1} "
+              f"{r['shared_bytes'] / 1024:>8.1f} {r['registers']:>5} {r['tma_loads']:>4} {r['prefetches']:>6} "
+              f"{r['griddepcontrol']:>7}")
     return ok
 
 
@@ -375,7 +423,7 @@ def _cell(v: dict | None, width: int = 13) -> str:
 
 
 def study(tokens: list[int], configs: list[tuple], timing_ms: int, gemms: list = QWEN3_8B_GEMMS,
-          device: torch.device = torch.device("cuda")) -> dict:
+          device: torch.device = torch.device("cuda"), variants: list = PREFETCH_PDL) -> dict:
     from kernels import fp8_gemm
     from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
 
@@ -408,11 +456,12 @@ def study(tokens: list[int], configs: list[tuple], timing_ms: int, gemms: list =
             tiles = fp8_gemm._tiles(m, n, k, k, grouped=False)
             triton_v = dict(run(lambda w, dt: fp8_gemm.triton_fp8_gemm(a, a_s, w, w_s, k, dt)), tiles=tiles)
             sweep = []
-            for config in configs:
+            for config, (pf, pdl) in itertools.product(configs, variants):
                 for split in split_counts(m, n, config, sms):
                     t = (*config, split)
-                    v = run(lambda w, dt, t=t: tma_fp8_gemm(a, a_s, w, w_s, dt, tiles=t))
-                    sweep.append(dict(v, tiles=t, **launch_plan(m, n, k, t, sms)))
+                    v = run(lambda w, dt, t=t, pf=pf, pdl=pdl: tma_fp8_gemm(a, a_s, w, w_s, dt, tiles=t, prefetch=pf,
+                                                                            pdl=pdl))
+                    sweep.append(dict(v, tiles=t, prefetch=pf, pdl=pdl, **launch_plan(m, n, k, t, sms)))
             row = {"m": m, "scaled_mm": best(scaled), "scaled_mm_rows": scaled, "triton": triton_v,
                    "tma": best(sweep), "tma_sweep": sweep}
             existing = best([v for v in (row["scaled_mm"], triton_v) if v is not None and "us" in v])
@@ -422,7 +471,11 @@ def study(tokens: list[int], configs: list[tuple], timing_ms: int, gemms: list =
             print(f"{m:>4} {_cell(row['scaled_mm'])} {row['scaled_mm']['rows'] if row['scaled_mm'] else '-':>4} "
                   f"{_cell(triton_v)} {_cell(t)} {t['tflops'] if t else 0:>7.0f} {t['err'] if t else 0:>7.1e} "
                   f"{t['acc_err'] if t else 0:>8.1e} "
-                  f"{row['speedup'] or 0:>7.2f}  {t['tiles'] if t else '-'}", flush=True)
+                  f"{row['speedup'] or 0:>7.2f}  {t['tiles'] if t else '-'} pf {t['prefetch'] if t else '-'} "
+                  f"pdl {t['pdl'] if t else '-'}; best us by (prefetch, pdl): " + ", ".join(
+                      f"{pf},{int(pdl)}: {bv['us']:.1f}" for pf, pdl in variants
+                      if (bv := best([v for v in sweep if v.get("prefetch") == pf and v.get("pdl") == pdl]))),
+                  flush=True)
         shapes.append({"name": name, "n": n, "k": k, "copies": copies, "rows": rows})
         del weights, w, w64
         if device.type == "cuda":
@@ -454,6 +507,8 @@ def main() -> None:
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="M values, comma-separated")
     p.add_argument("--out", default=None, help="write every measurement here as JSON")
     p.add_argument("--no-ws", action="store_true", help="leave the warp-specialised configs out of the sweep")
+    p.add_argument("--variants", default=";".join(f"{pf},{int(pdl)}" for pf, pdl in PREFETCH_PDL),
+                   help="(prefetch, pdl) pairs timed per config, e.g. '0,0;8,1'")
     p.add_argument("--timing-ms", type=int, default=10, help="do_bench's rep time per variant")
     p.add_argument("--interpret-check", action="store_true", help="the kernel in Triton's CPU interpreter")
     p.add_argument("--compile-check", action="store_true", help="the sweep compiled for sm_90, offline")
@@ -466,7 +521,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("the study needs a CUDA GPU (see --interpret-check and --compile-check)")
     configs = [c for c in SWEEP if not (args.no_ws and c[5])]
-    result = study([int(m) for m in args.tokens.split(",")], configs, args.timing_ms)
+    variants = [(int(v.split(",")[0]), bool(int(v.split(",")[1]))) for v in args.variants.split(";")]
+    result = study([int(m) for m in args.tokens.split(",")], configs, args.timing_ms, variants=variants)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
