@@ -19,7 +19,7 @@ from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_bloc
 from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
                                          pool_amax)
 from executor_svc.model_loader import load_model
-from executor_svc.piecewise_graphs import PiecewiseGraphs
+from executor_svc.piecewise_graphs import PiecewiseGraphs, capture_or_fall_back
 from executor_svc.pinned_staging import PinnedStaging
 from executor_svc.sampler import Sampler, build_for_sequences
 from executor_svc.sampling_row import plain_sampling_columns
@@ -155,14 +155,9 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None  # steps with a prefill chunk, attention eager between graphs
         max_piecewise = min(config.cuda_graph_max_tokens, config.max_num_batched_tokens)
         if self.graphs is not None and max_piecewise > 0:
-            self.piecewise = PiecewiseGraphs(self.model, max_piecewise, self.block_size, self.facts.hidden_size,
-                                             self.dtype, self.device)
-            try:
-                self.piecewise.capture()
-            except Exception as e:  # a model with a layer that cannot be captured still serves, those steps eager
-                log.warning("piecewise CUDA graphs were not captured (%s: %s): steps with a prefill chunk run eagerly",
-                            type(e).__name__, e)
-                self.piecewise = None
+            self.piecewise = capture_or_fall_back(
+                PiecewiseGraphs(self.model, max_piecewise, self.block_size, self.facts.hidden_size, self.dtype,
+                                self.device), rank, world_size)
         self.fused_masked_draw = False  # masked decode rows drawn by the graph's kernel (DecodeGraphs.redraw_masked)
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling

@@ -154,3 +154,21 @@ class PiecewiseGraphs:
             self.attn_out[:t].copy_(layer.attend(q, meta))
         segments[-1].replay()
         return self.hidden[:t]
+
+
+def capture_or_fall_back(graphs: PiecewiseGraphs, rank: int, world_size: int) -> PiecewiseGraphs | None:
+    """The captured graphs; None, with a warning, where capture failed on a single GPU (a model with a layer that
+    cannot be captured still serves, those steps eagerly). Under tensor parallelism a failure ends start-up instead:
+    each bucket's warm-up forward all-reduces across the ranks, so a rank that stopped capturing alone would leave
+    the others waiting in the next bucket's warm-up."""
+    try:
+        graphs.capture()
+    except Exception as e:
+        if world_size > 1:
+            raise RuntimeError(f"rank {rank}: piecewise CUDA graphs failed to capture ({type(e).__name__}: {e}); under "
+                               "tensor parallelism every rank must capture them or none: --cuda-graph-max-tokens 0 "
+                               "turns them off") from e
+        log.warning("piecewise CUDA graphs were not captured (%s: %s): steps with a prefill chunk run eagerly",
+                    type(e).__name__, e)
+        return None
+    return graphs

@@ -1,7 +1,7 @@
 """The piecewise CUDA graphs (executor_svc/piecewise_graphs.py) on the CPU: the token buckets a step with a prefill
-chunk replays and the padding that costs, and the cut they rest on (Attention.cut, Attention.attend): a forward whose
-attention goes through the cut gives the same hidden states and K/V. The graphs themselves need CUDA:
-tests/executor/test_gpu_piecewise_graphs.py."""
+chunk replays and the padding that costs, the cut they rest on (Attention.cut, Attention.attend): a forward whose
+attention goes through the cut gives the same hidden states and K/V; and what a failed capture does. The graphs
+themselves need CUDA: tests/executor/test_gpu_piecewise_graphs.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor_svc.piecewise_graphs import bucket_for, token_buckets
+from executor_svc.piecewise_graphs import bucket_for, capture_or_fall_back, token_buckets
 from support.tiny_checkpoints import make_tiny_qwen3
 
 
@@ -95,3 +95,28 @@ def test_a_forward_cut_at_each_attention_gives_the_same_hidden_states_and_kv(tmp
     torch.testing.assert_close(cut_cache, plain_cache, rtol=0, atol=0)
     torch.testing.assert_close(through_cut, plain, rtol=0, atol=0)
     assert not torch.allclose(zeroed, plain)
+
+
+class _FailingCapture:
+    """Stands in for PiecewiseGraphs whose capture raises (a unit test of the policy alone: capture needs CUDA)."""
+
+    def capture(self) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+class _Capturing:
+    captured = False
+
+    def capture(self) -> None:
+        self.captured = True
+
+
+def test_capture_failure_falls_back_on_one_gpu_and_ends_start_up_under_tensor_parallel(caplog):
+    graphs = _Capturing()
+    assert capture_or_fall_back(graphs, rank=0, world_size=2) is graphs and graphs.captured
+    with caplog.at_level("WARNING", logger="nanoserve.executor"):
+        assert capture_or_fall_back(_FailingCapture(), rank=0, world_size=1) is None
+    assert "run eagerly" in caplog.text
+    with pytest.raises(RuntimeError, match=r"rank 1: .*--cuda-graph-max-tokens 0") as raised:
+        capture_or_fall_back(_FailingCapture(), rank=1, world_size=2)
+    assert "stream is capturing" in str(raised.value.__cause__)
