@@ -27,6 +27,10 @@ replays): microseconds a call, W's TB/s (N * K bytes / time), TFLOP/s, and the m
 fp8 values and scales, of max |reference|, twice: with the bf16 output timed (what the engine gets) and with an fp32
 output (the accumulation's error alone: bf16's own rounding is up to 3.9e-3 of max |reference|, more than the bound).
 A variant fails, and is never the best, where the fp32 error exceeds 2e-3 or the bf16 one 2e-3 plus bf16's rounding.
+Each config also runs with W prefetched into L2 PREFETCH K tiles ahead (cp.async.bulk.prefetch.L2 per row) and as a
+programmatic dependent launch (`--variants`). On the H200 (bench/RESULTS.md, 2026-12-04) the kernel won on o_proj and
+down_proj only, prefetching doubled its time and PDL moved nothing; the split-K path's fp32 output was wrong in some
+cells, cause not found.
 """
 from __future__ import annotations
 
