@@ -15,7 +15,6 @@ from torch import nn
 from transformers import AutoConfig
 
 from executor_svc.layers import fp8
-from executor_svc.layers.fused_moe import refuse_quantized_experts
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
@@ -85,8 +84,6 @@ def load_model(
         )
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config)
-    if quant is not None:
-        refuse_quantized_experts(model)
     if quant is not None and quant.from_checkpoint:
         fp8.prepare_checkpoint_layers(model, quant)
     if load_format == "dummy":

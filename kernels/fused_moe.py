@@ -23,6 +23,11 @@ Weight layout (stacked at load time from the per-expert checkpoint tensors):
   w2  [E, H, I]:     expert e's down_proj.
 Under tensor parallelism I is this rank's slice of every expert.
 
+FP8 experts (float8_e4m3fn w13 and w2, with float32 scales per row or per row and group of input columns: a block
+checkpoint's, or per row from --quantization fp8) are read as FP8, widened to the activations' dtype in registers
+and multiplied there (weight-only FP8: decode reads half the bytes; the activations are not quantized), the group
+scales applied to each K tile's product, the row scales in the epilogue.
+
 Under TRITON_INTERPRET=1 the loads are upcast to fp32 (the interpreter computes bf16 wrongly). The torch
 reference of the whole block (the CPU path) is kernels/moe_reference.py, which needs no Triton.
 """
@@ -233,12 +238,37 @@ def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: t
     return pair, pair < num_pairs, tl.load(block_expert_ptr + pid_m).to(tl.int64)
 
 
+@triton.jit
+def _scaled_dot(a, w, acc, s_ptrs, k, n_ok, SCALES: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """acc + a . w for one K tile. FP8 weights (SCALES > 0) are widened to the activations' dtype, exactly (e4m3's
+    values are all bf16 values); with a scale per group of GROUP_K columns (SCALES 2: a block checkpoint's, the K tile
+    inside one group) the tile's product is scaled as it joins the accumulator, per-row scales (SCALES 1) wait for
+    the epilogue."""
+    if SCALES == 0:
+        return tl.dot(a, w, acc, input_precision=PRECISION)
+    w = w.to(a.dtype)
+    if SCALES == 1:
+        return tl.dot(a, w, acc, input_precision=PRECISION)
+    s = tl.load(s_ptrs + (k * BLOCK_K) // GROUP_K, mask=n_ok, other=0.0)
+    return acc + tl.dot(a, w, input_precision=PRECISION) * s[None, :]
+
+
+@triton.jit
+def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr):
+    """The epilogue's per-row weight scale (SCALES 1), else acc as it is."""
+    if SCALES == 1:
+        return acc * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _gate_up_silu_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot,
+    x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
+    num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SCALES: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -252,6 +282,8 @@ def _gate_up_silu_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
     u_ptrs = g_ptrs + inter * stride_wn
+    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # FP8 weights: the rows' scales
+    su_ptrs = sg_ptrs + inter * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -266,11 +298,13 @@ def _gate_up_silu_kernel(
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
+        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALES)
+    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALES)
     # rounded where HF's eager expert rounds: each projection's output, then silu, then the product
     gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -281,10 +315,11 @@ def _gate_up_silu_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _down_weighted_kernel(
-    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot,
+    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
+    num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALES: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -297,6 +332,7 @@ def _down_weighted_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + pair64[:, None] * stride_ht + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
+    s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # FP8 weights: the rows' scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -308,9 +344,10 @@ def _down_weighted_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _scaled_dot(a, b, acc, s_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    acc = _row_scaled(acc, s_ptrs, n_ok, SCALES)
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
     w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
@@ -418,30 +455,60 @@ def _tiles_m(groups: ExpertGroups, tile: MoeTile) -> int:
     return groups.sorted_pairs.numel() // tile.block_m
 
 
-def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile) -> torch.Tensor:
-    """h [P, I]: silu(gate) * up of every (token, slot) pair, row t * k + j."""
+@dataclass(frozen=True)
+class Fp8Experts:
+    """The FP8 scales of stacked FP8 experts (executor_svc/layers/fp8.py makes them at load): float32, a row's
+    scale per group of group_k input columns, w13_scale [E, 2I, G13] and w2_scale [E, H, G2]; a group as wide as
+    the row (G = 1) is a scale per output row."""
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    group_k13: int
+    group_k2: int
+
+
+def _scale_args(scale: torch.Tensor | None, group_k: int, k: int, tile: MoeTile, like: torch.Tensor) -> tuple:
+    """(scale tensor, its two strides, SCALES, GROUP_K, the tile) for a GEMM over K = k: a plain weight passes a
+    placeholder; groups narrower than the K tile shrink the tile to the group (a power of two dividing it)."""
+    if scale is None:
+        return like, 0, 0, 0, 1, tile
+    if scale.shape[-1] == 1:
+        return scale, scale.stride(0), scale.stride(1), 1, 1, tile
+    if group_k % tile.block_k:
+        block_k = group_k & -group_k  # the largest power of two dividing the group
+        if block_k < 16 and not INTERPRET:
+            raise ValueError(f"FP8 expert scales in groups of {group_k} columns: the GEMM needs groups of 16 or more")
+        tile = replace(tile, block_k=min(tile.block_k, block_k))
+    return scale, scale.stride(0), scale.stride(1), 2, group_k, tile
+
+
+def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile,
+                 scale: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
+    """h [P, I]: silu(gate) * up of every (token, slot) pair, row t * k + j. FP8 w13 takes its scale
+    [E, 2I, G] (Fp8Experts)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     h = torch.empty(groups.num_pairs, inter, dtype=x.dtype, device=x.device)
+    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(scale, group_k, hidden, tile, h)
     _gate_up_silu_kernel[_grid(groups, inter, tile)](
-        x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded,
-        groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
+        groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SCALES=scales, GROUP_K=group_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
 
 
 def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
-                  tile: MoeTile) -> torch.Tensor:
-    """y [P, H]: each pair's down projection times its routing weight."""
+                  tile: MoeTile, scale: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
+    """y [P, H]: each pair's down projection times its routing weight. FP8 w2 takes its scale [E, H, G]."""
     hidden, inter = w2.shape[1], w2.shape[2]
     y = torch.empty(groups.num_pairs, hidden, dtype=h.dtype, device=h.device)
+    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(scale, group_k, inter, tile, y)
     _down_weighted_kernel[_grid(groups, hidden, tile)](
-        h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded,
-        groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
+        groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0,
-        UPCAST=INTERPRET, PRECISION=_precision(h), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(h),
+        SCALES=scales, GROUP_K=group_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
@@ -457,16 +524,18 @@ def route_and_group(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None) -> torch.Tensor:
-    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs."""
+              renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None,
+              fp8: Fp8Experts | None = None) -> torch.Tensor:
+    """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs. FP8 experts
+    (w13 and w2 float8_e4m3fn, `fp8` their scales) are read as FP8 and multiplied in x's dtype."""
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())
     if num_tokens == 0:
         return torch.zeros_like(x)
     weights, ids, groups, counts = route_and_group(router_logits, top_k, renormalize, up_tile.block_m)
-    h = gate_up_silu(x, w13, groups, top_k, up_tile)
+    h = gate_up_silu(x, w13, groups, top_k, up_tile, *((fp8.w13_scale, fp8.group_k13) if fp8 else ()))
     if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups
         groups = group_by_expert(ids, num_experts, down_tile.block_m, counts)
-    y = down_weighted(h, w2, weights.view(-1), groups, down_tile)
+    y = down_weighted(h, w2, weights.view(-1), groups, down_tile, *((fp8.w2_scale, fp8.group_k2) if fp8 else ()))
     return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

@@ -16,6 +16,13 @@ NANOSERVE_FP8_FUSED_QUANT=0 turns that off (every FP8 GEMM quantizes its input i
 
 On the CPU the weights are dequantized at load (weight * scale, in float32, then the model dtype) and the
 layers stay plain: the products are exact in the model dtype; activations are not quantized.
+
+A mixture of experts' stacked weights (layers/fused_moe.StackedExperts: w13 [E, 2I, H], w2 [E, H, I]) convert the
+same way, each whole or not at all: fp8 w13 and w2 with scales w13_scale [E, 2I, G13] and w2_scale [E, H, G2] in
+the same canonical form (block scales repeated over their rows; under tensor parallelism gate/up take their rows'
+scales, down_proj's K groups shrink to gcd(128, I / tp) where a rank's slice starts inside a block). On CUDA the
+fused MoE kernels read them as FP8 (kernels/fused_moe.Fp8Experts: weight-only, the activations stay in the model
+dtype); on the CPU they are dequantized like the Linear layers.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import os
 import torch
 from torch import nn
 
+from executor_svc.layers.fused_moe import StackedExperts
 from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from executor_svc.layers.parallel import tp_rank, tp_size
 from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel
@@ -61,7 +69,72 @@ def prepare_checkpoint_layers(model: nn.Module, quant: WeightQuantization) -> in
             raise ValueError(f"{name}: the checkpoint converts only some of the modules fused into it")
         _add_fp8_parameters(layer, quant)
         converted += 1
+    for name, experts in expert_layers(model):
+        pieces = [quant.converts(f"{name}.{e}.{proj}") for e in range(experts.num_experts)
+                  for proj in ("gate_proj", "up_proj", "down_proj")]
+        if not any(pieces):
+            continue
+        if not all(pieces):
+            raise ValueError(f"{name}: the checkpoint converts only some of its experts' projections")
+        _add_fp8_expert_parameters(experts, quant)
+        converted += 1
     return converted
+
+
+def expert_layers(model: nn.Module) -> list[tuple[str, StackedExperts]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, StackedExperts)]
+
+
+def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantization) -> None:
+    """fp8 w13 / w2 (loaded by the experts' own loader, shard by shard) and their scales, named as the checkpoint's
+    scale tensors: w13_<scale name> [E, 2I, G13], w2_<scale name> [E, H, G2], in the canonical per-row form."""
+    num_experts, hidden, inter = experts.num_experts, experts.w13.shape[2], experts.inter_local
+    for attr in ("w13", "w2"):
+        plain = getattr(experts, attr)
+        weight = nn.Parameter(torch.empty(plain.shape, dtype=FP8_DTYPE, device=plain.device), requires_grad=False)
+        weight.weight_loader = plain.weight_loader
+        weight.expected_shards = plain.expected_shards[:1]  # FP8 checkpoints store each expert's projections
+        setattr(experts, attr, weight)
+    if quant.scheme == "channel":
+        groups13, groups2 = 1, 1
+        experts.fp8_group_k13, experts.fp8_group_k2 = hidden, inter
+    else:
+        block_n, block_k = quant.block
+        experts.fp8_group_k13 = block_k
+        experts.fp8_group_k2 = math.gcd(block_k, inter) if tp_size() > 1 else block_k
+        groups13, groups2 = -(-hidden // block_k), -(-inter // experts.fp8_group_k2)
+    device = experts.w13.device
+    rank = tp_rank()
+
+    def rows_per_group(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+        """A checkpoint scale as [rows of the full weight, groups of this rank's K]."""
+        loaded = loaded.float()
+        if quant.scheme == "channel":
+            per_row = loaded.reshape(-1, 1)
+            return per_row.expand(rows, 1) if per_row.shape[0] == 1 else per_row
+        return loaded.repeat_interleave(block_n, 0)[:rows]
+
+    def load_w13_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id  # gate_proj / up_proj [I_full, H]: this rank's rows, all of K's groups
+        per_row = rows_per_group(loaded, inter * tp_size())
+        offset = 0 if part == "gate" else inter
+        param.data[expert, offset: offset + inter].copy_(per_row[rank * inter: (rank + 1) * inter])
+
+    def load_w2_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        expert, _ = shard_id  # down_proj [H, I_full]: every row, this rank's K groups
+        if quant.scheme == "channel":
+            param.data[expert].copy_(rows_per_group(loaded, hidden))
+            return
+        per_column = loaded.float().repeat_interleave(block_k, 1)
+        groups = per_column[:, rank * inter: (rank + 1) * inter: experts.fp8_group_k2]
+        param.data[expert].copy_(groups.repeat_interleave(block_n, 0)[:hidden])
+
+    for attr, shape, loader in (("w13", (num_experts, 2 * inter, groups13), load_w13_scale),
+                                ("w2", (num_experts, hidden, groups2), load_w2_scale)):
+        scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+        scale.weight_loader = loader
+        scale.expected_shards = getattr(experts, attr).expected_shards
+        experts.register_parameter(f"{attr}_{quant.scale_name}", scale)
 
 
 def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
@@ -139,8 +212,10 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
                              f"columns; the GEMM needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+    expert_blocks = sum(_finish_experts(experts, quant, dtype, device) for _, experts in expert_layers(model))
     where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
-    log.info("fp8 weights (%s): %d linear layers, %s", quant.describe(), count, where)
+    log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
+             f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
     if device.type == "cuda":
         from kernels.fp8_gemm import split_counters
 
@@ -170,3 +245,37 @@ def quantize_in_producers(model: nn.Module) -> int:
                 fed += 1
     return fed
 
+
+
+def _finish_experts(experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """One StackedExperts after loading, as finish_loading does a Linear layer: quantized per row if plain (online),
+    then FP8 with `experts.fp8` on CUDA, dequantized elsewhere. Returns 1 if it holds FP8 weights, else 0."""
+    from executor_svc.layers import fused_moe
+
+    if experts.w13.dtype != FP8_DTYPE:
+        if quant.from_checkpoint:
+            return 0  # experts the checkpoint did not convert
+        stacked = {}
+        for attr in ("w13", "w2"):
+            w = getattr(experts, attr).data
+            q, scale = quantize_weight_per_channel(w.reshape(-1, w.shape[-1]))
+            stacked[attr] = q.view(w.shape), scale.view(*w.shape[:2], 1)
+        experts.fp8_group_k13, experts.fp8_group_k2 = experts.w13.shape[2], experts.w2.shape[2]
+    else:
+        stacked = {attr: (getattr(experts, attr).data, getattr(experts, f"{attr}_{quant.scale_name}").data)
+                   for attr in ("w13", "w2")}
+        for attr in ("w13", "w2"):
+            delattr(experts, f"{attr}_{quant.scale_name}")
+    groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
+    on_gpu = device.type == "cuda" and fused_moe.moe_kernels is not None
+    for attr, (q, scale) in stacked.items():
+        if not on_gpu:
+            plain = dequantize_rows(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), groups[attr])
+            setattr(experts, attr, nn.Parameter(plain.view(q.shape).to(dtype), requires_grad=False))
+        else:
+            setattr(experts, attr, nn.Parameter(q.contiguous(), requires_grad=False))
+    if on_gpu:
+        experts.fp8 = fused_moe.moe_kernels.Fp8Experts(stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous(),
+                                                       experts.fp8_group_k13, experts.fp8_group_k2)
+    return 1

@@ -10,6 +10,8 @@ token's output from its slice, and one all-reduce after the block completes it. 
 replicated, so every rank picks the same experts.
 
 On CUDA the block is kernels/fused_moe.fused_moe; elsewhere its torch reference, kernels/moe_reference.py.
+FP8 experts (an FP8 checkpoint's, or --quantization fp8) are loaded by executor_svc/layers/fp8.py: on CUDA
+w13 and w2 stay float8_e4m3fn and `StackedExperts.fp8` holds their scales; elsewhere they are dequantized.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ class FusedMoE(nn.Module):
         logits = F.linear(x, self.gate.weight)  # in the model's dtype, as HF
         w13, w2 = self.experts.w13, self.experts.w2
         if moe_kernels is not None and x.is_cuda:
-            out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize)
+            out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize,
+                                        fp8=self.experts.fp8)
         else:
             out = fused_moe_ref(x, logits, w13, w2, self.top_k, self.renormalize)
         return all_reduce(out)
@@ -70,6 +73,7 @@ class StackedExperts(nn.Module):
         self.num_experts, self.inter_local = num_experts, inter_local
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter_local, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter_local))
+        self.fp8 = None  # kernels.fused_moe.Fp8Experts once FP8 weights are loaded on CUDA (layers/fp8.py)
         for param in (self.w13, self.w2):
             param.weight_loader = self.weight_loader
         # the loader checks that every expert's every part arrived (or the stacked tensors)
@@ -99,16 +103,18 @@ class StackedExperts(nn.Module):
 # checkpoint spellings of an expert's three projections
 EXPERT_PARTS = {"gate_proj": _GATE, "up_proj": _UP, "down_proj": _DOWN,  # Qwen-MoE
                 "w1": _GATE, "w3": _UP, "w2": _DOWN}  # Mixtral
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv|weight_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def expert_checkpoint_name(ckpt_name: str) -> tuple[str, object] | None:
-    """(our parameter, shard id) of a checkpoint tensor of the experts, or None for any other tensor."""
+    """(our parameter, shard id) of a checkpoint tensor of the experts, or None for any other tensor. An FP8
+    checkpoint's per-expert scales go to w13_<suffix> / w2_<suffix> (layers/fp8.py adds those parameters)."""
     m = _PER_EXPERT.match(ckpt_name)
     if m and m.group(3) in EXPERT_PARTS:
         part = EXPERT_PARTS[m.group(3)]
-        return f"{m.group(1)}.{'w2' if part == _DOWN else 'w13'}", (int(m.group(2)), part)
+        suffix = "" if m.group(4) == "weight" else "_" + m.group(4)
+        return f"{m.group(1)}.{'w2' if part == _DOWN else 'w13'}{suffix}", (int(m.group(2)), part)
     m = _STACKED.match(ckpt_name)
     if m:
         return (f"{m.group(1)}.w13", "gate_up") if m.group(2) == "gate_up_proj" else (f"{m.group(1)}.w2", _DOWN)
@@ -123,14 +129,6 @@ def refuse_unsupported(config, refused: dict) -> None:
             arch = (getattr(config, "architectures", None) or ["this model"])[0]
             raise ValueError(f"{arch}: config field {field}={getattr(config, field)!r} is not supported by "
                              "nanoserve's MoE layer (softmax router, top-k, SwiGLU experts, no shared experts)")
-
-
-def refuse_quantized_experts(model: nn.Module) -> None:
-    """FP8 weights cover the Linear layers only: the experts, most of an MoE model's weights, would stay in the
-    model's dtype (or, from an FP8 checkpoint, lose their scales). Refused rather than half done."""
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        raise ValueError("FP8 weights (quantization_config, or --quantization fp8) are not supported for "
-                         "mixture-of-experts layers yet")
 
 
 def _nonzero(value) -> bool:

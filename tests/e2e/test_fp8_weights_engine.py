@@ -12,7 +12,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from support.fp8_checkpoints import tiny_fp8_checkpoints
+from support.fp8_checkpoints import tiny_fp8_checkpoints, tiny_fp8_moe_checkpoints
 from support.grpc_server import start_server
 from support.hf_reference import assert_greedy_matches, hf_greedy
 
@@ -62,5 +62,37 @@ def test_a_compressed_tensors_fp8_checkpoint_equals_transformers_on_its_dequanti
     ref = hf_greedy(os.path.join(checkpoints, "channel_dequantized"), prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     with LLM(os.path.join(checkpoints, "channel"), num_gpu_blocks=64) as llm:
+        outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
+    assert_greedy_matches(outs, ref)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory) -> str:
+    return tiny_fp8_moe_checkpoints(str(tmp_path_factory.mktemp("fp8_moe_engine")))
+
+
+def test_a_block_fp8_moe_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
+        moe_checkpoints, prompts, tmp_path):
+    ref = hf_greedy(os.path.join(moe_checkpoints, "block_dequantized"), prompts, NEW_TOKENS)
+    server = start_server(tmp_path, "--model", os.path.join(moe_checkpoints, "block"), "--max-model-len", "128",
+                          "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
+    try:
+        info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert info.weight_format == "fp8_e4m3fn, 128x128 block scales"
+        sampling = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+        outs = [server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p), sampling=sampling),
+                                     timeout=120).outputs[0] for p in prompts]
+    finally:
+        server.stop()
+    assert_greedy_matches(as_outputs(outs), ref)
+    # qkv_proj and o_proj in each of the 3 layers; the experts of layers 0 and 2 (layer 1's dense MLP stays plain)
+    assert "128x128 block scales): 6 linear layers and 2 expert blocks" in server.log()
+
+
+def test_a_compressed_tensors_fp8_moe_checkpoint_equals_transformers_on_its_dequantized_weights(moe_checkpoints,
+                                                                                              prompts):
+    ref = hf_greedy(os.path.join(moe_checkpoints, "channel_dequantized"), prompts, NEW_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    with LLM(os.path.join(moe_checkpoints, "channel"), num_gpu_blocks=64) as llm:
         outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
     assert_greedy_matches(outs, ref)

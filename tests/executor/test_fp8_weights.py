@@ -139,3 +139,41 @@ def test_block_scales_shard_with_their_weights_whatever_the_split(tp, block, hea
         assert torch.equal(layers["qkv"].weight, torch.cat([rows(full["q"]), rows(full["k"]), rows(full["v"])]))
         assert torch.equal(layers["gate_up"].weight, torch.cat([rows(full["gate"]), rows(full["up"])]))
         assert torch.equal(layers["down"].weight, full["down"].chunk(tp, 1)[rank])
+
+
+@settings(max_examples=25, deadline=None)
+@given(tp=st.sampled_from([1, 2, 3, 4]), scheme=st.sampled_from(["block", "channel"]),
+       block=st.sampled_from([(16, 32), (32, 16), (128, 128), (64, 48)]), inter_per_rank=st.integers(5, 40),
+       hidden=st.integers(20, 150), seed=st.integers(0, 2**16))
+def test_expert_scales_shard_with_their_weights_whatever_the_split(tp, scheme, block, inter_per_rank, hidden, seed):
+    """Stacked FP8 experts (an FP8 MoE checkpoint's per-expert gate/up/down tensors and scales) on every rank hold
+    exactly their slice of each expert's dequantized weights: gate/up rows split across ranks (inside a block too),
+    down_proj's columns split (its K groups shrinking to fit the rank's slice)."""
+    from executor_svc.layers import fused_moe
+    from kernels.fp8_quant import quantize_rows_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, inter = 3, inter_per_rank * tp
+    ckpt, full = {}, {}
+    for e in range(num_experts):
+        for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            w = torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(-6, 6, (shape[0], 1), generator=gen)
+            q, s = quantize_blocks_ref(w, block) if scheme == "block" else quantize_rows_ref(w, shape[1])
+            ckpt[e, part] = q, s
+            full[e, part] = dequantize_blocks(q, s, block) if scheme == "block" else q.float() * s
+    quant = WeightQuantization(scheme, from_checkpoint=True, block=block,
+                               scale_name="weight_scale_inv" if scheme == "block" else "weight_scale")
+    for rank in range(tp):
+        with as_rank(rank, tp), mock.patch.object(fused_moe, "tp_rank", lambda: rank):
+            experts = fused_moe.StackedExperts(num_experts, hidden, inter_per_rank)
+            fp8._add_fp8_expert_parameters(experts, quant)
+            for (e, part), (q, s) in ckpt.items():
+                attr = "w2" if part == "down" else "w13"
+                getattr(experts, attr).weight_loader(getattr(experts, attr), q, (e, part))
+                scale = getattr(experts, f"{attr}_{quant.scale_name}")
+                scale.weight_loader(scale, s, (e, part))
+            assert fp8._finish_experts(experts, quant, torch.float32, CPU) == 1
+        rows = lambda t: t.chunk(tp, 0)[rank]  # noqa: E731
+        for e in range(num_experts):
+            assert torch.equal(experts.w13[e], torch.cat([rows(full[e, "gate"]), rows(full[e, "up"])]))
+            assert torch.equal(experts.w2[e], full[e, "down"].chunk(tp, 1)[rank])

@@ -1,7 +1,9 @@
 """Loading mixture-of-experts checkpoints: an MoE variant this code would compute differently is refused at
-start-up with an error naming the config field (FP8 weights for the experts too); transformers' own stacked expert layout loads to the same
-model as the per-expert tensors of hub checkpoints; a missing expert tensor fails the load."""
+start-up with an error naming the config field; transformers' own stacked expert layout loads to the same model as
+the per-expert tensors of hub checkpoints; a missing expert tensor fails the load; --quantization fp8 quantizes the
+experts (FP8 MoE checkpoints: tests/e2e/test_fp8_weights_engine.py, tests/executor/test_fp8_weights.py)."""
 import json
+import logging
 import os
 
 import pytest
@@ -63,7 +65,24 @@ def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path):
         load(path)
 
 
-def test_fp8_weights_for_the_experts_are_refused(tmp_path_factory):
+def test_quantization_fp8_quantizes_every_expert_per_output_row_and_says_so(tmp_path_factory, caplog):
+    """--quantization fp8 on an MoE checkpoint (Mixtral's w1/w3/w2 names): on the CPU each expert's stacked gate/up
+    and down rows are their per-row FP8 quantization, dequantized; the router and the norms stay as they were."""
+    from kernels.fp8_quant import quantize_weight_per_channel
+
     path = tiny_checkpoint("mixtral", tmp_path_factory)
-    with pytest.raises(ValueError, match="quantization"):
-        load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend(), quantization="fp8")
+    plain = load(path)
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, facts = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend(),
+                                  quantization="fp8")
+    assert facts.weight_format == "fp8_e4m3fn, per-channel scales, quantized at load"
+    assert "and 2 expert blocks" in caplog.text
+    expected = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.w13", "experts.w2")):
+            w = expected[name]
+            q, scale = quantize_weight_per_channel(w.reshape(-1, w.shape[-1]))
+            assert torch.equal(param, (q.float() * scale).view(w.shape)), name
+            assert not torch.equal(param, w)
+        elif not name.endswith("proj.weight"):
+            assert torch.equal(param, expected[name]), name

@@ -61,6 +61,26 @@ def case(num_tokens: int, num_experts: int, hidden: int, inter: int, dtype, seed
     return [t.to(device=device, dtype=dtype) for t in (x, logits, w13, w2)]
 
 
+def fp8_case(w13: torch.Tensor, w2: torch.Tensor, group13: int | None, group2: int | None, seed: int):
+    """w13 and w2 as FP8 experts with a scale per row and group of input columns (None: per row), each group first
+    scaled by its own factor in [0.5, 2] so that a scale applied to the wrong group shows: (fp8 w13, fp8 w2, their
+    Fp8Experts, the dequantized w13 and w2 in float32)."""
+    from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for w, group in ((w13, group13), (w2, group2)):
+        rows, k = w.shape[0] * w.shape[1], w.shape[2]
+        group = group or k
+        factors = 2.0 ** (2 * torch.rand(rows, -(-k // group), generator=gen) - 1)
+        flat = w.reshape(rows, k).float().cpu() * factors.repeat_interleave(group, 1)[:, :k]
+        q, scale = quantize_rows_ref(flat, group)
+        out.append((q.view(w.shape).to(w.device), scale.view(*w.shape[:2], -1).to(w.device), group,
+                    dequantize_rows(q, scale, group).view(w.shape)))
+    (q13, s13, g13, d13), (q2, s2, g2, d2) = out
+    return q13, q2, fm.Fp8Experts(s13, s2, g13, g2), d13, d2
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -157,6 +177,28 @@ def test_fused_moe_matches_float64(dtype, num_tokens, num_experts, top_k, hidden
     ref = moe64(x, logits, w13, w2, top_k, renormalize)
     assert rel_error(out, ref) < max_rel(dtype)
     assert rel_error(moe_reference.fused_moe_ref(x, logits, w13, w2, top_k, renormalize), ref) < max_rel(dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group13, group2", [
+    (32, 16),      # block scales: hidden 80 in groups of 32 (the last ragged), inter 48 in groups of 16 (the K tile
+                   # of 32 shrinks to 16 so that each tile lies in one group)
+    (None, None),  # a scale per row (--quantization fp8), applied in the epilogue
+])
+def test_fp8_experts_match_float64_on_their_dequantized_weights(dtype, group13, group2):
+    x, logits, w13, w2 = case(19, 4, 80, 48, dtype, seed=3, unused_experts=(2,))
+    q13, q2, scales, d13, d2 = fp8_case(w13, w2, group13, group2, seed=4)
+    out = fm.fused_moe(x, logits, q13, q2, 3, True, tiles=(MoeTile(16, 16, 32, 1, 1),) * 2, fp8=scales)
+    assert out.shape == x.shape and out.dtype == dtype
+    ref = moe64(x, logits, d13, d2, 3, True)
+    assert rel_error(out, ref) < max_rel(dtype)
+    # the scales matter: the same FP8 bytes read as if every scale were the first row's are far off
+    flat = fm.Fp8Experts(scales.w13_scale[:1, :1].expand_as(scales.w13_scale).contiguous(),
+                         scales.w2_scale[:1, :1].expand_as(scales.w2_scale).contiguous(), scales.group_k13,
+                         scales.group_k2)
+    wrong = fm.fused_moe(x, logits, q13, q2, 3, True, tiles=(MoeTile(16, 16, 32, 1, 1),) * 2, fp8=flat)
+    assert rel_error(wrong, ref) > 10 * max_rel(torch.bfloat16)
 
 
 @interpreter
@@ -273,6 +315,18 @@ def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
     rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
     assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+@pytest.mark.parametrize("group13, group2", [(128, 128), (None, None)])  # Qwen3-30B-A3B-FP8's blocks; per row
+def test_gpu_fp8_experts_match_float64_at_the_qwen3_30b_shape(num_tokens, group13, group2):
+    x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
+    q13, q2, scales, d13, d2 = fp8_case(w13, w2, group13, group2, seed=num_tokens)
+    out = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=scales)
+    rows = slice(0, min(num_tokens, 16))
+    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8, True)) < 2e-2
 
 
 @pytest.mark.gpu

@@ -24,8 +24,8 @@ BLOCK = (128, 128)
 NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
 
 
-def _converted(name: str) -> bool:
-    return name.endswith("_proj.weight") and not name.startswith(NOT_CONVERTED + ".")
+def _converted(name: str, not_converted: tuple[str, ...]) -> bool:
+    return name.endswith("_proj.weight") and not any(f".{m}." in f".{name}" for m in not_converted)
 
 
 def _block_factors(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -34,15 +34,16 @@ def _block_factors(w: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return f.repeat_interleave(BLOCK[0], 0)[: w.shape[0]].repeat_interleave(BLOCK[1], 1)[:, : w.shape[1]]
 
 
-def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, scheme: str = "block") -> None:
+def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, scheme: str = "block",
+                          not_converted: tuple[str, ...] = (NOT_CONVERTED,)) -> None:
     """From plain_dir (safetensors, fp32), write the FP8 checkpoint to fp8_dir and its dequantized weights
-    as a plain checkpoint to dequantized_dir."""
+    as a plain checkpoint to dequantized_dir. The modules named in not_converted (dotted segments) stay plain."""
     (path,) = glob.glob(os.path.join(plain_dir, "*.safetensors"))
     tensors = load_file(path)
     gen = torch.Generator().manual_seed(11)
     fp8, plain = {}, {}
     for name, w in tensors.items():
-        if not _converted(name):
+        if not _converted(name, not_converted):
             fp8[name] = plain[name] = w
             continue
         w = w * _block_factors(w, gen)
@@ -61,7 +62,7 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
         save_file(out, os.path.join(out_dir, os.path.basename(path)))
     with open(os.path.join(fp8_dir, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = _quantization_config(scheme)
+    config["quantization_config"] = _quantization_config(scheme, not_converted)
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -79,14 +80,29 @@ def tiny_fp8_checkpoints(root: str) -> str:
     return root
 
 
-def _quantization_config(scheme: str) -> dict:
+def tiny_fp8_moe_checkpoints(root: str) -> str:
+    """Under root: a tiny Qwen3-MoE (8 experts top-3; hidden 192 and moe_intermediate 160, so each expert's
+    projections have ragged blocks; layer 1 dense and not converted) in `plain`, its FP8 versions with per-expert
+    FP8 tensors and scales (as Qwen3-30B-A3B-FP8 stores them) in `block` and `channel`, and their dequantized twins.
+    Returns root."""
+    from support.tiny_checkpoints import make_tiny_qwen3_moe
+
+    plain = os.path.join(root, "plain")
+    make_tiny_qwen3_moe(plain, hidden_size=192, moe_intermediate_size=160)
+    for scheme in ("block", "channel"):
+        write_fp8_checkpoints(plain, os.path.join(root, scheme), os.path.join(root, f"{scheme}_dequantized"), scheme)
+    return root
+
+
+def _quantization_config(scheme: str, not_converted: tuple[str, ...]) -> dict:
     if scheme == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", NOT_CONVERTED]}
+                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", *not_converted]}
     fp8_group = {"targets": ["Linear"],
                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
                              "dynamic": False},
                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                                        "dynamic": True}}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": fp8_group}, "ignore": ["lm_head", f"re:{NOT_CONVERTED}\\..*"]}
+            "config_groups": {"group_0": fp8_group},
+            "ignore": ["lm_head", *(f"re:(.*\\.)?{m}\\..*" for m in not_converted)]}
