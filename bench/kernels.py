@@ -7,6 +7,7 @@
   python bench/kernels.py --device cpu --tiny  # interpreter smoke run, tiny shapes, seconds
   python bench/kernels.py --sweep --kv-cache-dtype fp8   # the sweeps over an fp8 pool
   python bench/kernels.py --moe-only --moe-sweep         # the fused MoE layer alone, + its tile sweep
+  python bench/kernels.py --moe-only --moe-fp8           # + the layer with FP8 experts against bf16
 
 Decode is memory bound, so it is scored as effective bandwidth: K+V bytes of every context read
 once, divided by the kernel time, next to a plain device-to-device copy measured in the same run.
@@ -52,6 +53,7 @@ def parse_args() -> argparse.Namespace:
                    help="decode tiles (BLOCK_N,warps,stages) for --ragged (default: the engine's choice)")
     p.add_argument("--moe-sweep", action="store_true", help="also sweep the fused MoE GEMM tiles (bench/moe_kernels.py)")
     p.add_argument("--moe-only", action="store_true", help="only the fused MoE layer (and its sweep), no attention")
+    p.add_argument("--moe-fp8", action="store_true", help="also the MoE layer with FP8 experts against bf16")
     p.add_argument("--moe-sweep-inter", type=int, nargs="+", default=None, metavar="I",
                    help="sweep only these expert intermediate sizes (768: Qwen3-30B-A3B; 384: its -tp 2 slice)")
     p.add_argument("--moe-tiles-out", default=None, metavar="JSON",
@@ -103,6 +105,8 @@ def main() -> None:
         if args.moe_tiles_out:
             Path(args.moe_tiles_out).write_text(json.dumps(results["moe_sweep"]["tiles"]))
     results["moe_layer"] = moe_kernels.layer_table(bench, args.tiny)
+    if args.moe_fp8 and not args.tiny:
+        results["moe_fp8_layer"] = moe_kernels.fp8_layer_table(bench)
     if not args.moe_only:
         results["decode"] = bench.decode()
         results["decode_fp8"] = bench.decode_fp8()

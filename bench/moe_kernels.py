@@ -199,3 +199,50 @@ def shape_sweep(bench, tiny: bool, shape: dict) -> dict:
         print(f"    ({num_tokens}, MoeTile{tuple(vars(up_tile).values())}, MoeTile{tuple(vars(down_tile).values())}),")
     print("]")
     return {"shape": shape, "rows": table}
+
+
+def fp8_layer_table(bench) -> list[dict]:
+    """The layer with FP8 experts (weight-only, kernels/fused_moe.Fp8Experts) against bf16 at decode sizes, graph
+    replayed, on the same tiles: row scales (--quantization fp8) and 128-column block scales (Qwen3-30B-A3B-FP8);
+    TB/s of the experts the tokens route to (FP8: half the bytes)."""
+    from kernels import fused_moe as fm
+    from kernels.fp8_quant import quantize_rows_ref
+
+    torch = bench.torch
+    e, h, i, k = SHAPE["experts"], SHAPE["hidden"], SHAPE["inter"], SHAPE["top_k"]
+    print(f"\nfused MoE layer with FP8 experts (weight-only): {e} experts top-{k}, hidden {h}, inter {i}; us, and the "
+          f"routed experts' weight TB/s")
+    print(f"{'T':>5} {'experts':>7} {'bf16':>12} {'fp8 row':>12} {'fp8 block':>12} {'row x bf16':>10} "
+          f"{'block x bf16':>12} {'rel err':>8}")
+    rows = []
+    for num_tokens in (1, 16, 64, 128, 256):
+        x, router, w13, w2 = _inputs(torch, bench.device, SHAPE, num_tokens, seed=num_tokens)
+        logits = x @ router.t()
+        _, ids = fm.route(logits, k, True)
+        hit = int(ids.unique().numel())
+        weight_bytes = hit * 3 * i * h
+        variants = {"bf16": (lambda: fm.fused_moe(x, logits, w13, w2, k, True), 2 * weight_bytes)}
+        ref = variants["bf16"][0]().float()
+        errs = []
+        for name, group in (("row", None), ("block", 128)):
+            quantized = []
+            for w in (w13, w2):
+                g = group or w.shape[-1]
+                q, scale = quantize_rows_ref(w.reshape(-1, w.shape[-1]), g)
+                quantized.append((q.view(w.shape), scale.view(*w.shape[:2], -1), g))
+            (q13, s13, g13), (q2, s2, g2) = quantized
+            fp8 = fm.Fp8Experts(s13, s2, g13, g2)
+            variants[f"fp8 {name}"] = (
+                lambda q13=q13, q2=q2, fp8=fp8: fm.fused_moe(x, logits, q13, q2, k, True, fp8=fp8), weight_bytes)
+            out = variants[f"fp8 {name}"][0]().float()
+            errs.append(((out - ref).norm() / ref.norm()).item())
+        us = {name: bench.time_us(fn, graph=True) for name, (fn, _) in variants.items()}
+        tb = {name: nbytes / us[name] / 1e6 for name, (_, nbytes) in variants.items()}
+        rows.append({"tokens": num_tokens, "experts_hit": hit, "us": us, "tb_per_s": tb,
+                     "row_speedup": us["bf16"] / us["fp8 row"], "block_speedup": us["bf16"] / us["fp8 block"],
+                     "rel_err_vs_bf16": max(errs)})
+        cell = lambda n: f"{us[n]:>6.1f} {tb[n]:>4.2f}"  # noqa: E731
+        print(f"{num_tokens:>5} {hit:>7} {cell('bf16'):>12} {cell('fp8 row'):>12} {cell('fp8 block'):>12} "
+              f"{us['bf16'] / us['fp8 row']:>10.2f} {us['bf16'] / us['fp8 block']:>12.2f} {max(errs):>8.1e}")
+    print("rel err: FP8 against bf16, the weights' quantization")
+    return rows

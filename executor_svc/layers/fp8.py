@@ -276,6 +276,6 @@ def _finish_experts(experts: StackedExperts, quant: WeightQuantization, dtype: t
         else:
             setattr(experts, attr, nn.Parameter(q.contiguous(), requires_grad=False))
     if on_gpu:
-        experts.fp8 = fused_moe.moe_kernels.Fp8Experts(stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous(),
-                                                       experts.fp8_group_k13, experts.fp8_group_k2)
+        scales = stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous()
+        experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2)
     return 1
