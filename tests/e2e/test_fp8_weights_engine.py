@@ -4,7 +4,9 @@ rule: the fine-grained 128 x 128 block format through gRPC on two tensor-paralle
 names the format), compressed-tensors' per-channel format through the offline API. The tiny Llama's
 dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows), so every weight has ragged
 blocks, and one layer's MLP is listed as not converted. At -tp 2 the shard boundaries fall inside blocks:
-q's rows split at 96, gate's and up's at 160, and down_proj's columns at 160 (K groups of 32 there)."""
+q's rows split at 96, gate's and up's at 160, and down_proj's columns at 160 (K groups of 32 there). A tiny
+Qwen3-MoE stored as Qwen3-30B-A3B-FP8 is (per-expert FP8 tensors and scales; hidden 192, moe_intermediate 160) does
+the same: each expert's rows split at 80 on two ranks, down_proj's K groups of 16."""
 from __future__ import annotations
 
 import os
@@ -24,8 +26,9 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> str:
-    return tiny_fp8_checkpoints(str(tmp_path_factory.mktemp("fp8_engine")))
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {"llama": tiny_fp8_checkpoints(str(tmp_path_factory.mktemp("fp8_engine"))),
+            "qwen3_moe": tiny_fp8_moe_checkpoints(str(tmp_path_factory.mktemp("fp8_moe_engine")))}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +44,15 @@ def as_outputs(completions) -> list[SimpleNamespace]:
                                       for lp in c.logprobs]) for c in completions]
 
 
+@pytest.mark.parametrize("model, converted", [
+    ("llama", "6 linear layers"),  # q/k/v, o, gate/up, down in layer 0; q/k/v and o in layer 1
+    ("qwen3_moe", "6 linear layers and 2 expert blocks"),  # q/k/v and o in 3 layers; the experts of layers 0, 2
+])
 def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
-        checkpoints, prompts, tmp_path):
-    ref = hf_greedy(os.path.join(checkpoints, "block_dequantized"), prompts, NEW_TOKENS)
-    server = start_server(tmp_path, "--model", os.path.join(checkpoints, "block"), "--max-model-len", "128",
+        checkpoints, prompts, tmp_path, model, converted):
+    root = checkpoints[model]
+    ref = hf_greedy(os.path.join(root, "block_dequantized"), prompts, NEW_TOKENS)
+    server = start_server(tmp_path, "--model", os.path.join(root, "block"), "--max-model-len", "128",
                           "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
     try:
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
@@ -55,44 +63,15 @@ def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_it
     finally:
         server.stop()
     assert_greedy_matches(as_outputs(outs), ref)
-    assert "fp8 weights (fp8_e4m3fn, 128x128 block scales): 6 linear layers" in server.log()
+    assert f"fp8 weights (fp8_e4m3fn, 128x128 block scales): {converted}, dequantized" in server.log()
 
 
-def test_a_compressed_tensors_fp8_checkpoint_equals_transformers_on_its_dequantized_weights(checkpoints, prompts):
-    ref = hf_greedy(os.path.join(checkpoints, "channel_dequantized"), prompts, NEW_TOKENS)
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_a_compressed_tensors_fp8_checkpoint_equals_transformers_on_its_dequantized_weights(checkpoints, prompts,
+                                                                                          model):
+    root = checkpoints[model]
+    ref = hf_greedy(os.path.join(root, "channel_dequantized"), prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    with LLM(os.path.join(checkpoints, "channel"), num_gpu_blocks=64) as llm:
-        outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
-    assert_greedy_matches(outs, ref)
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoints(tmp_path_factory) -> str:
-    return tiny_fp8_moe_checkpoints(str(tmp_path_factory.mktemp("fp8_moe_engine")))
-
-
-def test_a_block_fp8_moe_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
-        moe_checkpoints, prompts, tmp_path):
-    ref = hf_greedy(os.path.join(moe_checkpoints, "block_dequantized"), prompts, NEW_TOKENS)
-    server = start_server(tmp_path, "--model", os.path.join(moe_checkpoints, "block"), "--max-model-len", "128",
-                          "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
-    try:
-        info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        assert info.weight_format == "fp8_e4m3fn, 128x128 block scales"
-        sampling = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-        outs = [server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p), sampling=sampling),
-                                     timeout=120).outputs[0] for p in prompts]
-    finally:
-        server.stop()
-    assert_greedy_matches(as_outputs(outs), ref)
-    # qkv_proj and o_proj in each of the 3 layers; the experts of layers 0 and 2 (layer 1's dense MLP stays plain)
-    assert "128x128 block scales): 6 linear layers and 2 expert blocks" in server.log()
-
-
-def test_a_compressed_tensors_fp8_moe_checkpoint_equals_transformers_on_its_dequantized_weights(moe_checkpoints,
-                                                                                              prompts):
-    ref = hf_greedy(os.path.join(moe_checkpoints, "channel_dequantized"), prompts, NEW_TOKENS)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
-    with LLM(os.path.join(moe_checkpoints, "channel"), num_gpu_blocks=64) as llm:
+    with LLM(os.path.join(root, "channel"), num_gpu_blocks=64) as llm:
         outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
     assert_greedy_matches(outs, ref)
