@@ -58,25 +58,22 @@ def _checkpoint_names(name: str, packed: dict) -> list[str]:
 
 
 def prepare_checkpoint_layers(model: nn.Module, quant: WeightQuantization) -> int:
-    """Before loading an FP8 checkpoint: give each converted layer an fp8 `weight` and its scale parameter
-    (named as in the checkpoint), both with weight_loaders. Returns the number of layers converted."""
+    """Before loading an FP8 checkpoint: give each converted layer (a Linear layer, or a block of stacked experts)
+    an fp8 weight and its scale parameter (named as in the checkpoint), both with weight_loaders. A layer that
+    loads several checkpoint modules converts all of them or none. Returns the number of layers converted."""
+    layers = [(name, layer, _checkpoint_names(name, model.packed_modules_mapping), _add_fp8_parameters)
+              for name, layer in linear_layers(model)]
+    layers += [(name, experts, [f"{name}.{e}.{proj}" for e in range(experts.num_experts)
+                                for proj in ("gate_proj", "up_proj", "down_proj")], _add_fp8_expert_parameters)
+               for name, experts in expert_layers(model)]
     converted = 0
-    for name, layer in linear_layers(model):
-        pieces = [quant.converts(ckpt) for ckpt in _checkpoint_names(name, model.packed_modules_mapping)]
+    for name, layer, modules, add_parameters in layers:
+        pieces = [quant.converts(module) for module in modules]
         if not any(pieces):
             continue
         if not all(pieces):
-            raise ValueError(f"{name}: the checkpoint converts only some of the modules fused into it")
-        _add_fp8_parameters(layer, quant)
-        converted += 1
-    for name, experts in expert_layers(model):
-        pieces = [quant.converts(f"{name}.{e}.{proj}") for e in range(experts.num_experts)
-                  for proj in ("gate_proj", "up_proj", "down_proj")]
-        if not any(pieces):
-            continue
-        if not all(pieces):
-            raise ValueError(f"{name}: the checkpoint converts only some of its experts' projections")
-        _add_fp8_expert_parameters(experts, quant)
+            raise ValueError(f"{name}: the checkpoint converts only some of the modules it loads")
+        add_parameters(layer, quant)
         converted += 1
     return converted
 

@@ -177,3 +177,20 @@ def test_expert_scales_shard_with_their_weights_whatever_the_split(tp, scheme, b
         for e in range(num_experts):
             assert torch.equal(experts.w13[e], torch.cat([rows(full[e, "gate"]), rows(full[e, "up"])]))
             assert torch.equal(experts.w2[e], full[e, "down"].chunk(tp, 1)[rank])
+
+
+@pytest.mark.parametrize("not_converted, layer", [
+    ("model.layers.0.mlp.experts.3.up_proj", "model.layers.0.mlp.experts"),  # one expert's projection of a block
+    ("model.layers.2.self_attn.k_proj", "model.layers.2.self_attn.qkv_proj"),  # one piece of a fused layer
+])
+def test_a_checkpoint_that_converts_part_of_a_layer_is_refused_naming_it(tmp_path, not_converted, layer):
+    from support.fp8_checkpoints import tiny_fp8_moe_checkpoints
+
+    path = os.path.join(tiny_fp8_moe_checkpoints(str(tmp_path)), "block")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["modules_to_not_convert"].append(not_converted)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=f"{layer}: the checkpoint converts only some of the modules it loads"):
+        load(path)
