@@ -412,7 +412,7 @@ def measure(fn, weights, ref: torch.Tensor, scale: float, m: int, n: int, k: int
     except Exception as e:  # noqa: BLE001  a variant that cannot run is a result; the next one still runs
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "fails": True}
     return {"us": us, "tb_s": n * k / us / 1e6, "tflops": 2 * m * n * k / us / 1e6, "err": err, "acc_err": acc_err,
-            "fails": acc_err > MAX_ERROR or err > MAX_ERROR + BF16_ROUNDING}
+            "fails": not (acc_err <= MAX_ERROR and err <= MAX_ERROR + BF16_ROUNDING)}  # NaN fails too
 
 
 def best(variants: list[dict]) -> dict | None:
