@@ -262,6 +262,37 @@ def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _gate_up_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A gate/up program's columns and its first K tile's pointers: (offs_n, n_ok, offs_k, the gate and up weight
+    tiles [K, N], and, for FP8 weights, the gate and up rows' scales)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    return offs_n, offs_n < inter, offs_k, g_ptrs, g_ptrs + inter * stride_wn, sg_ptrs, sg_ptrs + inter * stride_sn
+
+
+@triton.jit
+def _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """K tile k of the activations [M, K] and of the gate and up weights [K, N], zeros past the edges (fp32 in the
+    interpreter)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        k_ok = offs_k < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if UPCAST:
+        a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+    return a, g, u
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _gate_up_silu_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, s_ptr,
@@ -276,28 +307,13 @@ def _gate_up_silu_kernel(
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = _gate_up_tile(
+        w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
-    u_ptrs = g_ptrs + inter * stride_wn
-    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # FP8 weights: the rows' scales
-    su_ptrs = sg_ptrs + inter * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        a, g, u = _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, EVEN_K, UPCAST)
         acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
         acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
         a_ptrs += BLOCK_K
