@@ -92,42 +92,23 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
         weight.weight_loader = plain.weight_loader
         weight.expected_shards = plain.expected_shards[:1]  # FP8 checkpoints store each expert's projections
         setattr(experts, attr, weight)
-    if quant.scheme == "channel":
-        groups13, groups2 = 1, 1
-        experts.fp8_group_k13, experts.fp8_group_k2 = hidden, inter
-    else:
-        block_n, block_k = quant.block
-        experts.fp8_group_k13 = block_k
-        experts.fp8_group_k2 = math.gcd(block_k, inter) if tp_size() > 1 else block_k
-        groups13, groups2 = -(-hidden // block_k), -(-inter // experts.fp8_group_k2)
+    group13 = experts.fp8_group_k13 = _k_group(quant, hidden, k_split=False)
+    group2 = experts.fp8_group_k2 = _k_group(quant, inter, k_split=True)
     device = experts.w13.device
     rank = tp_rank()
 
-    def rows_per_group(loaded: torch.Tensor, rows: int) -> torch.Tensor:
-        """A checkpoint scale as [rows of the full weight, groups of this rank's K]."""
-        loaded = loaded.float()
-        if quant.scheme == "channel":
-            per_row = loaded.reshape(-1, 1)
-            return per_row.expand(rows, 1) if per_row.shape[0] == 1 else per_row
-        return loaded.repeat_interleave(block_n, 0)[:rows]
-
     def load_w13_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, part = shard_id  # gate_proj / up_proj [I_full, H]: this rank's rows, all of K's groups
-        per_row = rows_per_group(loaded, inter * tp_size())
+        per_row = _scales_per_row(loaded, quant, inter * tp_size(), 0, hidden, group13)
         offset = 0 if part == "gate" else inter
         param.data[expert, offset: offset + inter].copy_(per_row[rank * inter: (rank + 1) * inter])
 
     def load_w2_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, _ = shard_id  # down_proj [H, I_full]: every row, this rank's K groups
-        if quant.scheme == "channel":
-            param.data[expert].copy_(rows_per_group(loaded, hidden))
-            return
-        per_column = loaded.float().repeat_interleave(block_k, 1)
-        groups = per_column[:, rank * inter: (rank + 1) * inter: experts.fp8_group_k2]
-        param.data[expert].copy_(groups.repeat_interleave(block_n, 0)[:hidden])
+        param.data[expert].copy_(_scales_per_row(loaded, quant, hidden, rank * inter, inter, group2)[:hidden])
 
-    for attr, shape, loader in (("w13", (num_experts, 2 * inter, groups13), load_w13_scale),
-                                ("w2", (num_experts, hidden, groups2), load_w2_scale)):
+    for attr, shape, loader in (("w13", (num_experts, 2 * inter, -(-hidden // group13)), load_w13_scale),
+                                ("w2", (num_experts, hidden, -(-inter // group2)), load_w2_scale)):
         scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
         scale.weight_loader = loader
         scale.expected_shards = getattr(experts, attr).expected_shards
@@ -141,38 +122,47 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
     weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
     weight.weight_loader = layer.weight_loader  # fp8 bytes shard like any weight
     layer.weight = weight
-    if quant.scheme == "channel":
-        group, num_groups = k, 1
-    else:
-        block_n, block_k = quant.block
-        group = math.gcd(block_k, k) if row_parallel and tp_size() > 1 else block_k
-        num_groups = -(-k // group)
-    scale = nn.Parameter(torch.empty(n, num_groups, dtype=torch.float32, device=device), requires_grad=False)
-    layer.fp8_group_k = group
+    group = layer.fp8_group_k = _k_group(quant, k, k_split=row_parallel)
+    scale = nn.Parameter(torch.empty(n, -(-k // group), dtype=torch.float32, device=device), requires_grad=False)
 
     def load_scale(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        loaded = loaded.float()
-        if quant.scheme == "channel":
-            per_row = loaded.reshape(-1, 1)  # [N, 1]
-            if per_row.shape[0] == 1:  # one scale for the whole tensor
-                per_row = per_row.expand(param.shape[0] if row_parallel else _rows_of(layer, shard_id), 1)
-            if row_parallel:
-                param.data.copy_(per_row)
-            else:
-                layer.weight_loader(param, per_row, *shard_id)
-            return
-        # block: [ceil(N/bn), ceil(K/bk)] -> per input column -> this rank's columns -> one per group
-        per_column = loaded.repeat_interleave(block_k, 1)
-        start = tp_rank() * k if row_parallel else 0
-        groups = per_column[:, start : start + k : group]
-        per_row = groups.repeat_interleave(block_n, 0)  # ceil-padded rows: the loaders read only real ones
-        if row_parallel:
-            param.data.copy_(per_row[: param.shape[0]])
-        else:
-            layer.weight_loader(param, per_row, *shard_id)
+        if row_parallel:  # every row, this rank's K columns
+            param.data.copy_(_scales_per_row(loaded, quant, param.shape[0], tp_rank() * k, k, group)[: param.shape[0]])
+        else:  # all of K; the layer's own loader takes this rank's rows
+            layer.weight_loader(param, _scales_per_row(loaded, quant, _rows_of(layer, shard_id), 0, k, group),
+                                *shard_id)
 
     scale.weight_loader = load_scale
     layer.register_parameter(quant.scale_name, scale)
+
+
+def _k_group(quant: WeightQuantization, k: int, k_split: bool) -> int:
+    """The input columns each scale of a rank's weight covers, K of them on this rank: all of them (channel scales),
+    or the checkpoint block's, shrunk to gcd(block, K) where the ranks split K (a slice may start inside a block)."""
+    if quant.scheme == "channel":
+        return k
+    block_k = quant.block[1]
+    return math.gcd(block_k, k) if k_split and tp_size() > 1 else block_k
+
+
+def _scales_per_row(loaded: torch.Tensor, quant: WeightQuantization, rows: int, col_start: int, cols: int,
+                    group: int) -> torch.Tensor:
+    """A checkpoint's scale tensor in the canonical form, float32 [rows, groups of the K columns [col_start, col_start
+    + cols)]: channel scales [N, 1] as they are (one for the whole tensor: repeated over `rows`); block scales
+    [ceil(N/bn), ceil(K/bk)] taken per input column, every `group`-th of those columns, and repeated over their
+    block's rows (ceil-padded: the loaders read only the real ones)."""
+    loaded = loaded.float()
+    if quant.scheme == "channel":
+        per_row = loaded.reshape(-1, 1)
+        return per_row.expand(rows, 1) if per_row.shape[0] == 1 else per_row
+    block_n, block_k = quant.block
+    return loaded.repeat_interleave(block_k, 1)[:, col_start: col_start + cols: group].repeat_interleave(block_n, 0)
+
+
+def _check_gpu_group(name: str, group: int) -> None:
+    if group < MIN_GPU_GROUP:
+        raise ValueError(f"{name}: its shard splits the FP8 scale blocks into groups of {group} columns; the GEMM "
+                         f"needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
 
 
 def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
@@ -204,12 +194,10 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         if device.type != "cuda":
             layer.weight = nn.Parameter(dequantize_rows(q, scale, layer.fp8_group_k).to(dtype), requires_grad=False)
             continue
-        if layer.fp8_group_k < MIN_GPU_GROUP:
-            raise ValueError(f"{name}: its shard splits the FP8 scale blocks into groups of {layer.fp8_group_k} "
-                             f"columns; the GEMM needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
+        _check_gpu_group(name, layer.fp8_group_k)
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
-    expert_blocks = sum(_finish_experts(experts, quant, dtype, device) for _, experts in expert_layers(model))
+    expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device) for name, experts in expert_layers(model))
     where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
@@ -243,8 +231,7 @@ def quantize_in_producers(model: nn.Module) -> int:
     return fed
 
 
-
-def _finish_experts(experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,
+def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,
                     device: torch.device) -> int:
     """One StackedExperts after loading, as finish_loading does a Linear layer: quantized per row if plain (online),
     then FP8 with `experts.fp8` on CUDA, dequantized elsewhere. Returns 1 if it holds FP8 weights, else 0."""
@@ -266,6 +253,8 @@ def _finish_experts(experts: StackedExperts, quant: WeightQuantization, dtype: t
             delattr(experts, f"{attr}_{quant.scale_name}")
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
     on_gpu = device.type == "cuda" and fused_moe.moe_kernels is not None
+    if on_gpu:
+        _check_gpu_group(name, experts.fp8_group_k2)  # gate/up's K (hidden) is never split
     for attr, (q, scale) in stacked.items():
         if not on_gpu:
             plain = dequantize_rows(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), groups[attr])
