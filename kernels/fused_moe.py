@@ -263,15 +263,34 @@ def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A gate/up program's columns and its first K tile's pointers: (offs_n, n_ok, offs_k, the gate and up weight
-    tiles [K, N], and, for FP8 weights, the gate and up rows' scales)."""
+def _weight_tile(w_ptr, s_ptr, expert, pid_n, n, stride_we, stride_wn, stride_se, stride_sn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's output columns of expert e's weight [N, K] and its first K tile's pointers: (offs_n, n_ok, offs_k,
+    the weight tile [K, N], and, for FP8 weights, the rows' scales)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
-    return offs_n, offs_n < inter, offs_k, g_ptrs, g_ptrs + inter * stride_wn, sg_ptrs, sg_ptrs + inter * stride_sn
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    return offs_n, offs_n < n, offs_k, w_ptrs, s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+
+
+@triton.jit
+def _gate_up_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_weight_tile over w13's gate rows, with the up rows' pointers `inter` rows below: (offs_n, n_ok, offs_k, gate
+    and up weight tiles, gate and up scales)."""
+    offs_n, n_ok, offs_k, g_ptrs, sg_ptrs = _weight_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn,
+                                                         stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    return offs_n, n_ok, offs_k, g_ptrs, g_ptrs + inter * stride_wn, sg_ptrs, sg_ptrs + inter * stride_sn
+
+
+@triton.jit
+def _store_weighted(out_ptr, acc, weights_ptr, pair, row_ok, offs_n, n_ok, stride_ot):
+    """The down projection's rows [M, N], rounded to the output dtype as HF's projection rounds, times each pair's
+    routing weight."""
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -342,13 +361,9 @@ def _down_weighted_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + pair64[:, None] * stride_ht + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
-    s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # FP8 weights: the rows' scales
+    offs_n, n_ok, offs_k, b_ptrs, s_ptrs = _weight_tile(w_ptr, s_ptr, expert, pid_n, hidden, stride_we, stride_wn,
+                                                        stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    a_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -363,11 +378,8 @@ def _down_weighted_kernel(
         acc = _scaled_dot(a, b, acc, s_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc = _row_scaled(acc, s_ptrs, n_ok, SCALES)
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the projection's output, rounded as HF's
-    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
-             mask=row_ok[:, None] & n_ok[None, :])
+    _store_weighted(out_ptr, _row_scaled(acc, s_ptrs, n_ok, SCALES), weights_ptr, pair, row_ok, offs_n, n_ok,
+                    stride_ot)
 
 
 # ---------------------------------------------------------------------------------------------

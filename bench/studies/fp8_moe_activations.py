@@ -120,12 +120,9 @@ def _down_fp8_kernel(
         return
     pair, row_ok, expert = fm._tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     pair64 = pair.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_ok, offs_k, b_ptrs, s_ptrs = fm._weight_tile(w_ptr, ws_ptr, expert, pid_n, hidden, stride_we, stride_wn,
+                                                           stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = hq_ptr + pair64[:, None] * inter + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
-    s_ptrs = ws_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
@@ -140,10 +137,7 @@ def _down_fp8_kernel(
         b_ptrs += BLOCK_K
     if not W_GROUPED:
         acc = acc * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], y * w[:, None],
-             mask=row_ok[:, None] & n_ok[None, :])
+    fm._store_weighted(out_ptr, acc, weights_ptr, pair, row_ok, offs_n, n_ok, stride_ot)
 
 
 def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile]:
