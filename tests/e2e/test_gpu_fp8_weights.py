@@ -78,8 +78,8 @@ def moe_checkpoints(tmp_path_factory) -> str:
 
 def test_fp8_experts_decode_to_transformers_on_their_dequantized_weights_under_graphs_and_eagerly(moe_checkpoints):
     prompts = gpu_prompts()
-    loaded, facts = load_model(f"{moe_checkpoints}/experts", torch.float32, torch.device("cuda"),
-                               TorchAttentionBackend())
+    loaded, _ = load_model(f"{moe_checkpoints}/experts", torch.float32, torch.device("cuda"),
+                           TorchAttentionBackend())
     fp8_experts = [m.experts for m in loaded.modules() if hasattr(m, "experts")]
     assert len(fp8_experts) == 2 and all(e.w13.dtype == torch.float8_e4m3fn and e.fp8 is not None
                                          for e in fp8_experts)

@@ -73,11 +73,9 @@ def tiny_fp8_checkpoints(root: str) -> str:
     `block_dequantized` and `channel_dequantized`. Returns root."""
     from support.tiny_checkpoints import make_tiny_llama
 
-    plain = os.path.join(root, "plain")
-    make_tiny_llama(plain, hidden_size=192, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2)
-    for scheme in ("block", "channel"):
-        write_fp8_checkpoints(plain, os.path.join(root, scheme), os.path.join(root, f"{scheme}_dequantized"), scheme)
-    return root
+    make_tiny_llama(os.path.join(root, "plain"), hidden_size=192, intermediate_size=320, num_attention_heads=4,
+                    num_key_value_heads=2)
+    return _both_schemes(root)
 
 
 def tiny_fp8_moe_checkpoints(root: str) -> str:
@@ -87,10 +85,15 @@ def tiny_fp8_moe_checkpoints(root: str) -> str:
     Returns root."""
     from support.tiny_checkpoints import make_tiny_qwen3_moe
 
-    plain = os.path.join(root, "plain")
-    make_tiny_qwen3_moe(plain, hidden_size=192, moe_intermediate_size=160)
+    make_tiny_qwen3_moe(os.path.join(root, "plain"), hidden_size=192, moe_intermediate_size=160)
+    return _both_schemes(root)
+
+
+def _both_schemes(root: str) -> str:
+    """root/plain's FP8 versions in root/block and root/channel, with their dequantized twins. Returns root."""
     for scheme in ("block", "channel"):
-        write_fp8_checkpoints(plain, os.path.join(root, scheme), os.path.join(root, f"{scheme}_dequantized"), scheme)
+        write_fp8_checkpoints(os.path.join(root, "plain"), os.path.join(root, scheme),
+                              os.path.join(root, f"{scheme}_dequantized"), scheme)
     return root
 
 
