@@ -1,6 +1,6 @@
 """The FP8 GEMM table of bench/kernels.py --fp8-gemm: each Linear GEMM of the Qwen3-8B shape at M = 1, 16,
 64, 256 and 4,096 tokens, bf16 (F.linear) against the FP8 GEMMs of kernels/fp8_gemm.py: torch._scaled_mm
-and Triton with channel scales, Triton with 128 x 128 block scales (1 x 128 activation groups), each
+(row-wise, and tensor-wise on unit scales then scaled) and Triton with channel scales, Triton with 128 x 128 block scales (1 x 128 activation groups), each
 timed on pre-quantized activations (the GEMM alone), and the engine's whole FP8 product (activation
 quantization + the GEMM kernels/fp8_gemm_dispatch.py picks). TFLOP/s count 2MNK; TB/s count the operands
 read and the output written once (x, W, y, and the scales).
@@ -23,9 +23,37 @@ import json
 QWEN3_8B_GEMMS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
                   ("down_proj", 4096, 12288)]
 TOKENS = [1, 16, 64, 256, 4096]
+L2_BYTES = 50 * 2**20  # the H200's L2
 
 
-def fp8_gemm_rows(time_us, device) -> list[dict]:
+def weight_copies(w) -> list:
+    """w and enough clones of it that a call through each in turn finds its copy long gone from L2 (decode reads
+    each layer's weights once a step)."""
+    copies = max(2, -(-4 * L2_BYTES // (w.numel() * w.element_size())))
+    return [w] + [w.clone() for _ in range(copies - 1)]
+
+
+def cold_graph_us(fn, weights: list, timing_ms: int = 10) -> float:
+    """Microseconds a call of fn(w) as decode runs it: one call per copy of the weight captured in one CUDA graph
+    (no launch gaps between a product's kernels), its replays timed by do_bench (which also flushes L2 before each),
+    the median over the number of calls."""
+    import torch
+    import triton
+
+    calls = [lambda w=w: fn(w) for w in weights]
+    for call in calls:  # compiles, allocates the split-K counters, warms cuBLASLt: all before capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    ms = triton.testing.do_bench(graph.replay, warmup=timing_ms // 4 or 1, rep=timing_ms, return_mode="median")
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def fp8_gemm_rows(device) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -39,18 +67,24 @@ def fp8_gemm_rows(time_us, device) -> list[dict]:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         w_ch, s_ch = quantize_rows_ref(w, k)
         w_bl, s_bl = quantize_rows_ref(w, 128)  # a scale per row and 128 columns: the loader's block layout
+        w16s, chs, bls = weight_copies(w), weight_copies(w_ch), weight_copies(w_bl)
         for m in TOKENS:
             x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
             a_ch, as_ch = fp8_gemm.quantize_rows(x, k)
             a_bl, as_bl = fp8_gemm.quantize_rows(x, 128)
             us = {
-                "bf16": time_us(lambda: F.linear(x, w)),
-                "scaled_mm": time_us(lambda: fp8_gemm.scaled_mm_fp8_gemm(a_ch, as_ch, w_ch, s_ch, torch.bfloat16)),
-                "triton_channel": time_us(lambda: fp8_gemm.triton_fp8_gemm(a_ch, as_ch, w_ch, s_ch, k, torch.bfloat16)),
-                "triton_block": time_us(lambda: fp8_gemm.triton_fp8_gemm(a_bl, as_bl, w_bl, s_bl, 128, torch.bfloat16)),
-                "act_quant": time_us(lambda: fp8_gemm.quantize_rows(x, k)),
-                "engine_channel": time_us(lambda: fp8_gemm.fp8_linear(x, w_ch, s_ch, k)),
-                "engine_block": time_us(lambda: fp8_gemm.fp8_linear(x, w_bl, s_bl, 128)),
+                "bf16": cold_graph_us(lambda w: F.linear(x, w), w16s),
+                "scaled_mm": cold_graph_us(lambda w: fp8_gemm.scaled_mm_fp8_gemm(a_ch, as_ch, w, s_ch, torch.bfloat16),
+                                           chs),
+                "unit_scaled_mm": cold_graph_us(
+                    lambda w: fp8_gemm.unit_scaled_mm_fp8_gemm(a_ch, as_ch, w, s_ch, torch.bfloat16), chs),
+                "triton_channel": cold_graph_us(
+                    lambda w: fp8_gemm.triton_fp8_gemm(a_ch, as_ch, w, s_ch, k, torch.bfloat16), chs),
+                "triton_block": cold_graph_us(
+                    lambda w: fp8_gemm.triton_fp8_gemm(a_bl, as_bl, w, s_bl, 128, torch.bfloat16), bls),
+                "act_quant": cold_graph_us(lambda w: fp8_gemm.quantize_rows(x, k), [None]),
+                "engine_channel": cold_graph_us(lambda w: fp8_gemm.fp8_linear(x, w, s_ch, k), chs),
+                "engine_block": cold_graph_us(lambda w: fp8_gemm.fp8_linear(x, w, s_bl, 128), bls),
             }
             flops = 2 * m * n * k
             bf16_bytes = 2 * (m * k + n * k + m * n)
@@ -61,21 +95,24 @@ def fp8_gemm_rows(time_us, device) -> list[dict]:
                                 for key, t in us.items() if key != "act_quant"},
                    "channel_backend": choose_gemm("channel", m, n, k)[0]}
             rows.append(row)
+        del w16s, chs, bls
+        torch.cuda.empty_cache()
     return rows
 
 
 def print_fp8_gemm_table(rows: list[dict]) -> None:
-    print("\nFP8 GEMMs of the Qwen3-8B shape: us (TFLOP/s | TB/s); speedup = bf16 / engine FP8 product")
-    keys = ["bf16", "scaled_mm", "triton_channel", "triton_block", "engine_channel", "engine_block"]
+    print("\nFP8 GEMMs of the Qwen3-8B shape: us (TFLOP/s | TB/s), each a CUDA graph of calls over copies of W "
+          "larger than L2; speedup = bf16 / engine FP8 product")
+    keys = ["bf16", "scaled_mm", "unit_scaled_mm", "triton_channel", "triton_block", "engine_channel", "engine_block"]
     print(f"{'gemm':>12} {'M':>5} " + " ".join(f"{k:>24}" for k in keys) + f" {'quant us':>8} {'x ch':>5} {'x bl':>5}")
     for r in rows:
         cells = " ".join(f"{r['us'][k]:>7.1f} ({r['tflops'][k]:>5.0f}|{r['tb_per_s'][k]:>4.2f})".rjust(24) for k in keys)
         print(f"{r['gemm']:>12} {r['m']:>5} {cells} {r['us']['act_quant']:>8.1f} "
               f"{r['us']['bf16'] / r['us']['engine_channel']:>5.2f} {r['us']['bf16'] / r['us']['engine_block']:>5.2f}")
-    print("\nthe faster channel GEMM per shape (kernels/fp8_gemm_dispatch.TABLE):")
+    print("\nthe fastest channel GEMM per shape (kernels/fp8_gemm_dispatch.TABLE):")
     table: dict = {}
     for r in rows:
-        best = "scaled_mm" if r["us"]["scaled_mm"] <= r["us"]["triton_channel"] else "triton"
+        best = min(("scaled_mm", "unit_scaled_mm", "triton_channel"), key=r["us"].get).removesuffix("_channel")
         table.setdefault((r["n"], r["k"]), []).append((r["m"], best))
     for shape, entries in table.items():
         print(f"    {shape}: {entries},")
@@ -124,17 +161,14 @@ def _sweep_tiles(scheme: str, m: int) -> list:
 
 
 def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
-    """Each Triton tile of SWEEP_TILES on each Qwen3-8B GEMM and M (scheme, channel or block), and _scaled_mm:
-    microseconds (do_bench, L2 flushed), the fastest tiles and backend per shape and M. A tile whose output is
+    """Each Triton tile of SWEEP_TILES on each Qwen3-8B GEMM and M (scheme, channel or block), and _scaled_mm's two
+    GEMMs: microseconds (cold_graph_us: graph-replayed as decode runs them, W cold in L2), the fastest tiles and
+    backend per shape and M. A tile whose output is
     off the default tiles' by more than 1% of max |y| is dropped (and reported). tokens: the Ms, else SWEEP_TOKENS."""
     import torch
-    import triton
 
     from kernels import fp8_gemm
     from kernels.fp8_quant import quantize_rows_ref
-
-    def time_us(fn):
-        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
     gen = torch.Generator(device=device).manual_seed(1)
     rows, tiles = [], {}
@@ -142,6 +176,7 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         for scheme, group in (("channel", k), ("block", 128)):
             wq, ws = quantize_rows_ref(w, group)
+            wqs = weight_copies(wq)
             for m in tokens or SWEEP_TOKENS:
                 a, a_s = fp8_gemm.quantize_rows(torch.randn(m, k, generator=gen, device=device,
                                                             dtype=torch.bfloat16), group)
@@ -154,16 +189,21 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                     if err > 1e-2:
                         print(f"  {name} {scheme} M={m} tiles {cfg}: off by {err:.2e} of max |y|, dropped")
                         continue
-                    timed[cfg] = time_us(lambda: fp8_gemm.triton_fp8_gemm(a, a_s, wq, ws, group, torch.bfloat16,
-                                                                          tiles=cfg))
+                    timed[cfg] = cold_graph_us(lambda w: fp8_gemm.triton_fp8_gemm(a, a_s, w, ws, group, torch.bfloat16,
+                                                                                  tiles=cfg), wqs)
                 best = min(timed, key=timed.get)
                 row = {"gemm": name, "scheme": scheme, "m": m, "n": n, "k": k,
                        "us": {",".join(map(str, c)): t for c, t in timed.items()}, "best": list(best),
                        "best_us": timed[best], "default_us": timed.get(_sweep_tiles(scheme, m)[0])}
                 tiles.setdefault(f"{scheme} {n}x{k}", []).append([m, list(best)])
                 if scheme == "channel":
-                    row["scaled_mm_us"] = time_us(lambda: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, wq, ws, torch.bfloat16))
+                    row["scaled_mm_us"] = cold_graph_us(
+                        lambda w: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16), wqs)
+                    row["unit_scaled_mm_us"] = cold_graph_us(
+                        lambda w: fp8_gemm.unit_scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16), wqs)
                 rows.append(row)
+            del wqs
+            torch.cuda.empty_cache()
     return {"rows": rows, "table": {"backends": choose_backends(rows), "tiles": tiles}}
 
 
@@ -172,37 +212,48 @@ PAD_GAIN = 0.95  # padding to more rows must beat the product on M rows by 5%: b
 
 
 def choose_backends(rows: list[dict]) -> dict:
-    """Per channel shape and swept M: [M, "triton"], [M, "scaled_mm"], or [M, "scaled_mm", P] where _scaled_mm
-    measured faster on P rows (a swept M up to 2M) than on M, by PAD_GAIN: the product then runs on P rows."""
-    scaled: dict[str, dict[int, float]] = {}
-    triton_us: dict[str, dict[int, float]] = {}
+    """Per channel shape and swept M, the fastest of: [M, "triton"]; [M, B] or [M, B, P] for each of _scaled_mm's
+    GEMMs B ("scaled_mm", row-wise; "unit_scaled_mm", tensor-wise then scaled), P where B measured faster on P rows
+    (a swept M up to 2M) than on M, by PAD_GAIN: the product then runs on P rows."""
+    cublas = ("scaled_mm", "unit_scaled_mm")
+    timed: dict[str, dict[str, dict[int, float]]] = {}
     for r in rows:
         if r["scheme"] == "channel":
-            scaled.setdefault(f"{r['n']}x{r['k']}", {})[r["m"]] = r["scaled_mm_us"]
-            triton_us.setdefault(f"{r['n']}x{r['k']}", {})[r["m"]] = r["best_us"]
+            shape = timed.setdefault(f"{r['n']}x{r['k']}", {})
+            shape.setdefault("triton", {})[r["m"]] = r["best_us"]
+            for backend in cublas:
+                if f"{backend}_us" in r:
+                    shape.setdefault(backend, {})[r["m"]] = r[f"{backend}_us"]
     backends = {}
-    for shape, by_m in scaled.items():
+    for shape, by_backend in timed.items():
         entries = []
-        for m in sorted(by_m):
-            pad = min((p for p in by_m if m < p <= 2 * m), key=by_m.get, default=m)
-            if by_m[pad] > PAD_GAIN * by_m[m]:
-                pad = m
-            if by_m[pad] > triton_us[shape][m]:
-                entries.append([m, "triton"])
-            else:
-                entries.append([m, "scaled_mm"] + ([pad] if pad != m else []))
+        for m in sorted(by_backend["triton"]):
+            choices = [(by_backend["triton"][m], [m, "triton"])]
+            for backend in cublas:
+                by_m = by_backend.get(backend, {})
+                if m not in by_m:
+                    continue
+                pad = min((p for p in by_m if m < p <= 2 * m), key=by_m.get, default=m)
+                if by_m[pad] > PAD_GAIN * by_m[m]:
+                    pad = m
+                choices.append((by_m[pad], [m, backend] + ([pad] if pad != m else [])))
+            entries.append(min(choices, key=lambda c: c[0])[1])
         backends[shape] = entries
     return backends
 
 
 def print_fp8_gemm_sweep(sweep: dict) -> None:
-    print("\nFP8 GEMM tile sweep (us, do_bench with an L2 flush): the default tiles, the fastest, _scaled_mm")
-    print(f"{'gemm':>12} {'scheme':>7} {'M':>5} {'default':>8} {'best':>8} {'tiles':>24} {'scaled_mm':>9}")
+    print("\nFP8 GEMM tile sweep (us, graph-replayed over copies of W, L2 cold): the default tiles, the fastest, "
+          "_scaled_mm row-wise "
+          "and tensor-wise on unit scales (then scaled)")
+    print(f"{'gemm':>12} {'scheme':>7} {'M':>5} {'default':>8} {'best':>8} {'tiles':>24} {'scaled_mm':>9} "
+          f"{'unit':>9}")
     for r in sweep["rows"]:
         default = f"{r['default_us']:.1f}" if r["default_us"] is not None else "-"
         scaled = f"{r['scaled_mm_us']:.1f}" if "scaled_mm_us" in r else ""
+        unit = f"{r['unit_scaled_mm_us']:.1f}" if "unit_scaled_mm_us" in r else ""
         print(f"{r['gemm']:>12} {r['scheme']:>7} {r['m']:>5} {default:>8} {r['best_us']:>8.1f} "
-              f"{str(tuple(r['best'])):>24} {scaled:>9}")
+              f"{str(tuple(r['best'])):>24} {scaled:>9} {unit:>9}")
     print("\nkernels/fp8_gemm_dispatch.TABLE (channel backends) and TILES, as measured:")
     for key, entries in sweep["table"]["backends"].items():
         n, k = key.split("x")

@@ -91,7 +91,7 @@ def main() -> None:
             results["fp8_gemm_sweep"] = fg.fp8_gemm_sweep(bench.device, tokens)
             fg.print_fp8_gemm_sweep(results["fp8_gemm_sweep"])
             fg.apply_and_write_sweep(results["fp8_gemm_sweep"], args.fp8_gemm_table_out, args.fp8_gemm_table_base)
-        results["fp8_gemm"] = fg.fp8_gemm_rows(bench.time_us, bench.device)
+        results["fp8_gemm"] = fg.fp8_gemm_rows(bench.device)
         fg.print_fp8_gemm_table(results["fp8_gemm"])
         results["fp8_producers"] = fg.fused_producer_rows(lambda fn: bench.time_us(fn, graph=True), bench.device)
         fg.print_fused_producer_table(results["fp8_producers"])

@@ -8,8 +8,14 @@ tensor-parallel shard boundary inside a block costs nothing). Activations are qu
 groups: per token for channel weights, per token and group_k columns for block weights (DeepSeek's
 1 x 128), scale = max|x| / 448 over the group.
 
-Two GEMMs, chosen per shape by kernels/fp8_gemm_dispatch.py:
-- `torch._scaled_mm` with row-wise scales (per token x per channel; channel weights only);
+Three GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
+- `torch._scaled_mm` with row-wise scales (per token x per channel; channel weights only): cuBLASLt's
+  outer-vector-scaled kernel on sm_90;
+- `torch._scaled_mm` tensor-wise on unit scales (channel weights only), then `_scale_product_kernel` applies
+  the per-token and per-channel scales to the bf16 product in place: cuBLASLt's plain FP8 kernels, which on
+  the H200 stream W 1.3-1.6x faster than its outer-vector ones at decode's M (bench/RESULTS.md, 2026-12-04).
+  The unscaled product (|x_q|, |w_q| <= 448) lies far inside bf16's range, so this costs one more bf16 rounding
+  and nothing else;
 - `_fp8_gemm_kernel`, Triton: channel weights accumulate over all of K and scale once in the epilogue;
   block weights scale each group's partial product (BLOCK_K = group_k) as it joins the accumulator.
   Either way the fp32 accumulator takes each K tile's product (at most 128 deep) in an fp32 add: Hopper's
@@ -231,21 +237,84 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     return out
 
 
+def _padded_rows(a: torch.Tensor, a_scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and its scales seen as `rows` rows (rows > M): the activations' buffers' spare rows where they have them
+    (empty_quantized), else zero rows (a copy). Each output row of a row-scaled product depends on its own row
+    only, so whatever the spare rows hold changes none of the first M."""
+    m = a.shape[0]
+    a_rows, scale_rows = rows_in_place(a, rows), rows_in_place(a_scale, rows)
+    if a_rows is None or scale_rows is None:
+        a_rows = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
+        scale_rows = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
+    return a_rows, scale_rows
+
+
 def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                        out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: per token [M, 1] x per channel [1, N]; W^T is column-major
     as a [N, K] row-major weight's transpose already is. rows > M runs the product on that many rows, where
-    cuBLASLt is faster so: the activations' buffers' spare rows where they have them (empty_quantized), else
-    zero rows; each output row depends on its own row only, and the first M come back."""
+    cuBLASLt is faster so (_padded_rows); the first M come back."""
     m = a.shape[0]
     if rows > m:
-        a_rows, scale_rows = rows_in_place(a, rows), rows_in_place(a_scale, rows)
-        if a_rows is None or scale_rows is None:
-            a_rows = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
-            scale_rows = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
-        a, a_scale = a_rows, scale_rows
+        a, a_scale = _padded_rows(a, a_scale, rows)
     out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)[:m]
     return out if bias is None else out + bias
+
+
+@triton.jit(do_not_specialize=["m"])
+def _scale_product_kernel(y_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, m, n, stride_y, stride_out,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_mask, col_mask = rows < m, cols < n
+    mask = row_mask[:, None] & col_mask[None, :]
+    y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a_s = tl.load(a_scale_ptr + rows, mask=row_mask, other=0.0)
+    w_s = tl.load(w_scale_ptr + cols, mask=col_mask, other=0.0)
+    y = y * (a_s[:, None] * w_s[None, :])
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_product(y: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] (an unscaled product x_q @ w_q^T) * a_scale [M, 1] * w_scale [N, 1] (+ bias), in fp32, into
+    out_dtype: in y's own buffer where the dtypes match."""
+    m, n = y.shape
+    out = y if y.dtype == out_dtype else torch.empty(m, n, dtype=out_dtype, device=y.device)
+    if m == 0:
+        return out
+    block_m, block_n = (16, 32) if INTERPRET else (4, 1024)
+    _scale_product_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        y, out, a_scale, w_scale, bias if bias is not None else y, m, n, y.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=1 if INTERPRET else 4)
+    return out
+
+
+_unit_scales: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1 on the device: the tensor-wise GEMM's scales. Made on first use; the loader asks for it once FP8
+    weights are on CUDA, before the decode CUDA graphs are captured."""
+    one = _unit_scales.get(device)
+    if one is None:
+        one = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def unit_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+    """torch._scaled_mm tensor-wise on unit scales (the unscaled product, in bf16, or fp32 for an fp32 output: fp16
+    could overflow), then scale_product: channel weights only. rows > M as in scaled_mm_fp8_gemm."""
+    m = a.shape[0]
+    if rows > m:
+        a, _ = _padded_rows(a, a_scale, rows)
+    one = unit_scale(a.device)
+    product_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    y = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype)[:m]
+    return scale_product(y, a_scale, w_scale, out_dtype, bias)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
@@ -268,6 +337,8 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k)
     if backend == "scaled_mm":
         out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
+    elif backend == "unit_scaled_mm":
+        out = unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     else:
         out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
     return out.view(*lead, n)

@@ -3,12 +3,14 @@ the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 
 - block weights (a scale per 128 x 128 block): only the Triton kernel applies the scales per K group;
 - channel weights (a scale per output row, activations per token): `torch._scaled_mm`'s row-wise GEMM
-  or the Triton kernel, whichever bench/kernels.py --fp8-gemm measured faster at that shape and M.
+  ("scaled_mm"), its tensor-wise GEMM on unit scales with the scales applied after ("unit_scaled_mm"), or the
+  Triton kernel ("triton"), whichever bench/kernels.py --fp8-gemm-sweep measured fastest at that shape and M.
 
 TABLE maps (N, K) of a channel weight to [(largest M, backend[, rows]), ...] in increasing M (an M between two rows
-takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT. `rows`, on a scaled_mm row,
-runs the product on that many rows (kernels/fp8_gemm.scaled_mm_fp8_gemm): cuBLASLt's heuristics pick slow kernels at
-some M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48
+takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT_UP_TO's backend up to its M and
+DEFAULT above. `rows`, on a row of either
+_scaled_mm backend, runs the product on that many rows (kernels/fp8_gemm._padded_rows): cuBLASLt's heuristics pick
+slow kernels at some M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48
 us at M = 256). TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
 SPLIT_K])), ...] the same way; a shape or M not in it takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm
 measures both on the Qwen3-8B shape's GEMMs (`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows
@@ -25,62 +27,68 @@ from __future__ import annotations
 import json
 import os
 
-BACKENDS = ("scaled_mm", "triton")
-DEFAULT = "scaled_mm"  # torch's row-wise FP8 GEMM (CUTLASS / cuBLASLt on sm_90): the faster from M = 128 on every shape
+BACKENDS = ("scaled_mm", "unit_scaled_mm", "triton")
+# a shape the table lacks: cuBLASLt's plain (tensor-wise) FP8 GEMM up to decode's M, its row-wise one above, the faster
+# on each of the Qwen3-8B shape's products at those M (bench/RESULTS.md, 2026-12-04)
+DEFAULT = "scaled_mm"
+DEFAULT_UP_TO = ("unit_scaled_mm", 256)
 TABLE_ENV = "NANOSERVE_FP8_GEMM_TABLE"
 Tiles = tuple[int, ...]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K (1 when absent)]
 
 TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one choice merged
-    (6144, 4096): [(16, "triton"), (128, "scaled_mm"), (192, "scaled_mm", 256), (4096, "scaled_mm")],
-    (4096, 4096): [(1, "triton"), (128, "scaled_mm"), (144, "scaled_mm", 192), (4096, "scaled_mm")],
-    (24576, 4096): [(64, "triton"), (128, "scaled_mm"), (224, "scaled_mm", 256), (4096, "scaled_mm")],
-    (4096, 12288): [(128, "triton"), (160, "scaled_mm", 256), (4096, "scaled_mm")],
+    (6144, 4096): [(16, "triton"), (192, "unit_scaled_mm"), (4096, "scaled_mm")],
+    (4096, 4096): [(256, "unit_scaled_mm"), (4096, "scaled_mm")],
+    (24576, 4096): [(64, "triton"), (160, "unit_scaled_mm"), (224, "scaled_mm", 256), (4096, "scaled_mm")],
+    (4096, 12288): [(1, "triton"), (16, "unit_scaled_mm", 32), (256, "unit_scaled_mm"), (4096, "scaled_mm")],
 }
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
     ("channel", 6144, 4096): [
-        (1, (16, 64, 128, 4, 4, 2)), (16, (16, 32, 256, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
-        (128, (64, 64, 128, 4, 4)), (144, (128, 64, 128, 4, 4)), (160, (64, 128, 128, 4, 4)),
-        (192, (128, 128, 256, 8, 3)), (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)),
-        (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (32, (32, 64, 128, 4, 4, 4)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 64, 128, 4, 4)), (128, (64, 64, 128, 4, 4)),
+        (144, (128, 128, 256, 8, 3)), (160, (64, 128, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
+        (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 6144, 4096): [
-        (1, (16, 16, 128, 2, 6)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
-        (128, (64, 64, 128, 4, 4)), (144, (64, 64, 128, 4, 4)), (160, (128, 128, 128, 8, 3)),
-        (192, (64, 64, 128, 4, 4)), (224, (128, 128, 128, 8, 3)), (256, (128, 128, 128, 8, 3)),
-        (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 64, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (32, (64, 64, 128, 4, 4, 2)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 128, 128, 4, 3)), (128, (64, 128, 128, 4, 4, 2)),
+        (144, (64, 64, 128, 4, 4)), (160, (64, 64, 128, 4, 4)), (192, (64, 64, 128, 4, 4)),
+        (224, (64, 64, 128, 4, 4)), (256, (64, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 4096, 4096): [
-        (1, (16, 32, 128, 4, 6)), (16, (16, 16, 128, 2, 6)), (64, (64, 64, 128, 4, 4)), (128, (128, 128, 128, 8, 3)),
-        (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
-        (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (32, (32, 64, 128, 4, 4, 4)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 64, 128, 4, 4)), (128, (64, 64, 128, 4, 4)),
+        (144, (64, 128, 128, 4, 4)), (160, (64, 128, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
+        (224, (64, 128, 128, 4, 4)), (256, (64, 128, 128, 4, 4)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 4096, 4096): [
-        (1, (16, 128, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
-        (128, (64, 64, 128, 4, 4)), (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)),
-        (192, (128, 64, 128, 4, 4)), (224, (128, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)),
-        (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 64, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (32, (64, 64, 128, 4, 4, 2)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 128, 128, 4, 4, 2)), (128, (64, 64, 128, 4, 4)),
+        (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)), (192, (128, 64, 128, 4, 4)),
+        (224, (128, 64, 128, 4, 4)), (256, (64, 128, 128, 4, 4, 2)), (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 24576, 4096): [
-        (1, (16, 64, 256, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (128, (64, 64, 128, 4, 4)),
-        (144, (64, 128, 128, 4, 4)), (160, (64, 128, 128, 4, 4)), (192, (64, 128, 128, 4, 4)),
-        (224, (64, 128, 128, 4, 4)), (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (32, (64, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (96, (64, 64, 128, 4, 4)), (128, (64, 64, 128, 4, 4)), (144, (64, 128, 128, 4, 4)),
+        (160, (64, 128, 128, 4, 4)), (192, (64, 128, 128, 4, 4)), (224, (64, 128, 128, 4, 4)),
+        (256, (128, 128, 256, 8, 3)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 24576, 4096): [
-        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (64, (64, 128, 128, 4, 4)), (128, (64, 128, 128, 4, 3)),
-        (144, (128, 64, 128, 4, 4)), (160, (128, 64, 128, 4, 4)), (192, (128, 64, 128, 4, 4)),
-        (224, (128, 64, 128, 4, 4)), (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 64, 128, 4, 4)), (16, (16, 64, 128, 4, 4)), (32, (32, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)),
+        (96, (64, 128, 128, 4, 3)), (128, (64, 128, 128, 4, 3)), (144, (128, 64, 128, 4, 4)),
+        (160, (128, 64, 128, 4, 4)), (192, (64, 128, 128, 4, 3)), (224, (128, 64, 128, 4, 4)),
+        (256, (128, 64, 128, 4, 4)), (4096, (64, 128, 128, 4, 3)),
     ],
     ("channel", 4096, 12288): [
-        (1, (16, 32, 128, 4, 4, 4)), (16, (16, 32, 128, 4, 4, 4)), (64, (32, 64, 128, 4, 4, 4)),
-        (128, (64, 128, 128, 4, 4, 2)), (144, (64, 128, 128, 4, 4)), (160, (64, 128, 128, 4, 4)),
-        (192, (64, 128, 128, 4, 4)), (224, (64, 128, 128, 4, 4)), (256, (64, 128, 128, 4, 4)),
-        (4096, (128, 128, 256, 8, 3)),
+        (1, (16, 32, 128, 4, 4, 4)), (16, (16, 32, 128, 4, 4, 4)), (32, (32, 64, 128, 4, 4, 4)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 128, 128, 4, 4, 2)), (128, (64, 128, 128, 4, 4, 2)),
+        (144, (64, 128, 128, 4, 4, 2)), (160, (64, 128, 128, 4, 4, 2)), (192, (64, 128, 128, 4, 4, 2)),
+        (224, (64, 128, 128, 4, 4, 2)), (256, (64, 128, 128, 4, 4, 2)), (4096, (128, 128, 256, 8, 3)),
     ],
     ("block", 4096, 12288): [
-        (1, (16, 16, 128, 2, 6)), (16, (16, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)),
-        (128, (64, 128, 128, 4, 4, 2)), (144, (64, 128, 128, 4, 4, 2)), (160, (64, 128, 128, 4, 4, 2)),
-        (192, (64, 128, 128, 4, 4, 2)), (224, (64, 128, 128, 4, 4, 2)), (256, (64, 128, 128, 4, 4, 2)),
-        (4096, (64, 128, 128, 4, 3)),
+        (1, (16, 64, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (32, (64, 64, 128, 4, 4, 2)),
+        (64, (64, 64, 128, 4, 4, 2)), (96, (64, 128, 128, 4, 4, 2)), (128, (64, 128, 128, 4, 4, 2)),
+        (144, (64, 128, 128, 4, 4, 2)), (160, (64, 128, 128, 4, 4, 2)), (192, (64, 128, 128, 4, 4, 2)),
+        (224, (64, 128, 128, 4, 4, 2)), (256, (64, 128, 128, 4, 4, 2)), (4096, (64, 128, 128, 4, 3)),
     ],
 }
 
@@ -91,13 +99,13 @@ def _lookup(rows, m: int) -> tuple | None:
 
 
 def choose_gemm(scheme: str, m: int, n: int, k: int) -> tuple[str, int]:
-    """("scaled_mm" or "triton", the rows to run it on) for an [m, k] x [k, n] product with `scheme` ("block" or
-    "channel") scales: m, or more where the TABLE row pads _scaled_mm's rows."""
+    """(one of BACKENDS, the rows to run it on) for an [m, k] x [k, n] product with `scheme` ("block" or "channel")
+    scales: m, or more where the TABLE row pads _scaled_mm's rows."""
     if scheme == "block" or n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
         return "triton", m
     row = _lookup(TABLE.get((n, k), ()), m)
     if row is None:
-        return DEFAULT, m
+        return DEFAULT_UP_TO[0] if m <= DEFAULT_UP_TO[1] else DEFAULT, m
     return row[1], max(m, row[2]) if len(row) > 2 else m
 
 
@@ -112,6 +120,9 @@ def apply_table(measured: dict) -> None:
     {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}."""
     for key, rows in measured["backends"].items():
         n, k = map(int, key.split("x"))
+        unknown = {backend for _, backend, *_ in rows} - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"FP8 GEMM table row for {key} names {sorted(unknown)}; the backends are {BACKENDS}")
         TABLE[(n, k)] = [(int(m), backend, *map(int, pad)) for m, backend, *pad in rows]
     for key, rows in measured["tiles"].items():
         scheme, shape = key.split()

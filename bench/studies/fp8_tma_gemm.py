@@ -55,16 +55,14 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from bench.fp8_gemm_table import QWEN3_8B_GEMMS, cold_graph_us, weight_copies  # noqa: E402
 from kernels.fp8_gemm import PROMOTE_K, SPLIT_COUNTERS, split_counters  # noqa: E402
 from kernels.triton_runtime import INTERPRET, num_sms  # noqa: E402
 
-QWEN3_8B_GEMMS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
-                  ("down_proj", 4096, 12288)]
 TOKENS = [64, 96, 128, 144, 160, 192, 224, 256]
 MAX_ERROR = 2e-3  # of max |reference|: the accumulation's error, measured on an fp32 output
 BF16_ROUNDING = 2.0**-8  # bf16's own rounding of an output, relative: up to 3.9e-3 of max |reference| by itself
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory a program may take on an H100/H200
-L2_BYTES = 50 * 2**20
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize): each compiled once per output dtype and
 # split-or-not, for every shape and M
@@ -380,21 +378,6 @@ def compile_check() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def graph_us(calls, timing_ms: int) -> float:
-    """Microseconds a call: `calls` (one GEMM per copy of W) captured in one CUDA graph, its replays timed by do_bench
-    (which also flushes L2 before each), the median over the number of calls."""
-    for call in calls:  # compiles, allocates the split-K counters, warms cuBLASLt: all before capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = triton.testing.do_bench(graph.replay, warmup=timing_ms // 4 or 1, rep=timing_ms, return_mode="median")
-    del graph
-    return ms * 1e3 / len(calls)
-
-
 def split_counts(m: int, n: int, config: tuple, sms: int) -> list[int]:
     """The split-K counts worth timing for a config: 1, and those that keep the units within MAX_WAVES of the SMs."""
     tiles = triton.cdiv(m, config[0]) * triton.cdiv(n, config[1])
@@ -408,7 +391,7 @@ def measure(fn, weights, ref: torch.Tensor, scale: float, m: int, n: int, k: int
     try:
         err = (fn(weights[0], torch.bfloat16).double() - ref).abs().max().item() / scale
         acc_err = (fn(weights[0], torch.float32).double() - ref).abs().max().item() / scale
-        us = graph_us([lambda w=w: fn(w, torch.bfloat16) for w in weights], timing_ms)
+        us = cold_graph_us(lambda w: fn(w, torch.bfloat16), weights, timing_ms)
     except Exception as e:  # noqa: BLE001  a variant that cannot run is a result; the next one still runs
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", "fails": True}
     return {"us": us, "tb_s": n * k / us / 1e6, "tflops": 2 * m * n * k / us / 1e6, "err": err, "acc_err": acc_err,
@@ -437,8 +420,8 @@ def study(tokens: list[int], configs: list[tuple], timing_ms: int, gemms: list =
     shapes = []
     for name, n, k in gemms:
         w, w_s = quantize_rows_ref(torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5, k)
-        copies = max(2, math.ceil(4 * L2_BYTES / (n * k)))  # each call reads a copy that L2 lost long ago
-        weights = [w] + [w.clone() for _ in range(copies - 1)]
+        weights = weight_copies(w)  # each call reads a copy that L2 lost long ago
+        copies = len(weights)
         w64 = dequantize_rows(w, w_s, k, torch.float64)
         print(f"\n{name}: N = {n}, K = {k}, W {n * k / 1e6:.1f} MB, {copies} copies; us and W's TB/s ('!': fails "
               f"the accuracy check); errors of max |ref|, in bf16 and fp32 output")

@@ -202,9 +202,10 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
     if device.type == "cuda":
-        from kernels.fp8_gemm import split_counters
+        from kernels.fp8_gemm import split_counters, unit_scale
 
         split_counters(device)  # before the decode graphs are captured: a split-K GEMM counts its tiles there
+        unit_scale(device)  # and the tensor-wise GEMM's scales
         fused = quantize_in_producers(model)
         log.info("fp8 activations: %d of them quantized by the kernel that produces them", fused)
     return count

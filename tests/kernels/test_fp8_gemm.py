@@ -110,6 +110,26 @@ def test_scaled_mm_on_padded_rows_gives_the_unpadded_rows(m, rows, made_by):
     torch.testing.assert_close(padded, unpadded, rtol=1e-6, atol=1e-6 * ref.abs().max().item())  # GEMM blocking
 
 
+@interpreter
+@pytest.mark.parametrize("m, rows", [(3, 0), (17, 32), (200, 256)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unit_scaled_mm_then_its_scales_matches_float64(m, rows, out_dtype):
+    """The tensor-wise _scaled_mm on unit scales, then _scale_product_kernel's per-token x per-channel scales and
+    the bias: the row-wise product, in any output dtype (fp16 too: the unscaled product is formed in bf16, where it
+    cannot overflow), on padded rows or not."""
+    x, _, _, w, w_scale, bias = operands(m, 48, 64, 64, seed=m + 1)
+    a, a_scale = fp8_gemm.quantize_rows(x, 64)
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, 64, bias)
+    out = fp8_gemm.unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias.to(out_dtype), rows=rows)
+    assert out.shape == (m, 48) and out.dtype == out_dtype
+    # fp32: the product stays fp32; bf16/fp16: its bf16 rounding, then the output's (2^-9 each on a GPU; the CPU's
+    # bf16 _scaled_mm rounds twice)
+    assert_close_to_float64(out, ref, rel=1e-5 if out_dtype == torch.float32 else 1e-2)
+    y = torch.randn(m, 48, dtype=torch.bfloat16)
+    scaled = fp8_gemm.scale_product(y.clone(), a_scale, w_scale, torch.float32)
+    assert_close_to_float64(scaled, y.double() * a_scale.double() * w_scale.double().view(1, -1), rel=1e-6)
+
+
 def test_quantized_activations_have_spare_rows_that_a_gemm_can_read_in_place():
     from kernels.fp8_quant import ROW_CAPACITY, empty_quantized, rows_in_place
 
@@ -148,11 +168,15 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
         out = fp8_gemm.triton_fp8_gemm(a, a_scale, w, w_scale, group, torch.float32, bias, tiles=tiles)
         assert_close_to_float64(out, ref, rel=1e-3)
         assert not fp8_gemm.split_counters(out.device).any()
-    if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise scales: channel weights
-        out = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
-        assert_close_to_float64(out, ref, rel=1e-2)
-        padded = fp8_gemm.scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16(), rows=m + 57)
-        assert_close_to_float64(padded, ref, rel=1e-2)
+    if group == k and n % 16 == 0 and k % 16 == 0:  # _scaled_mm's row-wise and tensor-wise GEMMs: channel weights
+        for gemm in (fp8_gemm.scaled_mm_fp8_gemm, fp8_gemm.unit_scaled_mm_fp8_gemm):
+            out = gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16())
+            assert_close_to_float64(out, ref, rel=1e-2)
+            padded = gemm(a, a_scale, w, w_scale, torch.bfloat16, bias.bfloat16(), rows=m + 57)
+            assert_close_to_float64(padded, ref, rel=1e-2)
+        # fp32 out: the product stays fp32, so cuBLASLt's accumulation alone (bound as Triton's above)
+        out = fp8_gemm.unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias)
+        assert_close_to_float64(out, ref, rel=1e-3)
 
 
 @needs_cuda
@@ -173,14 +197,15 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
 
 @needs_cuda
 @pytest.mark.gpu
-def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monkeypatch):
+@pytest.mark.parametrize("backend", ["scaled_mm", "unit_scaled_mm"])
+def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monkeypatch, backend):
     """fp8_linear on a TABLE row that pads M = 132 to 256 rows, its activations quantized in the call (spare rows
     unwritten), captured in a CUDA graph and replayed on new inputs: the product of those inputs."""
     from kernels import fp8_gemm_dispatch as dispatch
 
     n, k = 512, 1024
-    monkeypatch.setitem(dispatch.TABLE, (n, k), [(64, "scaled_mm"), (160, "scaled_mm", 256)])
-    assert dispatch.choose_gemm("channel", 132, n, k) == ("scaled_mm", 256)
+    monkeypatch.setitem(dispatch.TABLE, (n, k), [(64, "scaled_mm"), (160, backend, 256)])
+    assert dispatch.choose_gemm("channel", 132, n, k) == (backend, 256)
     _, _, _, w, w_scale, _ = operands(1, n, k, k, seed=5)
     w, w_scale = w.cuda(), w_scale.cuda()
     static_x = torch.zeros(132, k, dtype=torch.bfloat16, device="cuda")
@@ -212,7 +237,9 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
     picks = [dispatch.choose_gemm("channel", m, 96, 64)[0] for m in (1, 2, 64, 65, 256, 257)]
     assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
     assert dispatch.choose_gemm("block", 2, 96, 64) == ("triton", 2)  # only Triton applies block scales
-    assert dispatch.choose_gemm("channel", 2, 96, 80) == (dispatch.DEFAULT, 2)  # a shape not measured
+    # a shape not measured: the tensor-wise GEMM up to decode's M, the row-wise one above
+    assert dispatch.choose_gemm("channel", 256, 96, 80) == ("unit_scaled_mm", 256)
+    assert dispatch.choose_gemm("channel", 257, 96, 80) == (dispatch.DEFAULT, 257)
     assert dispatch.choose_gemm("channel", 2, 90, 64) == ("triton", 2)  # _scaled_mm needs multiples of 16
     # a padded row: _scaled_mm on 256 rows for M from 65 to 160, on M rows elsewhere
     assert [dispatch.choose_gemm("channel", m, 96, 128)[1] for m in (64, 65, 160, 161, 600)] == [64, 256, 256, 161, 600]
@@ -242,3 +269,16 @@ def test_the_sweep_pads_a_scaled_mm_row_only_where_more_rows_were_measured_faste
     ]}
     # a gain under 5% is not worth the copy
     assert choose_backends([row(144, 50.0, 90.0), row(256, 48.0, 90.0)])["96x64"][0] == [144, "scaled_mm"]
+    # the tensor-wise GEMM on unit scales where it is the fastest, padded by the same rule
+    unit = [dict(row(128, 40.0, 45.0), unit_scaled_mm_us=30.0), dict(row(144, 70.0, 65.0), unit_scaled_mm_us=50.0),
+            dict(row(256, 48.0, 70.0), unit_scaled_mm_us=45.0), dict(row(4096, 600.0, 900.0), unit_scaled_mm_us=650.0)]
+    assert choose_backends(unit)["96x64"] == [[128, "unit_scaled_mm"], [144, "unit_scaled_mm", 256],
+                                               [256, "unit_scaled_mm"], [4096, "scaled_mm"]]
+
+
+def test_a_table_naming_an_unknown_backend_is_refused(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "TABLE", {})
+    with pytest.raises(ValueError, match="cutlass"):
+        dispatch.apply_table({"backends": {"96x64": [[16, "cutlass"]]}, "tiles": {}})
