@@ -1,6 +1,8 @@
 """RMSNorm (after the residual add) and SiLU-and-mul that write their output as FP8 activations with scales:
 the input of the FP8 GEMM that follows them (kernels/fp8_gemm.py), so that no separate quantization kernel
-runs between the producer and its GEMM, and the bf16 activations never go to memory.
+runs between the producer and its GEMM (SiLU-and-mul with a scale per token writes its bf16 output once, for its
+second kernel, which reads it back from L2). SiLU-and-mul may also take gate_up_proj's FP8 product before its
+scales (kernels/fp8_quant.UnscaledProduct) and apply them as it reads it.
 
 Each kernel computes exactly what its plain version in kernels/fused_ops.py writes (rounded to the activation
 dtype where that one rounds), then quantizes it as kernels/fp8_gemm.quantize_rows would: a scale per token
@@ -26,7 +28,7 @@ from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 MAX_ROW_TILE = 4096  # columns one SiLU-and-mul program holds at once for scales per group (a norm: its whole row)
-MAX_ONE_PASS_ROW = 16384  # per-token scales: a row up to this wide is held whole, read once (73 registers at 16 warps)
+PER_TOKEN_CHUNK = 1024  # columns a SiLU-and-mul program takes with a scale per token (4 warps: 8 values a thread)
 
 
 def can_quantize_in_groups(group: int, k: int) -> bool:
@@ -139,66 +141,109 @@ def _quantized(y: torch.Tensor, group: int) -> QuantizedActivations:
 
 
 @triton.jit
-def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask):
-    """silu(gate) * up at `cols`, rounded to the activation dtype where fused_ops._silu_and_mul_kernel rounds."""
+def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask, row_scale, col_scale_ptr, HAS_SCALES: tl.constexpr):
+    """silu(gate) * up at `cols`, rounded to the activation dtype where fused_ops._silu_and_mul_kernel rounds. With
+    HAS_SCALES x is an unscaled product (kernels/fp8_gemm.unit_scaled_mm_fp8_gemm): gate and up are first scaled by
+    the token's and their column's scales and rounded, as kernels/fp8_gemm.scale_product would write them."""
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row_offset + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row_offset + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        gate_s = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        up_s = tl.load(col_scale_ptr + inter + cols, mask=mask, other=0.0)
+        gate = (gate * (row_scale * gate_s)).to(dtype).to(tl.float32)
+        up = (up * (row_scale * up_s)).to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (act * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, inter, num_groups, x_stride,
-    PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr, TWO_PASSES: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, inter, num_groups, x_stride,
+    HAS_SCALES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
 ):
-    # Per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass; so does
-    # program (t, 0) per token when the whole row fits its tile. A wider row per token is read twice (its max,
-    # then the quantization; the second read hits L2).
+    # scales per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, NUM_TILES)
-    tile_cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
-    row_offset = row * x_stride
-    out_row = q_ptr + row * inter
-    if TWO_PASSES:
-        amax = tl.zeros([NUM_TILES, TILE], dtype=tl.float32)
-        for start in range(0, inter, NUM_TILES * TILE):
-            cols = start + tile_cols
-            amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)))
-        scale = _group_scales(amax, PER_ROW)
-        for start in range(0, inter, NUM_TILES * TILE):
-            cols = start + tile_cols
-            y = _silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)
-            tl.store(out_row + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
-        tl.store(scale_ptr + row + tiles, scale, mask=tiles < 1)
-    else:
-        first = tl.program_id(1) * NUM_TILES
-        cols = first * TILE + tile_cols
-        y = _silu_and_mul_tile(x_ptr, row_offset, inter, cols, cols < inter)
-        scale = _group_scales(y, PER_ROW)
-        tl.store(out_row + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
-        tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
+    first = tl.program_id(1) * NUM_TILES
+    cols = first * TILE + tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    row_scale = tl.load(row_scale_ptr + row) if HAS_SCALES else 1.0
+    y = _silu_and_mul_tile(x_ptr, row * x_stride, inter, cols, cols < inter, row_scale, col_scale_ptr, HAS_SCALES)
+    scale = _group_scales(y, False)
+    tl.store(q_ptr + row * inter + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
+    tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
 
 
-def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None) -> QuantizedActivations:
+@triton.jit
+def _silu_and_mul_chunk_kernel(
+    x_ptr, h_ptr, amax_ptr, row_scale_ptr, col_scale_ptr, inter, num_chunks, x_stride,
+    HAS_SCALES: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # a scale per token, step 1: program (t, c) writes SiLU-and-mul's chunk c of token t and that chunk's max |y|
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < inter
+    row_scale = tl.load(row_scale_ptr + row) if HAS_SCALES else 1.0
+    y = _silu_and_mul_tile(x_ptr, row * x_stride, inter, cols, mask, row_scale, col_scale_ptr, HAS_SCALES)
+    tl.store(h_ptr + row * inter + cols, y.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(amax_ptr + row * num_chunks + chunk, tl.max(tl.abs(y), axis=0))
+
+
+@triton.jit
+def _quantize_by_chunk_maxes_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, inter, num_chunks,
+                                    CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    # step 2: the token's scale from its chunks' maxes (_group_scales' expression), then chunk c quantized with it
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    slots = tl.arange(0, CHUNKS)
+    amax = tl.max(tl.load(amax_ptr + row * num_chunks + slots, mask=slots < num_chunks, other=0.0), axis=0)
+    scale = tl.maximum(amax / FP8_MAX, _MIN_SCALE)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < inter
+    y = tl.load(h_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * inter + cols, quantize_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedActivations:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as FP8 [T, I] with a scale per token and `group` columns
-    (group >= I: per token); a program holds at most max_cols columns at once (at least one group; by default
-    MAX_ONE_PASS_ROW per token, MAX_ROW_TILE per group)."""
+    (group >= I: per token). `scales` (per token [T, 1], per column [2I, 1]): x is an unscaled product, which
+    kernels/fp8_gemm.scale_product would have scaled first. A program holds at most max_cols columns (at least one
+    group; by default MAX_ROW_TILE).
+
+    Per group, one kernel: each program quantizes whole groups. Per token, two: a token's max needs its whole row,
+    and one program a row would leave most SMs idle at decode's batch (and hold 12,288 columns in registers), so
+    the first writes SiLU-and-mul in chunks with each chunk's max, the second quantizes each chunk by the max of
+    its token's chunks (the activations' second read hits L2)."""
     num_rows, inter = x.shape[0], x.shape[1] // 2
     if x.stride(1) != 1:
         x = x.contiguous()
-    if max_cols is None:
-        max_cols = MAX_ONE_PASS_ROW if group >= inter else MAX_ROW_TILE
+    has_scales = scales is not None
+    row_scale, col_scale = scales if has_scales else (x, x)
+    max_cols = max_cols or MAX_ROW_TILE
     num_tiles, tile, per_row = _tiles(inter, group, max_cols)
     num_groups = 1 if per_row else triton.cdiv(inter, group)
     q, scale = empty_quantized(num_rows, inter, num_groups, x.device)
-    if num_rows > 0 and inter > 0:
-        grid = (num_rows, 1 if per_row else triton.cdiv(num_groups, num_tiles))
-        _silu_and_mul_quant_kernel[grid](x, q, scale, inter, num_groups, x.stride(0),
-                                         PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
-                                         TWO_PASSES=per_row and num_tiles * tile < inter,
-                                         num_warps=_num_warps(num_tiles * tile))
+    if num_rows == 0 or inter == 0:
+        return QuantizedActivations(q, scale, x.dtype)
+    if not per_row:
+        _silu_and_mul_quant_kernel[(num_rows, triton.cdiv(num_groups, num_tiles))](
+            x, q, scale, row_scale, col_scale, inter, num_groups, x.stride(0),
+            HAS_SCALES=has_scales, NUM_TILES=num_tiles, TILE=tile, num_warps=_num_warps(num_tiles * tile))
+        return QuantizedActivations(q, scale, x.dtype)
+    chunk = min(num_tiles * tile, PER_TOKEN_CHUNK)
+    num_chunks = triton.cdiv(inter, chunk)
+    h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+    amax = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
+    _silu_and_mul_chunk_kernel[(num_rows, num_chunks)](
+        x, h, amax, row_scale, col_scale, inter, num_chunks, x.stride(0),
+        HAS_SCALES=has_scales, CHUNK=chunk, num_warps=_num_warps(chunk))
+    _quantize_by_chunk_maxes_kernel[(num_rows, num_chunks)](
+        h, amax, q, scale, inter, num_chunks, CHUNK=chunk, CHUNKS=triton.next_power_of_2(num_chunks),
+        num_warps=_num_warps(chunk))
     return QuantizedActivations(q, scale, x.dtype)
 
 

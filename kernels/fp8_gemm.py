@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
-from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized, rows_in_place
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, UnscaledProduct, empty_quantized, rows_in_place
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -237,16 +237,12 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     return out
 
 
-def _padded_rows(a: torch.Tensor, a_scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """a and its scales seen as `rows` rows (rows > M): the activations' buffers' spare rows where they have them
-    (empty_quantized), else zero rows (a copy). Each output row of a row-scaled product depends on its own row
-    only, so whatever the spare rows hold changes none of the first M."""
-    m = a.shape[0]
-    a_rows, scale_rows = rows_in_place(a, rows), rows_in_place(a_scale, rows)
-    if a_rows is None or scale_rows is None:
-        a_rows = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
-        scale_rows = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
-    return a_rows, scale_rows
+def _padded_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """t [M, C] seen as `rows` rows (rows > M): its buffer's spare rows where it has them (the activations' and their
+    scales': empty_quantized), else rows of `fill` appended (a copy). Each output row of a row-scaled product depends
+    on its own row only, so whatever the spare rows hold changes none of the first M."""
+    padded = rows_in_place(t, rows)
+    return padded if padded is not None else torch.cat([t, t.new_full((rows - t.shape[0], t.shape[1]), fill)])
 
 
 def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -256,7 +252,7 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     cuBLASLt is faster so (_padded_rows); the first M come back."""
     m = a.shape[0]
     if rows > m:
-        a, a_scale = _padded_rows(a, a_scale, rows)
+        a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
     out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)[:m]
     return out if bias is None else out + bias
 
@@ -308,20 +304,27 @@ def unit_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Ten
                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch._scaled_mm tensor-wise on unit scales (the unscaled product, in bf16, or fp32 for an fp32 output: fp16
     could overflow), then scale_product: channel weights only. rows > M as in scaled_mm_fp8_gemm."""
+    product_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    return scale_product(unit_scaled_product(a, w, product_dtype, rows), a_scale, w_scale, out_dtype, bias)
+
+
+def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.dtype, rows: int = 0) -> torch.Tensor:
+    """x_q @ w_q^T, unscaled, in product_dtype: torch._scaled_mm tensor-wise on unit scales, on `rows` rows if more
+    than M (_padded_rows); the first M rows."""
     m = a.shape[0]
     if rows > m:
-        a, _ = _padded_rows(a, a_scale, rows)
+        a = _padded_rows(a, rows, 0.0)
     one = unit_scale(a.device)
-    product_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
-    y = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype)[:m]
-    return scale_product(y, a_scale, w_scale, out_dtype, bias)
+    return torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype)[:m]
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledProduct:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
-    groups the weight's scales need; else one kernel quantizes it here."""
+    groups the weight's scales need; else one kernel quantizes it here. `unscaled`: the reader can apply the scales
+    itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
+    as an UnscaledProduct, without scale_product's pass."""
     from kernels.fp8_gemm_dispatch import choose_gemm
 
     grouped = w_scale.shape[1] > 1
@@ -338,6 +341,8 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     if backend == "scaled_mm":
         out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     elif backend == "unit_scaled_mm":
+        if unscaled and bias is None and out_dtype == torch.bfloat16 and len(lead) == 1:
+            return UnscaledProduct(unit_scaled_product(a, w, torch.bfloat16, rows), a_scale, w_scale, out_dtype)
         out = unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     else:
         out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)

@@ -2,13 +2,14 @@
 
 On CUDA with Triton it is one kernel (kernels/fused_ops.py); elsewhere, torch. Before an FP8 down_proj it is
 told so at load (`fp8_group`, by executor_svc/layers/fp8.py) and writes its output quantized for that GEMM
-(kernels/fp8_fused_quant.py).
+(kernels/fp8_fused_quant.py); after an FP8 gate_up_proj it may take that product unscaled and apply its scales as
+it reads it.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_quant import QuantizedActivations
+from kernels.fp8_quant import QuantizedActivations, UnscaledProduct
 
 try:
     from kernels import fp8_fused_quant, fused_ops
@@ -21,7 +22,11 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.fp8_group: int | None = None  # set: the output goes out in FP8, a scale per token and this many columns
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivations:
+    def forward(self, x: torch.Tensor | UnscaledProduct) -> torch.Tensor | QuantizedActivations:
+        if isinstance(x, UnscaledProduct):  # an FP8 gate_up_proj's product, its scales left to this kernel
+            if self.fp8_group is not None:
+                return fp8_fused_quant.silu_and_mul_quant(x.product, self.fp8_group, scales=(x.row_scale, x.col_scale))
+            x = x.scaled()
         if self.fp8_group is not None:
             return fp8_fused_quant.silu_and_mul_quant(x, self.fp8_group)
         if fused_ops is not None and x.is_cuda:

@@ -207,7 +207,9 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         split_counters(device)  # before the decode graphs are captured: a split-K GEMM counts its tiles there
         unit_scale(device)  # and the tensor-wise GEMM's scales
         fused = quantize_in_producers(model)
-        log.info("fp8 activations: %d of them quantized by the kernel that produces them", fused)
+        unscaled = scale_in_readers(model)
+        log.info("fp8 activations: %d of them quantized by the kernel that produces them; %d products scaled by the "
+                 "kernel that reads them", fused, unscaled)
     return count
 
 
@@ -230,6 +232,19 @@ def quantize_in_producers(model: nn.Module) -> int:
                 producer.fp8_group = group
                 fed += 1
     return fed
+
+
+def scale_in_readers(model: nn.Module) -> int:
+    """Let each FP8 Linear layer with channel scales hand its product unscaled to its one reader where that reader
+    quantizes its own output (quantize_in_producers set it) and so applies the scales as it reads (the tensor-wise
+    GEMM's scale pass saved). Returns the number of such layers."""
+    count = 0
+    for module in model.modules():
+        for layer, reader in getattr(module, "fp8_unscaled_readers", list)():
+            if layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape[1] == 1 and reader.fp8_group is not None:
+                layer.fp8_unscaled_output = True
+                count += 1
+    return count
 
 
 def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,

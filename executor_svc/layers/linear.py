@@ -18,9 +18,11 @@ except ImportError:  # no Triton: FP8 weights are dequantized at load (CPU)
 
 
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T + bias; an FP8 weight (executor_svc/layers/fp8.py) goes through the FP8 GEMM."""
+    """x @ W^T + bias; an FP8 weight (executor_svc/layers/fp8.py) goes through the FP8 GEMM, whose product may come
+    back unscaled where the layer's one reader applies the scales (`fp8_unscaled_output`, set at load)."""
     if layer.weight.dtype == FP8_DTYPE:
-        return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias)
+        return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias,
+                                   unscaled=getattr(layer, "fp8_unscaled_output", False))
     return F.linear(x, layer.weight, bias)
 
 

@@ -61,6 +61,11 @@ class LlamaMLP(nn.Module):
         weights the producer may write it quantized (executor_svc/layers/fp8.py)."""
         return [(self.act_fn, self.down_proj)]
 
+    def fp8_unscaled_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(Linear layer, reader) pairs in which the reader alone reads the layer's output and, when it writes FP8
+        itself, can apply an FP8 product's scales as it reads it (executor_svc/layers/fp8.py)."""
+        return [(self.gate_up_proj, self.act_fn)]
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,

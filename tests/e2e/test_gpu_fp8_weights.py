@@ -1,7 +1,8 @@
 """On CUDA: an FP8 checkpoint (128 x 128 blocks, ragged: intermediate 320) and --quantization fp8 decode under
 CUDA graphs to the tokens of the same engine run eagerly (ties judged by the top-5 rule: graph batches are
 padded, and a GEMM may pick other tiles at another M), and to the tokens of the engine whose FP8 GEMMs quantize
-their activations themselves (NANOSERVE_FP8_FUSED_QUANT=0) instead of the norms and SiLU-and-mul before them.
+their activations themselves (NANOSERVE_FP8_FUSED_QUANT=0) instead of the norms and SiLU-and-mul before them (and
+whose gate_up_proj then scales its own product instead of SiLU-and-mul).
 FP8 experts (weight-only, the fused MoE kernels read FP8): a Qwen3-MoE checkpoint whose experts alone are FP8
 blocks (moe_intermediate 192: ragged) equals HF transformers on its dequantized weights in fp32, under CUDA graphs
 and eagerly; --quantization fp8 on it decodes under graphs to the eager tokens."""
@@ -50,6 +51,9 @@ def test_on_cuda_the_producers_before_fp8_layers_write_their_output_in_fp8(check
     producers = [m for m in loaded.modules() if getattr(m, "fp8_group", None) is not None]
     assert len(producers) == fed  # the block checkpoint leaves layer 1's MLP plain: only its qkv_proj is fed
     assert loaded.model.norm.fp8_group is None
+    # channel scales: gate_up_proj may hand SiLU-and-mul its product unscaled (block scales apply inside the GEMM)
+    unscaled = [getattr(layer.mlp.gate_up_proj, "fp8_unscaled_output", False) for layer in (first, second)]
+    assert unscaled == ([False, False] if model == "block" else [True, True])
 
 
 @pytest.mark.parametrize("model, quantization", [("block", None), ("plain", "fp8")])

@@ -121,8 +121,8 @@ def test_fused_rms_norm_writes_the_unfused_chains_fp8_and_matches_float64(dtype,
         assert_same_quantization(qa, ref.q, ref.scale, group)
 
 
-# (intermediate, group, max_cols): per group in one or several programs a row, per token in one pass (the row in
-# one tile) or two (a row wider than the tile, read twice); None: the engine's default
+# (intermediate, group, max_cols): per group in one or several programs a row, per token in chunks of the row (one
+# chunk, or several whose maxes the second kernel joins); None: the engine's default
 SILU_CASES = [(192, 128, None), (576, 128, 256), (576, 576, None), (576, 576, 128), (320, 32, 64), (160, 32, None)]
 
 
@@ -139,6 +139,40 @@ def test_fused_silu_and_mul_writes_the_unfused_chains_fp8_and_matches_float64(dt
     if dtype == torch.float32:
         ref = fq.silu_and_mul_quant_ref(x, group)
         assert_same_quantization(qa, ref.q, ref.scale, group)
+
+
+@interpreter
+@pytest.mark.parametrize("inter, group, max_cols", [(576, 576, None), (576, 576, 128), (192, 128, None)])
+def test_silu_and_mul_applies_an_unscaled_products_scales_as_scale_product_then_the_plain_kernels_would(
+        inter, group, max_cols):
+    """gate_up_proj's product before its per-token and per-channel scales (the tensor-wise FP8 GEMM's), scaled as
+    SiLU-and-mul reads it: the same bytes as kernels/fp8_gemm.scale_product, then the fused kernel on its output."""
+    gen = torch.Generator().manual_seed(inter + group)
+    product = (activations(5, 2 * inter, seed=group, dtype=torch.float32) * 300).bfloat16()
+    row_scale = torch.rand(5, 1, generator=gen) / 100 + 1e-3
+    col_scale = torch.rand(2 * inter, 1, generator=gen) / 100 + 1e-3
+    qa = fq.silu_and_mul_quant(product, group, max_cols=max_cols, scales=(row_scale, col_scale))
+    scaled = fp8_gemm.scale_product(product.clone(), row_scale, col_scale, torch.bfloat16)
+    ref = fq.silu_and_mul_quant(scaled, group, max_cols=max_cols)
+    assert torch.equal(qa.scale, ref.scale) and torch.equal(qa.q.view(torch.uint8), ref.q.view(torch.uint8))
+    assert qa.dtype == torch.bfloat16
+
+
+@interpreter
+def test_an_fp8_linear_hands_an_unscaled_product_only_where_the_tensor_wise_gemm_runs(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+    from kernels.fp8_quant import UnscaledProduct
+
+    n, k = 64, 96
+    x = activations(7, k, seed=3, dtype=torch.bfloat16)
+    w, w_scale = quantize_rows_ref(randn(n, k, gen=torch.Generator().manual_seed(4), dtype=torch.float32), k)
+    monkeypatch.setitem(dispatch.TABLE, (n, k), [(4, "triton"), (64, "unit_scaled_mm")])
+    product = fp8_gemm.fp8_linear(x, w, w_scale, k, unscaled=True)
+    assert isinstance(product, UnscaledProduct) and product.product.shape == (7, n)
+    assert torch.equal(product.scaled(), fp8_gemm.fp8_linear(x, w, w_scale, k))
+    assert isinstance(fp8_gemm.fp8_linear(x[:3], w, w_scale, k, unscaled=True), torch.Tensor)  # Triton scales itself
+    bias = torch.randn(n).bfloat16()
+    assert isinstance(fp8_gemm.fp8_linear(x, w, w_scale, k, bias, unscaled=True), torch.Tensor)
 
 
 @interpreter
