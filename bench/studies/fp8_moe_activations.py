@@ -351,7 +351,7 @@ def study() -> None:
             w8a16 = lambda: fm.fused_moe(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
             w8a8 = lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True, scales)  # noqa: B023, E731
             rows = slice(0, 16)
-            ref = reference64(x[rows].cpu(), logits[rows].cpu(), d13, d2, k, quantize_activations=False)
+            ref = reference64(x[rows].cpu(), logits[rows].cpu(), d13.cpu(), d2.cpu(), k, quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)
             us16, us8 = graph_us(w8a16), graph_us(w8a8)
             print(f"{num_tokens:>5} {'block' if group else 'row':>7} {bf16_us:>8.1f} {us16:>8.1f} {us8:>8.1f} "
