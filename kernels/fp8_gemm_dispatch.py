@@ -7,17 +7,15 @@ the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
   Triton kernel ("triton"), whichever bench/kernels.py --fp8-gemm-sweep measured fastest at that shape and M.
 
 TABLE maps (N, K) of a channel weight to [(largest M, backend[, rows]), ...] in increasing M (an M between two rows
-takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT_UP_TO's backend up to its M and
-DEFAULT above. `rows`, on a row of either
-_scaled_mm backend, runs the product on that many rows (kernels/fp8_gemm._padded_rows): cuBLASLt's heuristics pick
-slow kernels at some M, and a product on more rows can be the faster one (on the H200, gate_up_proj's took 74 us at M = 144 and 48
-us at M = 256). TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
+takes the larger row's); a shape not in it, or an M beyond its last row, takes DEFAULT_UP_TO's backend up to its M
+and DEFAULT above. `rows`, on a row of either _scaled_mm backend, runs the product on that many rows
+(kernels/fp8_gemm._padded_rows): cuBLASLt's heuristics pick slow kernels at some M, and a product on more rows can be
+the faster one. TILES maps (scheme, N, K) to [(largest M, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[,
 SPLIT_K])), ...] the same way; a shape or M not in it takes kernels/fp8_gemm's rule. bench/kernels.py --fp8-gemm
-measures both on the Qwen3-8B shape's GEMMs (`--fp8-gemm-sweep`: the Triton kernel's tiles too) and prints the rows
-to put here. The rows below are those the sweep printed on the H200 (bench/RESULTS.md, 2026-12-03: 6760fc6 at M = 1,
-16, 64, 128 and 4096, 339a714 from 144 to 256): on its own tiles (split-K among them) Triton's kernel wins at M = 1
-on every product, and to 16 on qkv_proj, 64 on gate_up_proj and 128 on down_proj; torch._scaled_mm from there on, on
-192 or 256 rows for some M from 129 to 224.
+--fp8-gemm-sweep measures every backend (and the Triton kernel's tiles) on the Qwen3-8B shape's GEMMs, each as a CUDA
+graph of calls over copies of W larger than L2, and prints the rows to put here. The rows below are those it printed
+on the H200 (bench/RESULTS.md, 2026-12-04, 302c3a7): Triton's kernel (split-K among its tiles) at the smallest M,
+the tensor-wise GEMM through most of decode's M, the row-wise one at prefill's (and on gate_up_proj from 161).
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
