@@ -1,17 +1,8 @@
-"""Would FP8 activations make FP8 experts pay? A study: the kernels live here until they win.
-
-The engine's FP8 experts are weight-only (kernels/fused_moe.py, `Fp8Experts`): each FP8 weight tile is widened to
-bf16 in registers and multiplied in bf16. On the H200 (bench/RESULTS.md, 2026-12-04) that layer reads its experts at
-2.0-2.6 TB/s where bf16's read at 3.7-4.0, and prefill pays for the widening (the 30B-A3B shape: decode 1.10x,
-prefill 0.80x of bf16). Here both GEMMs take FP8 activations instead, as the dense FP8 layers do, and multiply FP8 by
-FP8 on the tensor cores (twice bf16's rate, no widening):
-
-- x is quantized per token and group of 128 columns (kernels/fp8_gemm.quantize_rows, DeepSeek's 1 x 128);
-- gate/up: each K tile's FP8 product is scaled by the activations' group scale, and by the weights' (128-column
-  block scales) as it joins the fp32 accumulator; a weight's row scale (channel) multiplies the accumulator in the
-  epilogue. The epilogue rounds gate and up to the activation dtype as HF's expert does, takes silu(gate) * up, and
-  quantizes it per token and 128 columns (the N tile is 128 wide: one group), writing h in FP8 with its scales;
-- down: the same K-tile scaling over h's groups, the routing weight in the epilogue.
+"""Do FP8 activations make FP8 experts pay? The fused MoE block with FP8 activations
+(kernels/fused_moe_fp8_activations.py, w8a8: x and h quantized per token and 128 columns, FP8 x FP8 dots) against
+the engine's weight-only FP8 experts (kernels/fused_moe.py, each FP8 weight tile widened to bf16 in registers) and
+bf16. On the H200 (bench/RESULTS.md, 2026-12-04) the weight-only layer reads its experts at 2.0-2.6 TB/s where bf16's
+read at 3.7-4.0, and prefill pays for the widening (the 30B-A3B shape: decode 1.10x, prefill 0.80x of bf16).
 
     python bench/studies/fp8_moe_activations.py                    # H200: the layer against bf16 and weight-only FP8
     python bench/studies/fp8_moe_activations.py --interpret-check  # CPU: the kernels in Triton's interpreter
@@ -43,148 +34,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import fused_moe as fm  # noqa: E402
-from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # noqa: E402
-from kernels.fp8_quant import MIN_SCALE, dequantize_rows, quantize_rows_ref  # noqa: E402
+from kernels.fp8_quant import dequantize_rows, quantize_rows_ref  # noqa: E402
+from kernels.fused_moe_fp8_activations import (GROUP, _down_fp8_kernel, _fp8_tiles,  # noqa: E402
+                                               _gate_up_fp8_kernel, fused_moe_fp8_activations)
 from kernels.triton_runtime import INTERPRET  # noqa: E402
 
-GROUP = 128  # activation groups (DeepSeek's 1 x 128) and the gate/up N tile that quantizes h
-_MIN_SCALE = tl.constexpr(MIN_SCALE)
 SHAPE = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 TOKENS = [1, 16, 64, 128, 256, 2048]
-
-
-@triton.jit
-def _group_scaled_dot(a, w, acc, a_s, w_s_ptrs, kg, n_ok, W_GROUPED: tl.constexpr):
-    """acc + (a . w) * a's group scale [BLOCK_M] (* w's group scale [BLOCK_N] for block weights): one K tile, inside
-    one group of the activations and of the weights."""
-    part = tl.dot(a, w)
-    scale = a_s[:, None]
-    if W_GROUPED:
-        scale = scale * tl.load(w_s_ptrs + kg, mask=n_ok, other=0.0)[None, :]
-    return acc + part * scale
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
-def _gate_up_fp8_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, stride_xq, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_hs,
-    num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, W_GROUPED: tl.constexpr, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """hq[pair, n], hs[pair, n // BLOCK_N] = the FP8 quantization (per BLOCK_N = 128 columns) of
-    silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]), x given as FP8 with scales per 128 columns."""
-    pid_m, pid_n = fm._tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    pair, row_ok, expert = fm._tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    token = (pair // TOP_K).to(tl.int64)
-    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = fm._gate_up_tile(
-        w_ptr, ws_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
-    a_ptrs = xq_ptr + token[:, None] * stride_xq + offs_k[None, :]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        a, g, u = fm._gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, False, UPCAST)
-        kg = (k * BLOCK_K) // 128
-        a_s = tl.load(xs_ptr + token * stride_xs + kg, mask=row_ok, other=0.0)
-        acc_g = _group_scaled_dot(a, g, acc_g, a_s, sg_ptrs, kg, n_ok, W_GROUPED)
-        acc_u = _group_scaled_dot(a, u, acc_u, a_s, su_ptrs, kg, n_ok, W_GROUPED)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    if not W_GROUPED:  # a scale per weight row
-        acc_g = acc_g * tl.load(sg_ptrs, mask=n_ok, other=0.0)[None, :]
-        acc_u = acc_u * tl.load(su_ptrs, mask=n_ok, other=0.0)[None, :]
-    gate = acc_g.to(OUT_DTYPE).to(tl.float32)  # rounded where HF's expert rounds, as kernels/fused_moe does
-    up = acc_u.to(OUT_DTYPE).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
-    h = (act * up).to(OUT_DTYPE).to(tl.float32)  # what the weight-only path stores, then quantized as quantize_rows
-    h = tl.where(n_ok[None, :], h, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=1) / FP8_MAX, _MIN_SCALE)  # [BLOCK_M]: this tile is one group
-    pair64 = pair.to(tl.int64)
-    tl.store(hq_ptr + pair64[:, None] * inter + offs_n[None, :],
-             quantize_fp8(h, scale[:, None]).to(hq_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-    tl.store(hs_ptr + pair64 * stride_hs + pid_n, scale, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
-def _down_fp8_kernel(
-    hq_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
-    num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_GROUPED: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """out[pair, n] = weight[pair] * (h[pair] . w[e, n]), h given as FP8 with scales per 128 columns."""
-    pid_m, pid_n = fm._tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    pair, row_ok, expert = fm._tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    pair64 = pair.to(tl.int64)
-    offs_n, n_ok, offs_k, b_ptrs, s_ptrs = fm._weight_tile(w_ptr, ws_ptr, expert, pid_n, hidden, stride_we, stride_wn,
-                                                           stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
-    a_ptrs = hq_ptr + pair64[:, None] * inter + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(inter, BLOCK_K)):
-        k_ok = offs_k < inter - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        kg = (k * BLOCK_K) // 128
-        a_s = tl.load(hs_ptr + pair64 * stride_hs + kg, mask=row_ok, other=0.0)
-        acc = _group_scaled_dot(a, b, acc, a_s, s_ptrs, kg, n_ok, W_GROUPED)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if not W_GROUPED:
-        acc = acc * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
-    fm._store_weighted(out_ptr, acc, weights_ptr, pair, row_ok, offs_n, n_ok, stride_ot)
-
-
-def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile]:
-    """The bf16 tiles made fit: gate/up's N tile is one 128-column group of h, and both K tiles lie in one group."""
-    if INTERPRET:
-        return fm.MoeTile(16, GROUP, 32, 1, 1), fm.MoeTile(16, 32, 32, 1, 1)
-    return (replace(up, block_n=GROUP, block_k=min(up.block_k, GROUP)),
-            replace(down, block_k=min(down.block_k, GROUP)))
-
-
-def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                              top_k: int, renormalize: bool, fp8: fm.Fp8Experts,
-                              tiles: tuple[fm.MoeTile, fm.MoeTile] | None = None) -> torch.Tensor:
-    """fused_moe's contract with FP8 experts whose scales are per row or per row and 128 columns, the activations
-    quantized to FP8 per token and 128 columns before each GEMM."""
-    from kernels.fp8_gemm import quantize_rows
-
-    for scale, group in ((fp8.w13_scale, fp8.group_k13), (fp8.w2_scale, fp8.group_k2)):
-        if scale.shape[-1] != 1 and group != GROUP:
-            raise ValueError(f"FP8 activations need weight groups of {GROUP} columns (or a scale per row), not {group}")
-    num_tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    up, down = _fp8_tiles(*(tiles or fm.tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())))
-    if num_tokens == 0:
-        return torch.zeros_like(x)
-    xq, xs = quantize_rows(x, GROUP)
-    weights, ids, groups, counts = fm.route_and_group(router_logits, top_k, renormalize, up.block_m)
-    hq = torch.empty(groups.num_pairs, inter, dtype=w13.dtype, device=x.device)
-    hs = torch.empty(groups.num_pairs, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
-    out_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x.dtype]
-    _gate_up_fp8_kernel[(fm._tiles_m(groups, up) * triton.cdiv(inter, up.block_n),)](
-        xq, xs, w13, fp8.w13_scale, hq, hs, groups.sorted_pairs, groups.block_expert, groups.num_padded,
-        groups.num_pairs, hidden, inter, xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1),
-        fp8.w13_scale.stride(0), fp8.w13_scale.stride(1), hs.stride(0), fm._tiles_m(groups, up),
-        TOP_K=top_k, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
-        W_GROUPED=fp8.w13_scale.shape[-1] > 1, OUT_DTYPE=out_dtype, UPCAST=INTERPRET, num_warps=up.num_warps,
-        num_stages=up.num_stages)
-    if down.block_m != up.block_m:
-        groups = fm.group_by_expert(ids, num_experts, down.block_m, counts)
-    y = torch.empty(groups.num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_fp8_kernel[(fm._tiles_m(groups, down) * triton.cdiv(hidden, down.block_n),)](
-        hq, hs, w2, fp8.w2_scale, y, weights.view(-1), groups.sorted_pairs, groups.block_expert, groups.num_padded,
-        groups.num_pairs, hidden, inter, hs.stride(0), w2.stride(0), w2.stride(1), fp8.w2_scale.stride(0),
-        fp8.w2_scale.stride(1), y.stride(0), fm._tiles_m(groups, down), BLOCK_M=down.block_m, BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k, GROUP_M=down.group_m, W_GROUPED=fp8.w2_scale.shape[-1] > 1, UPCAST=INTERPRET,
-        num_warps=down.num_warps, num_stages=down.num_stages)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

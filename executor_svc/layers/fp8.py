@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ log = logging.getLogger("nanoserve.executor")
 
 MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
 FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
+# "fp8": FP8 experts multiply FP8 activations (kernels/fused_moe_fp8_activations.py) instead of widening their weights
+# to the activation dtype; off by default until measured in the engine (bench/RESULTS.md, 2026-12-04)
+MOE_ACTIVATIONS_ENV = "NANOSERVE_FP8_MOE_ACTIVATIONS"
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -280,4 +284,12 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
     if on_gpu:
         scales = stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous()
         experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2)
+        if os.environ.get(MOE_ACTIVATIONS_ENV) == "fp8":
+            from kernels.fused_moe_fp8_activations import takes_fp8_activations
+
+            if not takes_fp8_activations(experts.fp8):
+                raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: {name}'s expert scales come in groups of "
+                                 f"{experts.fp8_group_k13} and {experts.fp8_group_k2} columns; FP8 activations need "
+                                 "128 or a scale per row")
+            experts.fp8 = replace(experts.fp8, activations="fp8")
     return 1

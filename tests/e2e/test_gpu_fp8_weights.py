@@ -5,7 +5,8 @@ their activations themselves (NANOSERVE_FP8_FUSED_QUANT=0) instead of the norms 
 whose gate_up_proj then scales its own product instead of SiLU-and-mul).
 FP8 experts (weight-only, the fused MoE kernels read FP8): a Qwen3-MoE checkpoint whose experts alone are FP8
 blocks (moe_intermediate 192: ragged) equals HF transformers on its dequantized weights in fp32, under CUDA graphs
-and eagerly; --quantization fp8 on it decodes under graphs to the eager tokens."""
+and eagerly; --quantization fp8 on it decodes under graphs to the eager tokens, its experts weight-only or
+multiplying FP8 activations (NANOSERVE_FP8_MOE_ACTIVATIONS=fp8)."""
 from __future__ import annotations
 
 import pytest
@@ -95,7 +96,10 @@ def test_fp8_experts_decode_to_transformers_on_their_dequantized_weights_under_g
     assert_greedy_matches(eager, ref)
 
 
-def test_quantization_fp8_on_an_moe_decodes_under_cuda_graphs_to_the_eager_tokens(moe_checkpoints):
+@pytest.mark.parametrize("moe_activations", ["bf16", "fp8"])  # weight-only experts; FP8 activations too
+def test_quantization_fp8_on_an_moe_decodes_under_cuda_graphs_to_the_eager_tokens(moe_checkpoints, moe_activations,
+                                                                                  monkeypatch):
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, moe_activations)
     path, prompts = f"{moe_checkpoints}/plain", gpu_prompts()
     graphs, _ = generate(path, prompts, quantization="fp8", dtype="float32", max_num_seqs=32)
     eager, _ = generate(path, prompts, quantization="fp8", dtype="float32", enforce_eager=True)

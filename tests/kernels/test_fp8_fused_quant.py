@@ -276,6 +276,36 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
 
 
 @interpreter
+def test_a_channel_gate_up_proj_hands_silu_and_mul_its_product_unscaled_with_the_same_mlp_output():
+    """bf16 (an unscaled product is only handed over in bf16): gate_up_proj with channel scales and an FP8 down_proj
+    after SiLU-and-mul; the loader lets gate_up_proj's tensor-wise product reach SiLU-and-mul unscaled, and the MLP's
+    output is the one it gives with the scale pass (the same bytes into down_proj). Block scales never do."""
+    from executor_svc.layers import fp8
+    from kernels.fp8_quant import UnscaledProduct
+
+    model = tiny_llama(torch.bfloat16)
+    first, second = model.model.layers
+    to_fp8(first.mlp.gate_up_proj, 192)
+    to_fp8(first.mlp.down_proj, 320)
+    to_fp8(second.mlp.gate_up_proj, 128)  # block scales: applied inside the Triton GEMM
+    to_fp8(second.mlp.down_proj, 128)
+    fp8.quantize_in_producers(model)
+    assert fp8.scale_in_readers(model) == 1 and first.mlp.gate_up_proj.fp8_unscaled_output
+    assert not getattr(second.mlp.gate_up_proj, "fp8_unscaled_output", False)
+    x = randn(6, 192, gen=torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    assert isinstance(first.mlp.gate_up_proj(x), UnscaledProduct)  # 640 x 192 is not in the table: tensor-wise
+    unscaled = first.mlp(x)
+    first.mlp.gate_up_proj.fp8_unscaled_output = False
+    assert isinstance(first.mlp.gate_up_proj(x), torch.Tensor)
+    assert torch.equal(unscaled, first.mlp(x))
+    first.mlp.act_fn.fp8_group = None  # a reader that writes no FP8 scales a handed product itself
+    first.mlp.gate_up_proj.fp8_unscaled_output = True
+    plain = first.mlp.act_fn(first.mlp.gate_up_proj(x))
+    first.mlp.gate_up_proj.fp8_unscaled_output = False
+    assert torch.equal(plain, first.mlp.act_fn(first.mlp.gate_up_proj(x)))
+
+
+@interpreter
 def test_under_tensor_parallelism_silu_and_mul_quantizes_this_ranks_slice_in_down_projs_shard_groups():
     # rank 1 of 2 (its collective left out: this rank's partial sum is compared): intermediate 320 is 160 columns of
     # down_proj here, so block weights' groups shrink to gcd(128, 160) = 32 (as executor_svc/layers/fp8.py does);
