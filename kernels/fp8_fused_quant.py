@@ -1,8 +1,9 @@
 """RMSNorm (after the residual add) and SiLU-and-mul that write their output as FP8 activations with scales:
 the input of the FP8 GEMM that follows them (kernels/fp8_gemm.py), so that no separate quantization kernel
 runs between the producer and its GEMM (SiLU-and-mul with a scale per token writes its bf16 output once, for its
-second kernel, which reads it back from L2). SiLU-and-mul may also take gate_up_proj's FP8 product before its
-scales (kernels/fp8_quant.UnscaledProduct) and apply them as it reads it.
+second kernel, which reads it back from L2). Either may also take an FP8 product before its scales
+(kernels/fp8_quant.UnscaledProduct: gate_up_proj's for SiLU-and-mul, o_proj's and down_proj's for the norm after
+the residual add) and apply them as it reads it.
 
 Each kernel computes exactly what its plain version in kernels/fused_ops.py writes (rounded to the activation
 dtype where that one rounds), then quantizes it as kernels/fp8_gemm.quantize_rows would: a scale per token
@@ -67,15 +68,19 @@ def _group_scales(v, PER_ROW: tl.constexpr):
 
 @triton.jit
 def _rms_norm_quant_kernel(
-    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr,
     dim, eps, num_groups, x_stride, r_stride,
-    HAS_RESIDUAL: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_SCALES: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, NUM_TILES)
     cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     mask = cols < dim
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALES:  # an unscaled FP8 product (o_proj's, down_proj's): scaled and rounded as scale_product writes it
+        col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        x = (x * (tl.load(row_scale_ptr + row) * col_scale)).to(x_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(residual_out_ptr.dtype.element_ty)  # rounded as eager torch adds, then normalised
@@ -92,10 +97,12 @@ def _rms_norm_quant_kernel(
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
-                   residual: torch.Tensor | None = None
+                   residual: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
     """RMSNorm over x [T, hidden] (with `residual`: of x + residual, returned too, as fused_ops.rms_norm),
-    written as FP8 with a scale per token and `group` columns (group >= hidden: per token)."""
+    written as FP8 with a scale per token and `group` columns (group >= hidden: per token). `scales` (per token
+    [T, 1], per column [hidden, 1]): x is an unscaled product, which kernels/fp8_gemm.scale_product would have scaled
+    first."""
     num_rows, dim = x.shape
     assert weight.dtype == x.dtype, "the norm's weight must be in the activation dtype"
     if x.stride(1) != 1:
@@ -110,11 +117,12 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
     else:
         residual, residual_out = x, x  # unused by the kernel
     if num_rows > 0:
+        row_scale, col_scale = scales if scales is not None else (x, x)
         _rms_norm_quant_kernel[(num_rows,)](
-            x, residual, weight, q, scale, residual_out,
+            x, residual, weight, q, scale, residual_out, row_scale, col_scale,
             dim, eps, num_groups, x.stride(0), residual.stride(0),
-            HAS_RESIDUAL=residual_out is not x, PER_ROW=per_row, NUM_TILES=num_tiles, TILE=tile,
-            num_warps=_num_warps(num_tiles * tile),
+            HAS_RESIDUAL=residual_out is not x, HAS_SCALES=scales is not None, PER_ROW=per_row, NUM_TILES=num_tiles,
+            TILE=tile, num_warps=_num_warps(num_tiles * tile),
         )
     out = QuantizedActivations(q, scale, x.dtype)
     return out if residual_out is x else (out, residual_out)

@@ -2,12 +2,13 @@
 
 On CUDA with Triton, one kernel does the add and the norm (kernels/fused_ops.py); elsewhere, torch. A norm
 whose only reader is a Linear layer with FP8 weights is told so at load (`fp8_group`, by
-executor_svc/layers/fp8.py) and then writes its output quantized for that GEMM (kernels/fp8_fused_quant.py).
+executor_svc/layers/fp8.py) and then writes its output quantized for that GEMM (kernels/fp8_fused_quant.py); it
+may then take the FP8 product before it (o_proj's, down_proj's) unscaled and apply its scales as it reads it.
 """
 import torch
 from torch import nn
 
-from kernels.fp8_quant import QuantizedActivations
+from kernels.fp8_quant import QuantizedActivations, UnscaledProduct
 
 try:
     from kernels import fp8_fused_quant, fused_ops
@@ -30,13 +31,18 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | UnscaledProduct, residual: torch.Tensor | None = None
     ) -> torch.Tensor | QuantizedActivations | tuple[torch.Tensor | QuantizedActivations, torch.Tensor]:
         """norm(x); with `residual`, returns (norm(x + residual), x + residual).
 
         x is [T, hidden], or [T, H, D] for Qwen3's per-head q/k norm. With `fp8_group` set (CUDA only), the
         norm comes as QuantizedActivations.
         """
+        if isinstance(x, UnscaledProduct):  # an FP8 o_proj's or down_proj's product, its scales left to this kernel
+            if self.fp8_group is not None:
+                return fp8_fused_quant.rms_norm_quant(x.product, self.weight, self.eps, self.fp8_group, residual,
+                                                      scales=(x.row_scale, x.col_scale))
+            x = x.scaled()
         if self.fp8_group is not None:
             return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual)
         if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):

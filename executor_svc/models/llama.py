@@ -95,6 +95,10 @@ class LlamaDecoderLayer(nn.Module):
             pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
         return pairs
 
+    def fp8_unscaled_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """As LlamaMLP.fp8_unscaled_readers: o_proj's output is read by the post-attention norm alone."""
+        return [(self.self_attn.o_proj, self.post_attention_layernorm)]
+
 
 def dense_mlp(config, layer_idx: int) -> nn.Module:
     return LlamaMLP(config)
@@ -111,6 +115,12 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fp8_unscaled_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """As LlamaMLP.fp8_unscaled_readers: a dense MLP's down_proj output is read by the next layer's input norm
+        alone (the last one's by the final norm, which feeds the LM head and writes no FP8)."""
+        return [(layer.mlp.down_proj, after.input_layernorm) for layer, after in zip(self.layers, self.layers[1:])
+                if isinstance(layer.mlp, LlamaMLP)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

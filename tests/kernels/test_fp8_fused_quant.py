@@ -306,6 +306,42 @@ def test_a_channel_gate_up_proj_hands_silu_and_mul_its_product_unscaled_with_the
 
 
 @interpreter
+def test_o_proj_and_down_proj_hand_the_norm_after_them_their_products_unscaled_with_the_same_fp8_out(monkeypatch):
+    """bf16, every projection FP8 with channel scales: o_proj's product reaches the post-attention norm and the first
+    layer's down_proj's the second layer's input norm unscaled (each norm adds the residual and writes FP8), and what
+    the norms write is what they write from the scaled products. The last down_proj feeds the final norm (plain): no.
+    Under tensor parallelism the row-parallel layers keep their scale pass (their ranks' products are summed)."""
+    from executor_svc.layers import fp8
+
+    model = tiny_llama(torch.bfloat16)
+    first, second = model.model.layers
+    for block in (first, second):
+        for layer, k in ((block.self_attn.qkv_proj, 192), (block.self_attn.o_proj, 192),
+                         (block.mlp.gate_up_proj, 192), (block.mlp.down_proj, 320)):
+            to_fp8(layer, k)
+    fp8.quantize_in_producers(model)
+    monkeypatch.setattr(fp8, "tp_size", lambda: 2)
+    assert fp8.scale_in_readers(model) == 2  # the gate_up_projs alone
+    monkeypatch.setattr(fp8, "tp_size", lambda: 1)
+    assert fp8.scale_in_readers(model) == 5
+    assert not getattr(second.mlp.down_proj, "fp8_unscaled_output", False)
+    gen = torch.Generator().manual_seed(6)
+    attn_out, residual = randn(6, 192, gen=gen, dtype=torch.bfloat16), randn(6, 192, gen=gen, dtype=torch.bfloat16)
+
+    def chain():
+        normed, summed = first.post_attention_layernorm(first.self_attn.o_proj(attn_out), residual)
+        return second.input_layernorm(first.mlp(normed), summed), summed
+
+    (unscaled, unscaled_sum), post_sum = chain()
+    for layer in (first.self_attn.o_proj, first.mlp.down_proj):
+        layer.fp8_unscaled_output = False
+    (scaled, scaled_sum), scaled_post_sum = chain()
+    assert torch.equal(post_sum, scaled_post_sum) and torch.equal(unscaled_sum, scaled_sum)
+    assert torch.equal(unscaled.scale, scaled.scale)
+    assert torch.equal(unscaled.q.view(torch.uint8), scaled.q.view(torch.uint8))
+
+
+@interpreter
 def test_under_tensor_parallelism_silu_and_mul_quantizes_this_ranks_slice_in_down_projs_shard_groups():
     # rank 1 of 2 (its collective left out: this rank's partial sum is compared): intermediate 320 is 160 columns of
     # down_proj here, so block weights' groups shrink to gcd(128, 160) = 32 (as executor_svc/layers/fp8.py does);
