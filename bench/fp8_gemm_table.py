@@ -1,8 +1,9 @@
 """The FP8 GEMM table of bench/kernels.py --fp8-gemm: each Linear GEMM of the Qwen3-8B shape at M = 1, 16,
 64, 256 and 4,096 tokens, bf16 (F.linear) against the FP8 GEMMs of kernels/fp8_gemm.py: torch._scaled_mm
-(row-wise, and tensor-wise on unit scales then scaled) and Triton with channel scales, Triton with 128 x 128 block scales (1 x 128 activation groups), each
-timed on pre-quantized activations (the GEMM alone), and the engine's whole FP8 product (activation
-quantization + the GEMM kernels/fp8_gemm_dispatch.py picks). TFLOP/s count 2MNK; TB/s count the operands
+(row-wise, and tensor-wise on unit scales then scaled) and Triton with channel scales, Triton with 128 x 128
+block scales (1 x 128 activation groups), each timed on pre-quantized activations (the GEMM alone), and the
+engine's whole FP8 product (activation quantization + the GEMM kernels/fp8_gemm_dispatch.py picks), each a CUDA
+graph of calls over copies of W larger than L2 (cold_graph_us). TFLOP/s count 2MNK; TB/s count the operands
 read and the output written once (x, W, y, and the scales).
 
 It ends with the dispatch table the measurement implies (the faster channel GEMM per shape and M), in the
@@ -150,9 +151,9 @@ SWEEP_TILES = {
 }
 
 
-# the products whose one reader applies the tensor-wise GEMM's scales as it reads them (kernels/fp8_quant.UnscaledProduct:
-# SiLU-and-mul, the norms after o_proj and down_proj, at tensor-parallel size 1): the sweep times that GEMM without
-# its scale pass there, as the engine runs it
+# the products whose one reader applies the tensor-wise GEMM's scales as it reads them (SiLU-and-mul, the norms after
+# o_proj and down_proj, at tensor-parallel size 1; kernels/fp8_quant.UnscaledProduct): the sweep times that GEMM
+# without its scale pass there, as the engine runs it
 SCALED_BY_READER = {"o_proj", "gate_up_proj", "down_proj"}
 
 

@@ -288,6 +288,11 @@ def scale_product(y: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
     return out
 
 
+def scaled(product: UnscaledProduct) -> torch.Tensor:
+    """The output an UnscaledProduct stands for, for a reader that cannot apply its scales."""
+    return scale_product(product.product, product.row_scale, product.col_scale, product.dtype)
+
+
 _unit_scales: dict[torch.device, torch.Tensor] = {}
 
 

@@ -53,18 +53,13 @@ class QuantizedActivations(NamedTuple):
 class UnscaledProduct(NamedTuple):
     """An FP8 GEMM's product before its scales (kernels/fp8_gemm.unit_scaled_mm_fp8_gemm): the output is
     product * row_scale * col_scale^T in `dtype`. What a Linear layer hands to a reader that applies the scales as
-    it reads the product (kernels/fp8_fused_quant.silu_and_mul_quant), so that they cost no pass of their own."""
+    it reads the product (kernels/fp8_fused_quant), so that they cost no pass of their own; any other reader takes
+    kernels/fp8_gemm.scaled(product)."""
 
     product: torch.Tensor  # bf16 [M, N]: x_q @ w_q^T
     row_scale: torch.Tensor  # float32 [M, 1]: the tokens'
     col_scale: torch.Tensor  # float32 [N, 1]: the weight's, per output channel
     dtype: torch.dtype  # the activations' dtype: the output's
-
-    def scaled(self) -> torch.Tensor:
-        """The output itself, for a reader that cannot apply the scales."""
-        from kernels.fp8_gemm import scale_product
-
-        return scale_product(self.product, self.row_scale, self.col_scale, self.dtype)
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

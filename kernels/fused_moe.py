@@ -487,9 +487,9 @@ def _tiles_m(groups: ExpertGroups, tile: MoeTile) -> int:
 class Fp8Experts:
     """The FP8 scales of stacked FP8 experts (executor_svc/layers/fp8.py makes them at load): float32, a row's
     scale per group of group_k input columns, w13_scale [E, 2I, G13] and w2_scale [E, H, G2]; a group as wide as
-    the row (G = 1) is a scale per output row. `activations`: "bf16" multiplies in the activation dtype (each FP8
-    weight tile widened in registers), "fp8" quantizes x and h per token and 128 columns and multiplies FP8 by FP8
-    (kernels/fused_moe_fp8_activations.py)."""
+    the row (G = 1) is a scale per output row. `activations`: "bf16", fused_moe multiplies in the activation dtype
+    (each FP8 weight tile widened in registers); "fp8", kernels/fused_moe_fp8_activations quantizes x and h per token
+    and 128 columns and multiplies FP8 by FP8."""
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     group_k13: int
@@ -558,12 +558,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               renormalize: bool, tiles: tuple[MoeTile, MoeTile] | None = None,
               fp8: Fp8Experts | None = None) -> torch.Tensor:
     """The MoE block [T, H] of x [T, H] (contiguous rows), fused_moe_ref's contract. No host syncs. FP8 experts
-    (w13 and w2 float8_e4m3fn, `fp8` their scales) are read as FP8 and multiplied in x's dtype, or by FP8
-    activations (`fp8.activations`)."""
-    if fp8 is not None and fp8.activations == "fp8":
-        from kernels.fused_moe_fp8_activations import fused_moe_fp8_activations
-
-        return fused_moe_fp8_activations(x, router_logits, w13, w2, top_k, renormalize, fp8, tiles)
+    (w13 and w2 float8_e4m3fn, `fp8` their scales) are read as FP8 and multiplied in x's dtype."""
+    if fp8 is not None and fp8.activations != "bf16":
+        raise ValueError("FP8 activations run in kernels/fused_moe_fp8_activations.fused_moe_fp8_activations")
     num_tokens = x.shape[0]
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
     up_tile, down_tile = tiles or tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())

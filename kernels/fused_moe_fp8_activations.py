@@ -135,10 +135,11 @@ def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile
 
 
 def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                              top_k: int, renormalize: bool, fp8: fm.Fp8Experts,
-                              tiles: tuple[fm.MoeTile, fm.MoeTile] | None = None) -> torch.Tensor:
-    """fused_moe's contract with FP8 experts whose scales are per row or per row and 128 columns, the activations
-    quantized to FP8 per token and 128 columns before each GEMM."""
+                              top_k: int, renormalize: bool, tiles: tuple[fm.MoeTile, fm.MoeTile] | None = None, *,
+                              fp8: fm.Fp8Experts) -> torch.Tensor:
+    """kernels/fused_moe.fused_moe's contract (its caller picks this one where `fp8.activations` is "fp8") with FP8
+    experts whose scales are per row or per row and 128 columns, the activations quantized to FP8 per token and 128
+    columns before each GEMM."""
     from kernels.fp8_gemm import quantize_rows
 
     if not takes_fp8_activations(fp8):

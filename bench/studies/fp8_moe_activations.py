@@ -125,7 +125,7 @@ def interpret_check() -> None:
         x, logits, w13, w2 = case(13, shape, torch.float32, "cpu", seed=1)
         logits[:, 3] = -1e4  # expert 3 gets no token
         q13, q2, scales, d13, d2 = fp8_experts(w13, w2, group)
-        out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, scales)
+        out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=scales)
         emulated = reference64(x, logits, d13, d2, 2, quantize_activations=True)
         exact = reference64(x, logits, d13, d2, 2, quantize_activations=False)
         err, own = rel(out, emulated), rel(out, exact)
@@ -211,7 +211,7 @@ def study() -> None:
             q13, q2 = q13.cuda(), q2.cuda()
             scales = fm.Fp8Experts(scales.w13_scale.cuda(), scales.w2_scale.cuda(), scales.group_k13, scales.group_k2)
             w8a16 = lambda: fm.fused_moe(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
-            w8a8 = lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True, scales)  # noqa: B023, E731
+            w8a8 = lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
             rows = untied_rows(logits, k, 16)
             ref = reference64(x[rows].cpu(), logits[rows].cpu(), d13.cpu(), d2.cpu(), k, quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)

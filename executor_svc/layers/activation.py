@@ -12,9 +12,9 @@ from torch import nn
 from kernels.fp8_quant import QuantizedActivations, UnscaledProduct
 
 try:
-    from kernels import fp8_fused_quant, fused_ops
-except ImportError:  # no Triton: torch everywhere
-    fused_ops = fp8_fused_quant = None
+    from kernels import fp8_fused_quant, fp8_gemm, fused_ops
+except ImportError:  # no Triton: torch everywhere (and no FP8 GEMM hands out an UnscaledProduct)
+    fused_ops = fp8_fused_quant = fp8_gemm = None
 
 
 class SiluAndMul(nn.Module):
@@ -26,7 +26,7 @@ class SiluAndMul(nn.Module):
         if isinstance(x, UnscaledProduct):  # an FP8 gate_up_proj's product, its scales left to this kernel
             if self.fp8_group is not None:
                 return fp8_fused_quant.silu_and_mul_quant(x.product, self.fp8_group, scales=(x.row_scale, x.col_scale))
-            x = x.scaled()
+            x = fp8_gemm.scaled(x)
         if self.fp8_group is not None:
             return fp8_fused_quant.silu_and_mul_quant(x, self.fp8_group)
         if fused_ops is not None and x.is_cuda:

@@ -26,8 +26,9 @@ from kernels.moe_reference import fused_moe_ref
 
 try:
     from kernels import fused_moe as moe_kernels
+    from kernels.fused_moe_fp8_activations import fused_moe_fp8_activations
 except ImportError:  # no Triton: the torch reference everywhere
-    moe_kernels = None
+    moe_kernels = fused_moe_fp8_activations = None
 
 _GATE, _UP, _DOWN = "gate", "up", "down"
 
@@ -45,9 +46,10 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)  # in the model's dtype, as HF
         w13, w2 = self.experts.w13, self.experts.w2
+        fp8 = self.experts.fp8
         if moe_kernels is not None and x.is_cuda:
-            out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize,
-                                        fp8=self.experts.fp8)
+            fused = fused_moe_fp8_activations if fp8 is not None and fp8.activations == "fp8" else moe_kernels.fused_moe
+            out = fused(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize, fp8=fp8)
         else:
             out = fused_moe_ref(x, logits, w13, w2, self.top_k, self.renormalize)
         return all_reduce(out)

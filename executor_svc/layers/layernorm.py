@@ -11,9 +11,9 @@ from torch import nn
 from kernels.fp8_quant import QuantizedActivations, UnscaledProduct
 
 try:
-    from kernels import fp8_fused_quant, fused_ops
-except ImportError:  # no Triton: torch everywhere
-    fused_ops = fp8_fused_quant = None
+    from kernels import fp8_fused_quant, fp8_gemm, fused_ops
+except ImportError:  # no Triton: torch everywhere (and no FP8 GEMM hands out an UnscaledProduct)
+    fused_ops = fp8_fused_quant = fp8_gemm = None
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
             if self.fp8_group is not None:
                 return fp8_fused_quant.rms_norm_quant(x.product, self.weight, self.eps, self.fp8_group, residual,
                                                       scales=(x.row_scale, x.col_scale))
-            x = x.scaled()
+            x = fp8_gemm.scaled(x)
         if self.fp8_group is not None:
             return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual)
         if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):

@@ -169,7 +169,7 @@ def test_an_fp8_linear_hands_an_unscaled_product_only_where_the_tensor_wise_gemm
     monkeypatch.setitem(dispatch.TABLE, (n, k), [(4, "triton"), (64, "unit_scaled_mm")])
     product = fp8_gemm.fp8_linear(x, w, w_scale, k, unscaled=True)
     assert isinstance(product, UnscaledProduct) and product.product.shape == (7, n)
-    assert torch.equal(product.scaled(), fp8_gemm.fp8_linear(x, w, w_scale, k))
+    assert torch.equal(fp8_gemm.scaled(product), fp8_gemm.fp8_linear(x, w, w_scale, k))
     assert isinstance(fp8_gemm.fp8_linear(x[:3], w, w_scale, k, unscaled=True), torch.Tensor)  # Triton scales itself
     bias = torch.randn(n).bfloat16()
     assert isinstance(fp8_gemm.fp8_linear(x, w, w_scale, k, bias, unscaled=True), torch.Tensor)

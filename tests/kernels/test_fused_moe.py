@@ -27,7 +27,7 @@ if KERNELS_RUN_HERE:
 
     from kernels import fused_moe as fm
     from kernels.fused_moe import MoeTile, _tile_ids
-    from kernels.fused_moe_fp8_activations import takes_fp8_activations
+    from kernels.fused_moe_fp8_activations import fused_moe_fp8_activations, takes_fp8_activations
 
     @triton.jit
     def _tile_ids_probe(out_ptr, num_tiles_m, num_tiles_n, GROUP_M: tl.constexpr):
@@ -228,14 +228,14 @@ def moe64_fp8_activations(x, logits, w13, w2, top_k: int) -> torch.Tensor:
 @interpreter
 @pytest.mark.parametrize("group", [128, None])  # Qwen3-30B-A3B-FP8's blocks; a scale per row
 def test_fp8_experts_with_fp8_activations_quantize_x_and_h_per_128_columns(group):
-    """Fp8Experts(activations="fp8") through fused_moe: against float64 on the same quantized weights with x and h
-    quantized as the kernels do, the same values (but for a rare one rounded across a quantization step); against
-    unquantized activations, FP8's own error. Hidden 200 and inter 160: a partial last group and N tile; expert 3
-    gets no token."""
+    """fused_moe_fp8_activations (Fp8Experts.activations "fp8"): against float64 on the same quantized weights with
+    x and h quantized as the kernels do, the same values (but for a rare one rounded across a quantization step);
+    against unquantized activations, FP8's own error. Hidden 200 and inter 160: a partial last group and N tile;
+    expert 3 gets no token."""
     x, logits, w13, w2 = case(13, 4, 200, 160, torch.float32, seed=1, unused_experts=(3,))
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=2)
     scales = replace(scales, activations="fp8")
-    out = fm.fused_moe(x, logits, q13, q2, 2, True, fp8=scales)
+    out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=scales)
     assert rel_error(out, moe64_fp8_activations(x, logits, d13, d2, 2)) < 2e-3
     assert 1e-3 < rel_error(out, moe64(x, logits, d13, d2, 2, True)) < 8e-2
     assert takes_fp8_activations(scales)
@@ -381,7 +381,7 @@ def test_gpu_fp8_activations_match_their_float64_emulation_at_the_qwen3_30b_shap
     float64; bf16's roundings of gate, up and h are the error left."""
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=num_tokens)
-    out = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=replace(scales, activations="fp8"))
+    out = fused_moe_fp8_activations(x, logits, q13, q2, 8, True, fp8=replace(scales, activations="fp8"))
     top = logits.float().topk(9, dim=-1).values
     rows = torch.nonzero(top[:, 7] != top[:, 8]).flatten()[:16].cpu()
     ref = moe64_fp8_activations(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8)
