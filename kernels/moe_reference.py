@@ -36,3 +36,27 @@ def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tenso
     """The whole block in torch: route, then the experts' weighted sum. [T, H] in x's dtype."""
     weights, ids = route_ref(router_logits, top_k, renormalize)
     return experts_ref(x, w13, w2, weights.to(x.dtype), ids)
+
+
+def fp8_activations_ref64(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          top_k: int, quantize_activations: bool = True, group: int = 128) -> torch.Tensor:
+    """The block in float64 (renormalised routing) on w13 and w2 as given (FP8 experts dequantized), gate, up and h
+    rounded to x's dtype where HF's expert rounds them; with quantize_activations, x and each pair's h go through the
+    FP8 quantization per token and `group` columns of kernels/fused_moe_fp8_activations.py (h after its rounding)."""
+    from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
+
+    def fq(t: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(*quantize_rows_ref(t.float(), group), group, torch.float64)
+
+    weights, ids = route_ref(router_logits, top_k, True)
+    xs, w13, w2 = (fq(x) if quantize_activations else x.double()), w13.double(), w2.double()
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate = (w13[e, :inter] @ xs[t]).to(x.dtype).double()
+            up = (w13[e, inter:] @ xs[t]).to(x.dtype).double()
+            h = (F.silu(gate).to(x.dtype).double() * up).to(x.dtype)
+            h = fq(h[None])[0] if quantize_activations else h.double()
+            out[t] += w * (w2[e] @ h).to(x.dtype).double()
+    return out

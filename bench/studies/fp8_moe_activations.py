@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import fused_moe as fm  # noqa: E402
 from kernels.fp8_quant import dequantize_rows, quantize_rows_ref  # noqa: E402
+from kernels.moe_reference import fp8_activations_ref64  # noqa: E402
 from kernels.fused_moe_fp8_activations import (GROUP, _down_fp8_kernel, _fp8_tiles,  # noqa: E402
                                                _gate_up_fp8_kernel, fused_moe_fp8_activations)
 from kernels.triton_runtime import INTERPRET  # noqa: E402
@@ -58,33 +59,6 @@ def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple
                     dequantize_rows(q, scale, g, torch.float64).view(w.shape)))
     (q13, s13, g13, d13), (q2, s2, g2, d2) = out
     return q13, q2, fm.Fp8Experts(s13, s2, g13, g2), d13, d2
-
-
-def reference64(x, logits, d13, d2, top_k: int, quantize_activations: bool) -> torch.Tensor:
-    """The block in float64 on the dequantized weights; with quantize_activations, x and each pair's h go through
-    the kernels' per-128-column FP8 quantization (h after its rounding to x's dtype)."""
-    def fq(t: torch.Tensor) -> torch.Tensor:
-        q, s = quantize_rows_ref(t.float(), GROUP)
-        return dequantize_rows(q, s, GROUP, torch.float64)
-
-    weights, ids = fm_ref_route(logits, top_k)
-    inter = d13.shape[1] // 2
-    xs = fq(x) if quantize_activations else x.double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            gate = (d13[e, :inter] @ xs[t]).to(x.dtype).double()
-            up = (d13[e, inter:] @ xs[t]).to(x.dtype).double()
-            h = (torch.nn.functional.silu(gate).to(x.dtype).double() * up).to(x.dtype)
-            h = fq(h[None])[0] if quantize_activations else h.double()
-            out[t] += w * (d2[e] @ h).to(x.dtype).double()
-    return out
-
-
-def fm_ref_route(logits: torch.Tensor, top_k: int):
-    from kernels.moe_reference import route_ref
-
-    return route_ref(logits.cpu(), top_k, True)
 
 
 def untied_rows(logits: torch.Tensor, top_k: int, count: int) -> torch.Tensor:
@@ -126,8 +100,8 @@ def interpret_check() -> None:
         logits[:, 3] = -1e4  # expert 3 gets no token
         q13, q2, scales, d13, d2 = fp8_experts(w13, w2, group)
         out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=scales)
-        emulated = reference64(x, logits, d13, d2, 2, quantize_activations=True)
-        exact = reference64(x, logits, d13, d2, 2, quantize_activations=False)
+        emulated = fp8_activations_ref64(x, logits, d13, d2, 2, quantize_activations=True)
+        exact = fp8_activations_ref64(x, logits, d13, d2, 2, quantize_activations=False)
         err, own = rel(out, emulated), rel(out, exact)
         print(f"weights {'per 128 columns' if group else 'per row'}: against the emulated quantization {err:.1e}, "
               f"against unquantized activations {own:.1e}")
@@ -213,7 +187,8 @@ def study() -> None:
             w8a16 = lambda: fm.fused_moe(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
             w8a8 = lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
             rows = untied_rows(logits, k, 16)
-            ref = reference64(x[rows].cpu(), logits[rows].cpu(), d13.cpu(), d2.cpu(), k, quantize_activations=False)
+            ref = fp8_activations_ref64(x[rows].cpu(), logits[rows].cpu(), d13.cpu(), d2.cpu(), k,
+                                        quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)
             us16, us8 = graph_us(w8a16), graph_us(w8a8)
             print(f"{num_tokens:>5} {'block' if group else 'row':>7} {bf16_us:>8.1f} {us16:>8.1f} {us8:>8.1f} "

@@ -204,27 +204,6 @@ def test_fp8_experts_match_float64_on_their_dequantized_weights(dtype, group13, 
     assert rel_error(wrong, ref) > 10 * max_rel(torch.bfloat16)
 
 
-def moe64_fp8_activations(x, logits, w13, w2, top_k: int) -> torch.Tensor:
-    """moe64 (renormalized) with x and each pair's h quantized as the w8a8 kernels quantize them: per token and 128
-    columns (kernels/fp8_quant), h after its rounding to x's dtype; gate and up rounded to x's dtype as HF's expert."""
-    from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
-
-    def fq(t):
-        return dequantize_rows(*quantize_rows_ref(t.float(), 128), 128, torch.float64)
-
-    weights, ids = moe_reference.route_ref(logits, top_k, True)
-    xs, w13, w2 = fq(x), w13.double(), w2.double()
-    inter = w13.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
-            gate = (w13[e, :inter] @ xs[t]).to(x.dtype).double()
-            up = (w13[e, inter:] @ xs[t]).to(x.dtype).double()
-            h = (torch.nn.functional.silu(gate).to(x.dtype).double() * up).to(x.dtype)
-            out[t] += w * (w2[e] @ fq(h[None])[0]).to(x.dtype).double()
-    return out
-
-
 @interpreter
 @pytest.mark.parametrize("group", [128, None])  # Qwen3-30B-A3B-FP8's blocks; a scale per row
 def test_fp8_experts_with_fp8_activations_quantize_x_and_h_per_128_columns(group):
@@ -236,7 +215,7 @@ def test_fp8_experts_with_fp8_activations_quantize_x_and_h_per_128_columns(group
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=2)
     scales = replace(scales, activations="fp8")
     out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=scales)
-    assert rel_error(out, moe64_fp8_activations(x, logits, d13, d2, 2)) < 2e-3
+    assert rel_error(out, moe_reference.fp8_activations_ref64(x, logits, d13, d2, 2)) < 2e-3
     assert 1e-3 < rel_error(out, moe64(x, logits, d13, d2, 2, True)) < 8e-2
     assert takes_fp8_activations(scales)
     assert not takes_fp8_activations(fm.Fp8Experts(scales.w13_scale[..., :1].expand(-1, -1, 3), scales.w2_scale, 64,
@@ -384,7 +363,7 @@ def test_gpu_fp8_activations_match_their_float64_emulation_at_the_qwen3_30b_shap
     out = fused_moe_fp8_activations(x, logits, q13, q2, 8, True, fp8=replace(scales, activations="fp8"))
     top = logits.float().topk(9, dim=-1).values
     rows = torch.nonzero(top[:, 7] != top[:, 8]).flatten()[:16].cpu()
-    ref = moe64_fp8_activations(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8)
+    ref = moe_reference.fp8_activations_ref64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8)
     assert rel_error(out[rows].cpu(), ref) < 1e-2
 
 
