@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
                                        interpreter, needs_cuda)
 
@@ -274,6 +276,28 @@ def test_the_sweep_pads_a_scaled_mm_row_only_where_more_rows_were_measured_faste
             dict(row(256, 48.0, 70.0), unit_scaled_mm_us=45.0), dict(row(4096, 600.0, 900.0), unit_scaled_mm_us=650.0)]
     assert choose_backends(unit)["96x64"] == [[128, "unit_scaled_mm"], [144, "unit_scaled_mm", 256],
                                                [256, "unit_scaled_mm"], [4096, "scaled_mm"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1, 100), st.floats(1, 100), st.floats(1, 100)), min_size=1, max_size=8),
+       st.lists(st.integers(1, 4096), min_size=8, max_size=8, unique=True))
+def test_each_swept_m_gets_the_fastest_backend_and_pads_only_to_a_faster_measured_m_within_2m(times, tokens):
+    from bench.fp8_gemm_table import PAD_GAIN, choose_backends
+
+    ms = sorted(tokens[:len(times)])
+    us = {m: {"triton": t, "scaled_mm": r, "unit_scaled_mm": u} for m, (t, r, u) in zip(ms, times)}
+    rows = [{"scheme": "channel", "n": 96, "k": 64, "m": m, "best_us": u["triton"], "scaled_mm_us": u["scaled_mm"],
+             "unit_scaled_mm_us": u["unit_scaled_mm"]} for m, u in us.items()]
+    rows.append({"scheme": "block", "n": 96, "k": 64, "m": 1, "best_us": 0.0})  # block rows choose nothing
+    entries = choose_backends(rows)["96x64"]
+    assert [e[0] for e in entries] == ms  # one entry per swept M, in order
+    for m, backend, *pad in entries:
+        rows_run = pad[0] if pad else m
+        if pad:  # padded only to a swept M within 2M that was faster by PAD_GAIN
+            assert backend != "triton" and m < rows_run <= 2 * m and rows_run in us
+            assert us[rows_run][backend] <= PAD_GAIN * us[m][backend]
+        chosen = us[rows_run][backend]
+        assert all(chosen <= t for t in us[m].values())  # never slower than any backend on M rows
 
 
 def test_a_table_naming_an_unknown_backend_is_refused(monkeypatch):
