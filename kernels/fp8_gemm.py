@@ -172,17 +172,23 @@ PROMOTE_K = 128  # the channel kernel's fp32 add interval in K (DeepSeek-V3's): 
 
 
 SPLIT_COUNTERS = 1 << 16  # output tiles a split-K GEMM may count in (256 KB a device): M <= 256 by 16 x 16 tiles
-_split_counters: dict[torch.device, torch.Tensor] = {}
+_device_tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _per_device(name: str, device: torch.device, make) -> torch.Tensor:
+    """The device's tensor of that name, made by make(device) on first use. The loader asks for each once FP8 weights
+    are on CUDA (executor_svc/layers/fp8.finish_loading), so that they exist before the decode CUDA graphs are
+    captured."""
+    tensor = _device_tensors.get((name, device))
+    if tensor is None:
+        tensor = _device_tensors[(name, device)] = make(device)
+    return tensor
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K tile counters: zeros, and left at zero by every split-K GEMM. Made on first use; the
-    loader asks for them once FP8 weights are on CUDA (executor_svc/layers/fp8.finish_loading), so that they exist
-    before the decode CUDA graphs are captured."""
-    counters = _split_counters.get(device)
-    if counters is None:
-        counters = _split_counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+    """The device's split-K tile counters: zeros, and left at zero by every split-K GEMM."""
+    return _per_device("split_counters", device,
+                       lambda d: torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=d))
 
 
 def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ...]:
@@ -293,16 +299,9 @@ def scaled(product: UnscaledProduct) -> torch.Tensor:
     return scale_product(product.product, product.row_scale, product.col_scale, product.dtype)
 
 
-_unit_scales: dict[torch.device, torch.Tensor] = {}
-
-
 def unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 1 on the device: the tensor-wise GEMM's scales. Made on first use; the loader asks for it once FP8
-    weights are on CUDA, before the decode CUDA graphs are captured."""
-    one = _unit_scales.get(device)
-    if one is None:
-        one = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
+    """A float32 1 on the device: the tensor-wise GEMM's scales."""
+    return _per_device("unit_scale", device, lambda d: torch.ones((), dtype=torch.float32, device=d))
 
 
 def unit_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
