@@ -61,6 +61,14 @@ def _group_scales(v, PER_ROW: tl.constexpr):
     return tl.maximum(amax / FP8_MAX, _MIN_SCALE)  # kernels/fp8_gemm._quantize_rows_kernel's expression
 
 
+@triton.jit
+def _scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
+    """v, values of an unscaled FP8 product (kernels/fp8_quant.UnscaledProduct) at `cols`, times the token's and
+    their columns' scales, rounded to dtype: what kernels/fp8_gemm.scale_product would have written there."""
+    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    return (v * (row_scale * col_scale)).to(dtype).to(tl.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm (with the residual add) -> FP8
 # ---------------------------------------------------------------------------------------------
@@ -78,9 +86,8 @@ def _rms_norm_quant_kernel(
     cols = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]
     mask = cols < dim
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALES:  # an unscaled FP8 product (o_proj's, down_proj's): scaled and rounded as scale_product writes it
-        col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-        x = (x * (tl.load(row_scale_ptr + row) * col_scale)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_SCALES:  # an unscaled FP8 product (o_proj's, down_proj's)
+        x = _scaled_as_written(x, tl.load(row_scale_ptr + row), col_scale_ptr, cols, mask, x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(residual_out_ptr.dtype.element_ty)  # rounded as eager torch adds, then normalised
@@ -157,10 +164,8 @@ def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask, row_scale, col_scal
     gate = tl.load(x_ptr + row_offset + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row_offset + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALES:
-        gate_s = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-        up_s = tl.load(col_scale_ptr + inter + cols, mask=mask, other=0.0)
-        gate = (gate * (row_scale * gate_s)).to(dtype).to(tl.float32)
-        up = (up * (row_scale * up_s)).to(dtype).to(tl.float32)
+        gate = _scaled_as_written(gate, row_scale, col_scale_ptr, cols, mask, dtype)
+        up = _scaled_as_written(up, row_scale, col_scale_ptr, inter + cols, mask, dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (act * up).to(dtype).to(tl.float32)
 
