@@ -16,6 +16,14 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
+def untied_tokens(router_logits: torch.Tensor, top_k: int, count: int) -> torch.Tensor:
+    """The first `count` tokens (indices, on the CPU) whose k-th and (k+1)-th router logits differ. At an exact tie
+    (bf16 logits tie often) a route kernel and route_ref may pick different experts: an error that is not the
+    experts' GEMMs', so a check of those compares these tokens."""
+    top = router_logits.float().topk(top_k + 1, dim=-1).values
+    return torch.nonzero(top[:, top_k - 1] != top[:, top_k]).flatten()[:count].cpu()
+
+
 def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, j], one expert at a time,

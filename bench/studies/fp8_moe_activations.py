@@ -16,17 +16,15 @@ weights (FP8 activations add their own quantization error; weight-only FP8 adds 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path = [str(HERE.parent.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
-if "--interpret-check" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
-elif "--compile-check" in sys.argv:
-    os.environ.pop("TRITON_INTERPRET", None)
+from bench.studies import triton_mode_from_argv  # noqa: E402
+
+triton_mode_from_argv(sys.argv)  # before any kernel is decorated
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -34,7 +32,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import fused_moe as fm  # noqa: E402
 from kernels.fp8_quant import dequantize_rows, quantize_rows_ref  # noqa: E402
-from kernels.moe_reference import fp8_activations_ref64  # noqa: E402
+from kernels.moe_reference import fp8_activations_ref64, untied_tokens  # noqa: E402
 from kernels.fused_moe_fp8_activations import (GROUP, _down_fp8_kernel, _fp8_tiles,  # noqa: E402
                                                _gate_up_fp8_kernel, fused_moe_fp8_activations)
 from kernels.triton_runtime import INTERPRET  # noqa: E402
@@ -59,13 +57,6 @@ def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple
                     dequantize_rows(q, scale, g, torch.float64).view(w.shape)))
     (q13, s13, g13, d13), (q2, s2, g2, d2) = out
     return q13, q2, fm.Fp8Experts(s13, s2, g13, g2), d13, d2
-
-
-def untied_rows(logits: torch.Tensor, top_k: int, count: int) -> torch.Tensor:
-    """The first `count` tokens whose k-th and (k+1)-th router logits differ: at an exact tie (bf16 logits tie often)
-    the route kernel and the reference may pick different experts, an error that is not the GEMMs'."""
-    top = logits.float().topk(top_k + 1, dim=-1).values
-    return torch.nonzero(top[:, top_k - 1] != top[:, top_k]).flatten()[:count].cpu()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -186,7 +177,7 @@ def study() -> None:
             scales = fm.Fp8Experts(scales.w13_scale.cuda(), scales.w2_scale.cuda(), scales.group_k13, scales.group_k2)
             w8a16 = lambda: fm.fused_moe(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
             w8a8 = lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True, fp8=scales)  # noqa: B023, E731
-            rows = untied_rows(logits, k, 16)
+            rows = untied_tokens(logits, k, 16)
             ref = fp8_activations_ref64(x[rows].cpu(), logits[rows].cpu(), d13.cpu(), d2.cpu(), k,
                                         quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)

@@ -38,17 +38,15 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path = [str(HERE.parent.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
-if "--interpret-check" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is decorated
-elif "--compile-check" in sys.argv:
-    os.environ.pop("TRITON_INTERPRET", None)
+from bench.studies import triton_mode_from_argv  # noqa: E402
+
+triton_mode_from_argv(sys.argv)  # before any kernel is decorated
 
 import torch  # noqa: E402
 import triton  # noqa: E402
