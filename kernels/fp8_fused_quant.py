@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8
+from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
 from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized, quantize_rows_ref
 from kernels.fused_ops import rms_norm_ref, silu_and_mul_ref
 from kernels.triton_runtime import INTERPRET
@@ -58,7 +58,7 @@ def _group_scales(v, PER_ROW: tl.constexpr):
     amax = tl.max(tl.abs(v), axis=1)
     if PER_ROW:
         amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
-    return tl.maximum(amax / FP8_MAX, _MIN_SCALE)  # kernels/fp8_gemm._quantize_rows_kernel's expression
+    return fp8_scale(amax, _MIN_SCALE)
 
 
 @triton.jit
@@ -211,7 +211,7 @@ def _quantize_by_chunk_maxes_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, inter, nu
     chunk = tl.program_id(1)
     slots = tl.arange(0, CHUNKS)
     amax = tl.max(tl.load(amax_ptr + row * num_chunks + slots, mask=slots < num_chunks, other=0.0), axis=0)
-    scale = tl.maximum(amax / FP8_MAX, _MIN_SCALE)
+    scale = fp8_scale(amax, _MIN_SCALE)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < inter
     y = tl.load(h_ptr + row * inter + cols, mask=mask, other=0.0).to(tl.float32)

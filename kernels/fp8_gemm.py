@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8  # FP8_MAX: a constexpr, as kernels need
+from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
 from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, UnscaledProduct, empty_quantized, rows_in_place
 from kernels.triton_runtime import INTERPRET
 
@@ -56,7 +56,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_group
         mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, _MIN_SCALE)
+    scale = fp8_scale(tl.max(amax, axis=0), _MIN_SCALE)
     tl.store(scale_ptr + row * num_groups + g, scale)
     for off in range(0, group, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)

@@ -15,6 +15,14 @@ from kernels.kv_quant import FP8_DTYPE, FP8_MAX
 MIN_SCALE = 1e-12  # an all-zero group quantizes to zeros instead of dividing by zero
 
 
+def group_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The scales of groups whose largest magnitudes are amax: amax / 448 by IEEE division on any device, as the
+    kernels divide (kernels/attention/triton_kv_store.fp8_scale). CUDA torch divides a tensor by a Python scalar as a
+    multiply by its reciprocal, an ulp off where the quotient is exact; a divisor tensor on amax's device is divided
+    exactly."""
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
+
+
 # Quantized activations are allocated with their rows rounded up to a multiple of this, the rows past M left
 # unwritten, so that an FP8 GEMM can run on more rows than M without a copy (kernels/fp8_gemm_dispatch pads M where
 # cuBLASLt is faster on more rows; each output row depends on its own row only, and those rows are dropped).
@@ -67,7 +75,7 @@ def quantize_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     m, k = x.shape
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scale = (padded.abs().amax(-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = group_scales(padded.abs().amax(-1))
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k].contiguous(), scale
 
@@ -95,7 +103,7 @@ def quantize_blocks_ref(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     (n, k), (bn, bk) = w.shape, block
     gn, gk = -(-n // bn), -(-k // bk)
     padded = torch.nn.functional.pad(w.float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
-    scale = (padded.abs().amax((1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = group_scales(padded.abs().amax((1, 3)))
     q = (padded / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale
 

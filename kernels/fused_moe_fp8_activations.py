@@ -12,9 +12,9 @@
 
 Routing, grouping by expert and the tiles are kernels/fused_moe's; the tiles are made to fit (gate/up's N tile is
 one group of h; both K tiles lie in one group). Block weights need groups of exactly 128 columns
-(`takes_fp8_activations`). Measured on the H200 as a layer (bench/RESULTS.md, 2026-12-04): 1.08-1.32x the
-weight-only path from 16 tokens on; the loader uses it where NANOSERVE_FP8_MOE_ACTIVATIONS=1 until it is measured in
-the engine.
+(`takes_fp8_activations`). Measured on the H200 (bench/RESULTS.md, 2026-12-04): as a layer, 1.08-1.32x the
+weight-only path from 16 tokens on; in the engine, 1.12x its throughput on the Qwen3-30B-A3B shape. The loader gives
+it to FP8 experts on a GPU by default wherever their scales allow (executor_svc/layers/fp8.moe_activations).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import fused_moe as fm
-from kernels.attention.triton_kv_store import FP8_MAX, quantize_fp8
+from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
 from kernels.fp8_quant import MIN_SCALE
 from kernels.triton_runtime import INTERPRET
 
@@ -86,7 +86,7 @@ def _gate_up_fp8_kernel(
     act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
     h = (act * up).to(OUT_DTYPE).to(tl.float32)  # what the weight-only path stores, then quantized as quantize_rows
     h = tl.where(n_ok[None, :], h, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(h), axis=1) / FP8_MAX, _MIN_SCALE)  # [BLOCK_M]: this tile is one group
+    scale = fp8_scale(tl.max(tl.abs(h), axis=1), _MIN_SCALE)  # [BLOCK_M]: this tile is one group
     pair64 = pair.to(tl.int64)
     tl.store(hq_ptr + pair64[:, None] * inter + offs_n[None, :],
              quantize_fp8(h, scale[:, None]).to(hq_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

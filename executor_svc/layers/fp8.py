@@ -45,8 +45,8 @@ log = logging.getLogger("nanoserve.executor")
 
 MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
 FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
-# "fp8": FP8 experts multiply FP8 activations (kernels/fused_moe_fp8_activations.py) instead of widening their weights
-# to the activation dtype; off by default until measured in the engine (bench/RESULTS.md, 2026-12-04)
+# FP8 experts on a GPU multiply FP8 activations (kernels/fused_moe_fp8_activations.py: "fp8", the default where their
+# scales allow it) or widen their weights to the activation dtype ("bf16", weight-only); see moe_activations
 MOE_ACTIVATIONS_ENV = "NANOSERVE_FP8_MOE_ACTIVATIONS"
 
 
@@ -212,8 +212,11 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         unit_scale(device)  # and the tensor-wise GEMM's scales
         fused = quantize_in_producers(model)
         unscaled = scale_in_readers(model)
+        w8a8 = sum(1 for _, experts in expert_layers(model)
+                   if getattr(experts, "fp8", None) is not None and experts.fp8.activations == "fp8")
         log.info("fp8 activations: %d of them quantized by the kernel that produces them; %d products scaled by the "
-                 "kernel that reads them", fused, unscaled)
+                 "kernel that reads them; %d of %d expert blocks multiply FP8 activations", fused, unscaled, w8a8,
+                 expert_blocks)
     return count
 
 
@@ -287,12 +290,26 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
     if on_gpu:
         scales = stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous()
         experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2)
-        if os.environ.get(MOE_ACTIVATIONS_ENV) == "fp8":
-            from kernels.fused_moe_fp8_activations import takes_fp8_activations
-
-            if not takes_fp8_activations(experts.fp8):
-                raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: {name}'s expert scales come in groups of "
-                                 f"{experts.fp8_group_k13} and {experts.fp8_group_k2} columns; FP8 activations need "
-                                 "128 or a scale per row")
-            experts.fp8 = replace(experts.fp8, activations="fp8")
+        experts.fp8 = replace(experts.fp8, activations=moe_activations(name, experts.fp8))
     return 1
+
+
+def moe_activations(name: str, scales) -> str:
+    """What FP8 experts (`scales`, a kernels/fused_moe.Fp8Experts) multiply on a GPU: "fp8" (w8a8: x and h quantized
+    per token and 128 columns, FP8 by FP8 on the tensor cores; 1.12x the weight-only path on the Qwen3-30B-A3B shape,
+    bench/RESULTS.md 2026-12-04) where their scales are per row or per 128 columns, else "bf16" (weight-only: each FP8
+    weight tile widened to the activation dtype, exact). NANOSERVE_FP8_MOE_ACTIVATIONS=bf16 keeps every checkpoint
+    weight-only; =fp8 refuses one whose scales do not allow it rather than falling back."""
+    from kernels.fused_moe_fp8_activations import takes_fp8_activations
+
+    asked = os.environ.get(MOE_ACTIVATIONS_ENV, "")
+    if asked not in ("", "fp8", "bf16"):
+        raise ValueError(f"{MOE_ACTIVATIONS_ENV}={asked!r}: expected 'fp8' (FP8 activations) or 'bf16' (weight-only)")
+    if asked == "bf16":
+        return "bf16"
+    if takes_fp8_activations(scales):
+        return "fp8"
+    if asked == "fp8":
+        raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: {name}'s expert scales come in groups of {scales.group_k13} "
+                         f"and {scales.group_k2} columns; FP8 activations need 128 or a scale per row")
+    return "bf16"

@@ -194,3 +194,26 @@ def test_a_checkpoint_that_converts_part_of_a_layer_is_refused_naming_it(tmp_pat
         json.dump(config, f)
     with pytest.raises(ValueError, match=f"{layer}: the checkpoint converts only some of the modules it loads"):
         load(path)
+
+
+@pytest.mark.parametrize("asked, group_k13, group_k2, expected", [
+    ("", 128, 128, "fp8"),  # a block checkpoint (Qwen3-*-FP8, DeepSeek): w8a8 by default
+    ("", 2048, 768, "fp8"),  # --quantization fp8: a scale per row
+    ("", 64, 64, "bf16"),  # groups the FP8-activation kernels cannot scale: weight-only, not refused
+    ("bf16", 128, 128, "bf16"),
+    ("fp8", 64, 64, "NANOSERVE_FP8_MOE_ACTIVATIONS=fp8: layers.0.mlp.experts's expert scales come in groups of 64"),
+    ("int8", 128, 128, "expected 'fp8' \\(FP8 activations\\) or 'bf16'"),
+])
+def test_fp8_experts_multiply_fp8_activations_by_default_where_their_scales_allow(monkeypatch, asked, group_k13,
+                                                                                   group_k2, expected):
+    from kernels.fused_moe import Fp8Experts
+
+    num_experts, hidden, inter = 4, 2048, 768
+    scales = Fp8Experts(torch.ones(num_experts, 2 * inter, -(-hidden // group_k13)),
+                        torch.ones(num_experts, hidden, -(-inter // group_k2)), group_k13, group_k2)
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, asked)
+    if expected in ("fp8", "bf16"):
+        assert fp8.moe_activations("layers.0.mlp.experts", scales) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            fp8.moe_activations("layers.0.mlp.experts", scales)
