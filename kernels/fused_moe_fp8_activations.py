@@ -40,10 +40,15 @@ def takes_fp8_activations(fp8: fm.Fp8Experts) -> bool:
 
 
 @triton.jit
-def _group_scaled_dot(a, w, acc, a_s, w_s_ptrs, kg, n_ok, W_GROUPED: tl.constexpr):
-    """acc + (a . w) * a's group scale [BLOCK_M] (* w's group scale [BLOCK_N] for block weights): one K tile, inside
-    one group of the activations and of the weights."""
+def _group_scaled_dot(a, w, acc, a_s, w_s_ptrs, w_s_tile_ptr, kg, n_ok, W_GROUPED: tl.constexpr,
+                      W_PER_TILE: tl.constexpr):
+    """acc + (a . w) * a's group scale [BLOCK_M] (* w's group scale for block weights): one K tile, inside one group of
+    the activations and of the weights. W_PER_TILE: the tile's rows share their scales (Fp8Experts.rows_sharing_scales),
+    so one scalar a group, from the tile's first row; otherwise a [BLOCK_N] vector, whose per-thread loads, outer
+    product and registers (spills at 128 x 128 tiles) made the K loop three times as long (sm_90 SASS, 2026-12-04)."""
     part = tl.dot(a, w)
+    if W_PER_TILE:
+        return acc + part * (a_s * tl.load(w_s_tile_ptr + kg))[:, None]
     scale = a_s[:, None]
     if W_GROUPED:
         scale = scale * tl.load(w_s_ptrs + kg, mask=n_ok, other=0.0)[None, :]
@@ -55,7 +60,8 @@ def _gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_xq, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_hs,
     num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, W_GROUPED: tl.constexpr, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, W_GROUPED: tl.constexpr, W_PER_TILE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """hq[pair, n], hs[pair, n // BLOCK_N] = the FP8 quantization (per BLOCK_N = 128 columns) of
     silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]), x given as FP8 with scales per 128 columns."""
@@ -67,14 +73,16 @@ def _gate_up_fp8_kernel(
     offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = fm._gate_up_tile(
         w_ptr, ws_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xq + offs_k[None, :]
+    sg_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn  # the tile's first rows'
+    su_tile = sg_tile + inter * stride_wsn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
         a, g, u = fm._gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, False, UPCAST)
         kg = (k * BLOCK_K) // 128
         a_s = tl.load(xs_ptr + token * stride_xs + kg, mask=row_ok, other=0.0)
-        acc_g = _group_scaled_dot(a, g, acc_g, a_s, sg_ptrs, kg, n_ok, W_GROUPED)
-        acc_u = _group_scaled_dot(a, u, acc_u, a_s, su_ptrs, kg, n_ok, W_GROUPED)
+        acc_g = _group_scaled_dot(a, g, acc_g, a_s, sg_ptrs, sg_tile, kg, n_ok, W_GROUPED, W_PER_TILE)
+        acc_u = _group_scaled_dot(a, u, acc_u, a_s, su_ptrs, su_tile, kg, n_ok, W_GROUPED, W_PER_TILE)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -98,7 +106,7 @@ def _down_fp8_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_ot,
     num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_GROUPED: tl.constexpr, UPCAST: tl.constexpr,
+    W_GROUPED: tl.constexpr, W_PER_TILE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]), h given as FP8 with scales per 128 columns."""
     pid_m, pid_n = fm._tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -109,6 +117,7 @@ def _down_fp8_kernel(
     offs_n, n_ok, offs_k, b_ptrs, s_ptrs = fm._weight_tile(w_ptr, ws_ptr, expert, pid_n, hidden, stride_we, stride_wn,
                                                            stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = hq_ptr + pair64[:, None] * inter + offs_k[None, :]
+    s_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
@@ -118,7 +127,7 @@ def _down_fp8_kernel(
             a, b = a.to(tl.float32), b.to(tl.float32)
         kg = (k * BLOCK_K) // 128
         a_s = tl.load(hs_ptr + pair64 * stride_hs + kg, mask=row_ok, other=0.0)
-        acc = _group_scaled_dot(a, b, acc, a_s, s_ptrs, kg, n_ok, W_GROUPED)
+        acc = _group_scaled_dot(a, b, acc, a_s, s_ptrs, s_tile, kg, n_ok, W_GROUPED, W_PER_TILE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not W_GROUPED:
@@ -132,6 +141,14 @@ def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile
         return fm.MoeTile(16, GROUP, 32, 1, 1), fm.MoeTile(16, 32, 32, 1, 1)
     return (replace(up, block_n=GROUP, block_k=min(up.block_k, GROUP)),
             replace(down, block_k=min(down.block_k, GROUP)))
+
+
+def _per_tile(fp8: fm.Fp8Experts, scale: torch.Tensor, tile: fm.MoeTile, second_half_at: int = 0) -> bool:
+    """Whether each N tile of a weight with group scales takes one scale per group: aligned runs of rows share them
+    and a tile lies inside one run (its start aligned; w13's up rows start `second_half_at` = inter rows down, which
+    must be aligned too). A weight with a scale per row applies it in the epilogue instead."""
+    runs = fp8.rows_sharing_scales
+    return scale.shape[-1] > 1 and runs > 1 and runs % tile.block_n == 0 and second_half_at % tile.block_n == 0
 
 
 def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -160,8 +177,8 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
         groups.num_pairs, hidden, inter, xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1),
         fp8.w13_scale.stride(0), fp8.w13_scale.stride(1), hs.stride(0), fm._tiles_m(groups, up),
         TOP_K=top_k, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
-        W_GROUPED=fp8.w13_scale.shape[-1] > 1, OUT_DTYPE=out_dtype, UPCAST=INTERPRET, num_warps=up.num_warps,
-        num_stages=up.num_stages)
+        W_GROUPED=fp8.w13_scale.shape[-1] > 1, W_PER_TILE=_per_tile(fp8, fp8.w13_scale, up, inter), OUT_DTYPE=out_dtype,
+        UPCAST=INTERPRET, num_warps=up.num_warps, num_stages=up.num_stages)
     if down.block_m != up.block_m:
         groups = fm.group_by_expert(ids, num_experts, down.block_m, counts)
     y = torch.empty(groups.num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -169,6 +186,7 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
         hq, hs, w2, fp8.w2_scale, y, weights.view(-1), groups.sorted_pairs, groups.block_expert, groups.num_padded,
         groups.num_pairs, hidden, inter, hs.stride(0), w2.stride(0), w2.stride(1), fp8.w2_scale.stride(0),
         fp8.w2_scale.stride(1), y.stride(0), fm._tiles_m(groups, down), BLOCK_M=down.block_m, BLOCK_N=down.block_n,
-        BLOCK_K=down.block_k, GROUP_M=down.group_m, W_GROUPED=fp8.w2_scale.shape[-1] > 1, UPCAST=INTERPRET,
-        num_warps=down.num_warps, num_stages=down.num_stages)
+        BLOCK_K=down.block_k, GROUP_M=down.group_m, W_GROUPED=fp8.w2_scale.shape[-1] > 1,
+        W_PER_TILE=_per_tile(fp8, fp8.w2_scale, down), UPCAST=INTERPRET, num_warps=down.num_warps,
+        num_stages=down.num_stages)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

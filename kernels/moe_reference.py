@@ -68,3 +68,20 @@ def fp8_activations_ref64(x: torch.Tensor, router_logits: torch.Tensor, w13: tor
             h = fq(h[None])[0] if quantize_activations else h.double()
             out[t] += w * (w2[e] @ h).to(x.dtype).double()
     return out
+
+
+def block_quantized_experts(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] as a fine-grained FP8 checkpoint holds them (a scale per block x block,
+    each expert's weight blocked on its own) and as the loader lays them out: (fp8 [E, N, K], the scales repeated
+    over their rows [E, N, ceil(K / block)], the dequantized weights in float64)."""
+    from kernels.fp8_quant import dequantize_rows, quantize_blocks_ref
+
+    e, n, k = w.shape
+    qs, scales = [], []
+    for expert in w.float().cpu():
+        q, scale = quantize_blocks_ref(expert, (block, block))
+        qs.append(q)
+        scales.append(scale.repeat_interleave(block, 0)[:n])
+    q, scale = torch.stack(qs), torch.stack(scales)
+    dequantized = dequantize_rows(q.reshape(e * n, k), scale.reshape(e * n, -1), block, torch.float64)
+    return q.to(w.device), scale.to(w.device), dequantized.view(e, n, k)

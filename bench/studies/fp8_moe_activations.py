@@ -10,8 +10,8 @@ read at 3.7-4.0, and prefill pays for the widening (the 30B-A3B shape: decode 1.
 
 The study times, per token count, the fused MoE layer at Qwen3-30B-A3B's shape (128 experts, top-8, hidden 2048,
 inter 768) as CUDA-graph replays: bf16, weight-only FP8 and FP8 activations (the x quantization included), each with
-row and with 128 x 128 block weight scales, and prints each one's error against float64 on the same quantized
-weights (FP8 activations add their own quantization error; weight-only FP8 adds none).
+row weight scales, per row and 128 columns, and a 128 x 128 block checkpoint's, and prints each one's error against
+float64 on the same quantized weights (FP8 activations add their own quantization error; weight-only FP8 adds none).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import fused_moe as fm  # noqa: E402
 from kernels.fp8_quant import dequantize_rows, quantize_rows_ref  # noqa: E402
-from kernels.moe_reference import fp8_activations_ref64, untied_tokens  # noqa: E402
+from kernels.moe_reference import block_quantized_experts, fp8_activations_ref64, untied_tokens  # noqa: E402
 from kernels.fused_moe_fp8_activations import (GROUP, _down_fp8_kernel, _fp8_tiles,  # noqa: E402
                                                _gate_up_fp8_kernel, fused_moe_fp8_activations)
 from kernels.triton_runtime import INTERPRET  # noqa: E402
@@ -46,9 +46,12 @@ TOKENS = [1, 16, 64, 128, 256, 2048]
 # ---------------------------------------------------------------------------------------------
 
 
-def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, group: int | None) -> tuple:
-    """(fp8 w13, fp8 w2, Fp8Experts, dequantized w13 and w2 in float64): scales per row and `group` columns, or
-    per row (None)."""
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, group: int | str | None) -> tuple:
+    """(fp8 w13, fp8 w2, Fp8Experts, dequantized w13 and w2 in float64): scales per row and `group` columns, per row
+    (None), or a 128 x 128 block checkpoint's ("blocks": one scale per N tile and K group in the w8a8 kernels)."""
+    if group == "blocks":
+        (q13, s13, d13), (q2, s2, d2) = (block_quantized_experts(w) for w in (w13, w2))
+        return q13, q2, fm.Fp8Experts(s13, s2, GROUP, GROUP), d13, d2
     out = []
     for w in (w13, w2):
         g = group or w.shape[-1]
@@ -112,9 +115,9 @@ def compile_check() -> bool:
     for num_tokens in TOKENS:
         up, down = _fp8_tiles(*fm.tiles_for(num_tokens, e, h, i, k))
         for fn, tile in ((_gate_up_fp8_kernel, up), (_down_fp8_kernel, down)):
-            for grouped in (True, False):
+            for grouped, per_tile in ((True, False), (True, True), (False, False)):  # block scales per row or tile
                 const = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                             W_GROUPED=grouped, UPCAST=False)
+                             W_GROUPED=grouped, W_PER_TILE=per_tile, UPCAST=False)
                 if fn is _gate_up_fp8_kernel:
                     const.update(TOP_K=k, OUT_DTYPE=tl.bfloat16)
                 sig, attrs = {}, {}
@@ -137,11 +140,13 @@ def compile_check() -> bool:
                                             options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
                 except Exception as err:  # noqa: BLE001  a tile that cannot compile is a finding
                     ok = False
-                    print(f"T={num_tokens} {fn.__name__} {tile} grouped={grouped}: FAILED {str(err).splitlines()[0]}")
+                    print(f"T={num_tokens} {fn.__name__} {tile} grouped={grouped} per_tile={per_tile}: FAILED "
+                          f"{str(err).splitlines()[0]}")
                     continue
                 fits = kernel.metadata.shared <= 227 * 1024
                 ok &= fits
-                print(f"T={num_tokens:>5} {fn.__name__:>20} {tuple(vars(tile).values())} grouped={grouped!s:>5}: "
+                print(f"T={num_tokens:>5} {fn.__name__:>20} {tuple(vars(tile).values())} grouped={grouped!s:>5} "
+                      f"per_tile={per_tile!s:>5}: "
                       f"{kernel.metadata.shared / 1024:.0f} KB shared, {time.perf_counter() - started:.1f} s"
                       + ("" if fits else "  TOO MUCH SHARED MEMORY"))
     return ok
@@ -162,6 +167,9 @@ def graph_us(fn, reps: int = 20) -> float:
     return triton.testing.do_bench(graph.replay, rep=50, return_mode="median") * 1e3 / reps
 
 
+SCHEMES = {None: "row", GROUP: "group", "blocks": "blocks"}  # per row; per row and 128 columns; 128 x 128 blocks
+
+
 def study() -> None:
     e, h, i, k = SHAPE["experts"], SHAPE["hidden"], SHAPE["inter"], SHAPE["top_k"]
     print(f"fused MoE layer, {e} experts top-{k}, hidden {h}, inter {i}, bf16: us (graph-replayed) and error against "
@@ -171,7 +179,7 @@ def study() -> None:
     for num_tokens in TOKENS:
         x, logits, w13, w2 = case(num_tokens, SHAPE, torch.bfloat16, "cuda", seed=num_tokens)
         bf16_us = graph_us(lambda: fm.fused_moe(x, logits, w13, w2, k, True))  # noqa: B023
-        for group in (None, GROUP):
+        for group in (None, GROUP, "blocks"):
             q13, q2, scales, d13, d2 = fp8_experts(w13, w2, group)
             q13, q2 = q13.cuda(), q2.cuda()
             scales = fm.Fp8Experts(scales.w13_scale.cuda(), scales.w2_scale.cuda(), scales.group_k13, scales.group_k2)
@@ -182,7 +190,7 @@ def study() -> None:
                                         quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)
             us16, us8 = graph_us(w8a16), graph_us(w8a8)
-            print(f"{num_tokens:>5} {'block' if group else 'row':>7} {bf16_us:>8.1f} {us16:>8.1f} {us8:>8.1f} "
+            print(f"{num_tokens:>5} {SCHEMES[group]:>7} {bf16_us:>8.1f} {us16:>8.1f} {us8:>8.1f} "
                   f"{bf16_us / us8:>11.2f} {us16 / us8:>12.2f} {err16:>9.1e} {err8:>9.1e}", flush=True)
 
 

@@ -222,6 +222,36 @@ def test_fp8_experts_with_fp8_activations_quantize_x_and_h_per_128_columns(group
                                                    scales.group_k2))
 
 
+def block_case(w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """w13 and w2 as a 128 x 128 block checkpoint's experts, laid out as the loader lays them (fp8 w13, fp8 w2, their
+    Fp8Experts, the dequantized w13 and w2)."""
+    (q13, s13, d13), (q2, s2, d2) = (moe_reference.block_quantized_experts(w) for w in (w13, w2))
+    return q13, q2, fm.Fp8Experts(s13, s2, 128, 128), d13, d2
+
+
+@interpreter
+def test_block_checkpoint_experts_take_one_weight_scale_per_tile_and_group():
+    """A 128 x 128 block checkpoint (hidden and inter 256: whole blocks) runs the w8a8 kernels with one weight
+    scale per N tile and K group (the tile's first row's), which they may since every aligned 128 rows share their
+    scales; the same values as the emulation. Scales per row and group, or per row, or cut blocks, never do."""
+    from kernels.fused_moe_fp8_activations import _fp8_tiles, _per_tile
+
+    x, logits, w13, w2 = case(13, 4, 256, 256, torch.float32, seed=5, unused_experts=(3,))
+    q13, q2, scales, d13, d2 = block_case(w13, w2)
+    assert scales.rows_sharing_scales == 128
+    up, down = _fp8_tiles(*fm.tiles_for(13, 4, 256, 256, 2))
+    assert _per_tile(scales, scales.w13_scale, up, 256) and _per_tile(scales, scales.w2_scale, down)
+    out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=replace(scales, activations="fp8"))
+    assert rel_error(out, moe_reference.fp8_activations_ref64(x, logits, d13, d2, 2)) < 2e-3
+    # a scale that differs inside a block, or scales per row and group, or per row: the flag is off
+    uneven = scales.w13_scale.clone()
+    uneven[1, 5] *= 2
+    assert fm.Fp8Experts(uneven, scales.w2_scale, 128, 128).rows_sharing_scales == 1
+    assert fp8_case(w13, w2, 128, 128, seed=6)[2].rows_sharing_scales == 1  # a scale per row and group
+    assert fp8_case(w13, w2, None, None, seed=6)[2].rows_sharing_scales == 1  # a scale per row
+    assert not _per_tile(scales, scales.w13_scale, up, 192)  # w13's up rows would start inside a tile
+
+
 @interpreter
 @settings(max_examples=20, deadline=None)
 @given(num_tiles_m=st.integers(1, 20), num_tiles_n=st.integers(1, 5), group_m=st.integers(0, 6))
@@ -353,13 +383,18 @@ def test_gpu_fp8_experts_match_float64_at_the_qwen3_30b_shape(num_tokens, group1
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
-@pytest.mark.parametrize("group", [128, None])
+@pytest.mark.parametrize("group", [128, None, "blocks"])
 def test_gpu_fp8_activations_match_their_float64_emulation_at_the_qwen3_30b_shape(num_tokens, group):
     """The w8a8 experts at the 30B layer's shape, on 16 rows whose router has no exact tie at the top-8 boundary
     (the route kernel and the reference may break one differently): x and h quantized as the kernels do, the rest in
-    float64; bf16's roundings of gate, up and h are the error left."""
+    float64; bf16's roundings of gate, up and h are the error left. Scales per row and 128 columns, per row, and a
+    128 x 128 block checkpoint's (one weight scale per tile and group)."""
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
-    q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=num_tokens)
+    if group == "blocks":
+        q13, q2, scales, d13, d2 = block_case(w13, w2)
+        assert scales.rows_sharing_scales == 128
+    else:
+        q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=num_tokens)
     out = fused_moe_fp8_activations(x, logits, q13, q2, 8, True, fp8=replace(scales, activations="fp8"))
     rows = moe_reference.untied_tokens(logits, 8, 16)
     ref = moe_reference.fp8_activations_ref64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8)
