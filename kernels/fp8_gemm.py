@@ -101,7 +101,7 @@ def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_s
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr,
     m, n, k, num_groups, stride_am, stride_wn, stride_cm,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, W_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
@@ -136,7 +136,11 @@ def _fp8_gemm_kernel(
         k_mask = ks < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if GROUPED:  # one K tile is one scale group
+        if W_PER_TILE:  # one K tile is one scale group, and the tile's rows of W share its scale: a scalar
+            a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
+            w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
+            acc += tl.dot(a, w) * (a_s * w_s)[:, None]
+        elif GROUPED:  # one K tile is one scale group
             a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
             w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
@@ -212,11 +216,14 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ..
 
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                    tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+                    tiles: tuple[int, ...] | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
     """a [M, K] fp8 with scales [M, G], w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
     G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU).
     `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py); a sixth entry, SPLIT_K > 1, splits
-    K over that many programs per output tile (more programs for a weight-bound product of few rows)."""
+    K over that many programs per output tile (more programs for a weight-bound product of few rows).
+    `rows_sharing_scales` (kernels/fp8_quant.rows_sharing_scales of w_scale, found at load): where an N tile lies
+    in such a run, each K group takes one weight scale, not a vector of BLOCK_N (whose loads, outer product and
+    registers made the loop of a 128 x 128 tile 413 sm_90 instructions against the channel kernel's 181)."""
     m, k = a.shape
     n = w.shape[0]
     grouped = w_scale.shape[1] > 1
@@ -236,7 +243,7 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     _fp8_gemm_kernel[(num_tiles, split_k)](
         a, a_scale, w, w_scale, bias if bias is not None else out, out, partial, counters,
         m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
-        GROUPED=grouped, HAS_BIAS=bias is not None,
+        GROUPED=grouped, W_PER_TILE=grouped and rows_sharing_scales % block_n == 0, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, PROMOTE_K),
         SPLIT_K=split_k, num_warps=warps, num_stages=stages,
     )
@@ -323,12 +330,13 @@ def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.d
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-               bias: torch.Tensor | None = None, unscaled: bool = False) -> torch.Tensor | UnscaledProduct:
+               bias: torch.Tensor | None = None, unscaled: bool = False,
+               rows_sharing_scales: int = 1) -> torch.Tensor | UnscaledProduct:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
     groups the weight's scales need; else one kernel quantizes it here. `unscaled`: the reader can apply the scales
     itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
-    as an UnscaledProduct, without scale_product's pass."""
+    as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's."""
     from kernels.fp8_gemm_dispatch import choose_gemm
 
     grouped = w_scale.shape[1] > 1
@@ -349,5 +357,6 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
             return UnscaledProduct(unit_scaled_product(a, w, torch.bfloat16, rows), a_scale, w_scale, out_dtype)
         out = unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     else:
-        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias)
+        out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias,
+                              rows_sharing_scales=rows_sharing_scales)
     return out.view(*lead, n)

@@ -15,6 +15,21 @@ from kernels.kv_quant import FP8_DTYPE, FP8_MAX
 MIN_SCALE = 1e-12  # an all-zero group quantizes to zeros instead of dividing by zero
 
 
+SCALE_BLOCK_ROWS = 128  # a fine-grained checkpoint's block height: the rows that share a scale
+
+
+def rows_sharing_scales(scale: torch.Tensor, rows: int = SCALE_BLOCK_ROWS) -> int:
+    """`rows` where every aligned run of that many rows of scale [..., R, G] (G > 1: per row and group) holds one
+    scale per group, as a block checkpoint's repeated over their rows do where no block is cut (by a fused piece that
+    starts inside one, or a rank's slice), else 1. The FP8 GEMMs then take one weight scale a tile and K group
+    instead of a vector. Compares on the scales' device: call at load, not in a step."""
+    *lead, r, g = scale.shape
+    if g == 1 or r % rows:
+        return 1
+    runs = scale.reshape(-1, r // rows, rows, g)
+    return rows if bool((runs == runs[:, :, :1]).all()) else 1
+
+
 def group_scales(amax: torch.Tensor) -> torch.Tensor:
     """The scales of groups whose largest magnitudes are amax: amax / 448 by IEEE division on any device, as the
     kernels divide (kernels/attention/triton_kv_store.fp8_scale). CUDA torch divides a tensor by a Python scalar as a

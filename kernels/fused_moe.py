@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import SCALE_BLOCK_ROWS, rows_sharing_scales
 from kernels.triton_runtime import INTERPRET
 
 
@@ -495,26 +496,14 @@ class Fp8Experts:
     group_k13: int
     group_k2: int
     activations: str = "bf16"
-    # TILE_ROWS where every aligned run of TILE_ROWS rows of each weight with group scales shares them (a 128 x 128
-    # block checkpoint whose blocks this rank's slice does not cut), else 1: set from the scales, so never wrong
+    # 128 where every aligned run of 128 rows of each weight with group scales shares them (a 128 x 128 block
+    # checkpoint whose blocks this rank's slice does not cut), else 1: set from the scales, so never wrong
     rows_sharing_scales: int = field(init=False)
 
     def __post_init__(self):
         grouped = [scale for scale in (self.w13_scale, self.w2_scale) if scale.shape[-1] > 1]
-        shared = bool(grouped) and all(_runs_share_scales(scale, TILE_ROWS) for scale in grouped)
-        object.__setattr__(self, "rows_sharing_scales", TILE_ROWS if shared else 1)
-
-
-TILE_ROWS = 128  # a block checkpoint's rows a scale
-
-
-def _runs_share_scales(scale: torch.Tensor, rows: int) -> bool:
-    """Whether every aligned run of `rows` rows of scale [E, R, G] holds one scale per group."""
-    e, r, g = scale.shape
-    if r % rows:
-        return False
-    runs = scale.reshape(e, r // rows, rows, g)
-    return bool((runs == runs[:, :, :1]).all())
+        shared = bool(grouped) and all(rows_sharing_scales(scale) == SCALE_BLOCK_ROWS for scale in grouped)
+        object.__setattr__(self, "rows_sharing_scales", SCALE_BLOCK_ROWS if shared else 1)
 
 
 def _scale_args(scale: torch.Tensor | None, group_k: int, k: int, tile: MoeTile, like: torch.Tensor) -> tuple:

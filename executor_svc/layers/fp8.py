@@ -37,7 +37,7 @@ from torch import nn
 from executor_svc.layers.fused_moe import StackedExperts
 from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from executor_svc.layers.parallel import tp_rank, tp_size
-from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel
+from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel, rows_sharing_scales
 from kernels.kv_quant import FP8_DTYPE
 from scheduler_svc.common.weight_quantization import WeightQuantization
 
@@ -201,6 +201,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         _check_gpu_group(name, layer.fp8_group_k)
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
+        layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
     expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device) for name, experts in expert_layers(model))
     where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,

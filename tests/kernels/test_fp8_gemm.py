@@ -74,6 +74,38 @@ def test_triton_fp8_gemm_with_block_or_channel_scales_matches_float64(m, n, k, g
 
 
 @interpreter
+def test_a_block_checkpoints_weight_takes_one_scale_per_tile_and_group():
+    """128 x 128 blocks, each scaled by its own factor, laid out as the loader lays them (repeated over their rows):
+    every aligned 128 rows share their scales, so each N tile takes one weight scale per K group; the same product.
+    A fused layer whose second piece starts inside a block (SmolLM2's k rows at 576 = 4.5 blocks) never does."""
+    from kernels.fp8_quant import rows_sharing_scales
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 256, generator=gen)
+    w = torch.randn(256, 256, generator=gen) * 2.0 ** torch.randint(-3, 3, (2, 2), generator=gen).repeat_interleave(
+        128, 0).repeat_interleave(128, 1)
+    wq, blocks = quantize_blocks_ref(w, (128, 128))
+    w_scale = blocks.repeat_interleave(128, 0)
+    assert rows_sharing_scales(w_scale) == 128
+    a, a_scale = quantize_rows_ref(x, 128)
+    ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128)
+    for tiles in ((16, 32, 128, 1, 1), (16, 128, 128, 1, 1), (16, 64, 128, 1, 1, 2)):  # split-K too
+        out = fp8_gemm.triton_fp8_gemm(a, a_scale, wq, w_scale, 128, torch.float32, tiles=tiles, rows_sharing_scales=128)
+        assert_close_to_float64(out, ref, rel=1e-5)
+    # the flag chooses the path: told that rows share their scales, the kernel reads each tile's first row's only
+    odd_rows_off = w_scale.clone()
+    odd_rows_off[1::2] *= 2
+    tiles = (16, 32, 128, 1, 1)
+    told = fp8_gemm.triton_fp8_gemm(a, a_scale, wq, odd_rows_off, 128, torch.float32, tiles=tiles, rows_sharing_scales=128)
+    assert_close_to_float64(told, ref, rel=1e-5)
+    not_told = fp8_gemm.triton_fp8_gemm(a, a_scale, wq, odd_rows_off, 128, torch.float32, tiles=tiles)
+    assert_close_to_float64(not_told, fp8_gemm_ref(a, a_scale, wq, odd_rows_off, 128), rel=1e-5)
+    fused = torch.cat([w_scale[:192], w_scale[64:128] * 3])  # q's 192 rows, then k's 64 from row 192
+    assert rows_sharing_scales(fused) == 1
+    assert rows_sharing_scales(torch.rand(256, 1)) == 1  # a scale per row: the epilogue applies it
+
+
+@interpreter
 @pytest.mark.parametrize("group", [16, 80])  # block scales (5 K tiles of 16), channel scales (K tiles of 32)
 @pytest.mark.parametrize("split_k", [2, 3, 8])  # uneven shares of K's tiles; more splits than tiles
 def test_split_k_fp8_gemm_matches_float64_and_leaves_its_counters_at_zero(group, split_k):
