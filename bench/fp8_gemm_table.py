@@ -54,6 +54,16 @@ def cold_graph_us(fn, weights: list, timing_ms: int = 10) -> float:
     return ms * 1e3 / len(calls)
 
 
+def block_checkpoint_weight(w):
+    """w as a fine-grained FP8 checkpoint holds it (128 x 128 blocks) and the loader lays it out: (fp8 w, the block
+    scales repeated over their rows, how many aligned rows share them: kernels/fp8_quant.rows_sharing_scales)."""
+    from kernels.fp8_quant import quantize_blocks_ref, rows_sharing_scales
+
+    wq, blocks = quantize_blocks_ref(w, (128, 128))
+    scale = blocks.repeat_interleave(128, 0)[: w.shape[0]].contiguous()
+    return wq, scale, rows_sharing_scales(scale)
+
+
 def fp8_gemm_rows(device) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -67,7 +77,7 @@ def fp8_gemm_rows(device) -> list[dict]:
     for name, n, k in QWEN3_8B_GEMMS:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         w_ch, s_ch = quantize_rows_ref(w, k)
-        w_bl, s_bl = quantize_rows_ref(w, 128)  # a scale per row and 128 columns: the loader's block layout
+        w_bl, s_bl, shared = block_checkpoint_weight(w)
         w16s, chs, bls = weight_copies(w), weight_copies(w_ch), weight_copies(w_bl)
         for m in TOKENS:
             x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
@@ -82,10 +92,12 @@ def fp8_gemm_rows(device) -> list[dict]:
                 "triton_channel": cold_graph_us(
                     lambda w: fp8_gemm.triton_fp8_gemm(a_ch, as_ch, w, s_ch, k, torch.bfloat16), chs),
                 "triton_block": cold_graph_us(
-                    lambda w: fp8_gemm.triton_fp8_gemm(a_bl, as_bl, w, s_bl, 128, torch.bfloat16), bls),
+                    lambda w: fp8_gemm.triton_fp8_gemm(a_bl, as_bl, w, s_bl, 128, torch.bfloat16,
+                                                       rows_sharing_scales=shared), bls),
                 "act_quant": cold_graph_us(lambda w: fp8_gemm.quantize_rows(x, k), [None]),
                 "engine_channel": cold_graph_us(lambda w: fp8_gemm.fp8_linear(x, w, s_ch, k), chs),
-                "engine_block": cold_graph_us(lambda w: fp8_gemm.fp8_linear(x, w, s_bl, 128), bls),
+                "engine_block": cold_graph_us(lambda w: fp8_gemm.fp8_linear(x, w, s_bl, 128, rows_sharing_scales=shared),
+                                              bls),
             }
             flops = 2 * m * n * k
             bf16_bytes = 2 * (m * k + n * k + m * n)
@@ -182,7 +194,7 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
     for name, n, k in QWEN3_8B_GEMMS:
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         for scheme, group in (("channel", k), ("block", 128)):
-            wq, ws = quantize_rows_ref(w, group)
+            wq, ws, shared = block_checkpoint_weight(w) if scheme == "block" else (*quantize_rows_ref(w, k), 1)
             wqs = weight_copies(wq)
             for m in tokens or SWEEP_TOKENS:
                 a, a_s = fp8_gemm.quantize_rows(torch.randn(m, k, generator=gen, device=device,
@@ -190,14 +202,15 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                 ref = None
                 timed = {}
                 for cfg in _sweep_tiles(scheme, m):
-                    out = fp8_gemm.triton_fp8_gemm(a, a_s, wq, ws, group, torch.bfloat16, tiles=cfg)
+                    out = fp8_gemm.triton_fp8_gemm(a, a_s, wq, ws, group, torch.bfloat16, tiles=cfg,
+                                                   rows_sharing_scales=shared)
                     ref = out.float() if ref is None else ref
                     err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
                     if err > 1e-2:
                         print(f"  {name} {scheme} M={m} tiles {cfg}: off by {err:.2e} of max |y|, dropped")
                         continue
-                    timed[cfg] = cold_graph_us(lambda w: fp8_gemm.triton_fp8_gemm(a, a_s, w, ws, group, torch.bfloat16,
-                                                                                  tiles=cfg), wqs)
+                    timed[cfg] = cold_graph_us(lambda w: fp8_gemm.triton_fp8_gemm(
+                        a, a_s, w, ws, group, torch.bfloat16, tiles=cfg, rows_sharing_scales=shared), wqs)
                 best = min(timed, key=timed.get)
                 row = {"gemm": name, "scheme": scheme, "m": m, "n": n, "k": k,
                        "us": {",".join(map(str, c)): t for c, t in timed.items()}, "best": list(best),
