@@ -8,7 +8,8 @@ plain FP8 GEMM, the 1 x 128 / 128 x 128 block recipe with cuBLASLt's block scali
 much faster, the engine could run it with unit scales and leave the per-token and per-channel factors to the kernel
 that reads the product next (exact: only where bf16's rounding happens moves). Timed per Qwen3-8B product and M:
 bf16 (F.linear), row-wise at M rows and at 256, tensor-wise at M rows (unit scales, bf16 product), and the block
-recipe; each a CUDA graph of calls over copies of W larger than L2 (bench/fp8_gemm_table.cold_graph_us). The
+recipe (cuBLASLt's, and the engine's Triton block GEMM on the same operands); each a CUDA graph of calls over copies
+of W larger than L2 (bench/fp8_gemm_table.cold_graph_us). The
 errors are of max |y| against float64 on the same quantized operands (tensor-wise: its product scaled afterwards in
 fp32). It then names the kernels each path launched at M = 132 (torch.profiler).
 
@@ -49,7 +50,7 @@ def main() -> None:
     one = torch.ones((), dtype=torch.float32, device=device)
     results, kernels = [], {}
     print(f"{'gemm':>12} {'M':>4} | us (W's TB/s): {'bf16':>13} {'rowwise M':>13} {'rowwise 256':>13} "
-          f"{'tensorwise':>13} {'block':>13} | errors: rowwise, tensorwise, block")
+          f"{'tensorwise':>13} {'block':>13} {'triton block':>13} | errors: rowwise, tensorwise, block, triton block")
     for name, n, k in QWEN3_8B_GEMMS:
         w16 = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) / k**0.5
         wq, ws = quantize_rows_ref(w16, k)
@@ -60,6 +61,7 @@ def main() -> None:
         blocks = wb.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
         wbq = (wb / blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
         wbqs = weight_copies(wbq)
+        block_rows = blocks.repeat_interleave(128, 0).contiguous()  # the loader's layout: a block's scale on its rows
         for m in map(int, args.tokens.split(",")):
             x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
             x *= torch.rand(m, 1, generator=gen, device=device, dtype=torch.bfloat16) + 0.1
@@ -81,21 +83,26 @@ def main() -> None:
             def tensorwise(w):
                 return torch._scaled_mm(a16, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
-            def block(w):
-                return F.scaled_mm(ab, w.t(), a_blk_t, F.ScalingType.BlockWise1x128, blocks,
+            def block(w):  # scale_b [K / 128, N / 128], K-major in memory (a transposed view), as cuBLASLt wants it
+                return F.scaled_mm(ab, w.t(), a_blk_t, F.ScalingType.BlockWise1x128, blocks.t(),
                                    F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+            def triton_block(w):  # the engine's block GEMM: one weight scale per tile and K group
+                return fp8_gemm.triton_fp8_gemm(ab, a_blk, w, block_rows, 128, torch.bfloat16,
+                                                rows_sharing_scales=128)
 
             row = {"gemm": name, "m": m, "n": n, "k": k, "us": {}, "err": {}}
             for label, fn, ws_list in (("bf16", lambda w: F.linear(x, w), w16s), ("rowwise", rowwise, wqs),
                                        ("rowwise_256", lambda w: rowwise(w, 256), wqs),
-                                       ("tensorwise", tensorwise, wqs), ("block", block, wbqs)):
+                                       ("tensorwise", tensorwise, wqs), ("block", block, wbqs),
+                                       ("triton_block", triton_block, wbqs)):
                 try:
                     row["us"][label] = cold_graph_us(fn, ws_list, args.timing_ms)
                     out = fn(ws_list[0])[:m].double()
                     if label == "tensorwise":
                         out = out * a_s[:m].double() * ws.view(1, -1).double()
                     if label != "bf16":
-                        r = ref_b if label == "block" else ref
+                        r = ref_b if label in ("block", "triton_block") else ref
                         row["err"][label] = (out - r).abs().max().item() / scale
                 except Exception as e:  # noqa: BLE001  a recipe this torch cannot run is a result
                     row["us"][label] = None
@@ -108,9 +115,9 @@ def main() -> None:
                 return f"{us:>6.1f} ({nbytes / us / 1e6:.2f})" if us else f"{'-':>13}"
 
             errs = ", ".join(f"{row['err'][lb]:.1e}" if isinstance(row["err"][lb], float) else "fails"
-                             for lb in ("rowwise", "tensorwise", "block"))
+                             for lb in ("rowwise", "tensorwise", "block", "triton_block"))
             print(f"{name:>12} {m:>4} | {cell('bf16'):>29} {cell('rowwise'):>13} {cell('rowwise_256'):>13} "
-                  f"{cell('tensorwise'):>13} {cell('block'):>13} | {errs}", flush=True)
+                  f"{cell('tensorwise'):>13} {cell('block'):>13} {cell('triton_block'):>13} | {errs}", flush=True)
             if m == 132 and name == "gate_up_proj":
                 for label, fn, ws_list in (("rowwise", rowwise, wqs), ("rowwise_256", lambda w: rowwise(w, 256), wqs),
                                            ("tensorwise", tensorwise, wqs), ("block", block, wbqs)):
