@@ -1,9 +1,10 @@
 """On CUDA, FP8 experts (the fused MoE kernels read FP8): a Qwen3-MoE checkpoint whose experts alone are FP8 blocks
-(moe_intermediate 192: ragged) equals HF transformers on its dequantized weights in fp32, under CUDA graphs and
-eagerly (weight-only: each FP8 weight tile widened to fp32); --quantization fp8 on it decodes under graphs to the
-eager tokens, its experts weight-only or multiplying FP8 activations (NANOSERVE_FP8_MOE_ACTIVATIONS=fp8). Apart from
-test_gpu_fp8_weights.py so that `run_on_gpu.sh tests-par` gives each file its own time (HF's reference runs on the
-CPU)."""
+(moe_intermediate 192: ragged), its experts kept weight-only (NANOSERVE_FP8_MOE_ACTIVATIONS=bf16: each FP8 weight
+tile widened to fp32, exact), equals HF transformers on its dequantized weights in fp32, under CUDA graphs and
+eagerly; --quantization fp8 on it decodes under graphs to the eager tokens, its experts weight-only or multiplying
+FP8 activations (the default, which rounds x and h to e4m3 and so cannot equal HF). Apart from
+test_gpu_fp8_weights.py so that `run_on_gpu.sh tests-par` gives each file its own time; HF's reference runs on the
+GPU."""
 from __future__ import annotations
 
 import pytest
@@ -35,17 +36,19 @@ def moe_checkpoints(tmp_path_factory) -> str:
     return str(root)
 
 
-def test_fp8_experts_decode_to_transformers_on_their_dequantized_weights_under_graphs_and_eagerly(moe_checkpoints):
+def test_fp8_experts_decode_to_transformers_on_their_dequantized_weights_under_graphs_and_eagerly(moe_checkpoints,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "bf16")  # weight-only: exact, so HF's tokens
     prompts = gpu_prompts()
     loaded, _ = load_model(f"{moe_checkpoints}/experts", torch.float32, torch.device("cuda"),
                            TorchAttentionBackend())
     fp8_experts = [m.experts for m in loaded.modules() if hasattr(m, "experts")]
     assert len(fp8_experts) == 2 and all(e.w13.dtype == torch.float8_e4m3fn and e.fp8 is not None
-                                         for e in fp8_experts)
+                                         and e.fp8.activations == "bf16" for e in fp8_experts)
     del loaded
     graphs, _ = generate(f"{moe_checkpoints}/experts", prompts, dtype="float32", max_num_seqs=32)
     eager, _ = generate(f"{moe_checkpoints}/experts", prompts, dtype="float32", enforce_eager=True)
-    ref = hf_greedy(f"{moe_checkpoints}/experts_dequantized", prompts, NEW_TOKENS)
+    ref = hf_greedy(f"{moe_checkpoints}/experts_dequantized", prompts, NEW_TOKENS, device="cuda")
     assert_greedy_matches(graphs, ref)
     assert_greedy_matches(eager, ref)
 

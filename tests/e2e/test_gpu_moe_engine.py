@@ -32,7 +32,7 @@ def test_moe_cuda_graph_decoding_equals_eager_and_transformers(gpu_qwen3_moe_dir
         assert_bf16_runs_agree(graphs, [o.token_ids for o in eager])
         return
     assert_greedy_matches(graphs, [o.token_ids for o in eager])
-    ref = hf_greedy(gpu_qwen3_moe_dir, gpu_prompts, NEW_TOKENS)
+    ref = hf_greedy(gpu_qwen3_moe_dir, gpu_prompts, NEW_TOKENS, device="cuda")
     assert_greedy_matches(graphs, ref)
     assert_greedy_matches(eager, ref)
 

@@ -8,11 +8,11 @@ import torch
 
 
 @functools.lru_cache(maxsize=4)
-def _load(model_dir: str):
+def _load(model_dir: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _cache_keyword(model) -> str:
@@ -21,13 +21,16 @@ def _cache_keyword(model) -> str:
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuation of each prompt, one at a time (no padding), EOS ignored."""
-    model = _load(model_dir)
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """Greedy continuation of each prompt, one at a time (no padding), EOS ignored. `device` "cuda" runs the fp32
+    reference on the GPU (TF32 off, torch's default for matmuls): the GPU tests' MoE references, whose experts
+    transformers loops over, took minutes on a CPU shared with other test files."""
+    assert not torch.backends.cuda.matmul.allow_tf32, "an fp32 reference must not multiply in TF32"
+    model = _load(model_dir, device)
     cache_kw = _cache_keyword(model)
     outputs = []
     for ids in prompts:
-        past, cur, out = None, torch.tensor([ids]), []
+        past, cur, out = None, torch.tensor([ids], device=device), []
         for _ in range(max_new_tokens):
             res = model(input_ids=cur, use_cache=True, **{cache_kw: past})
             past = getattr(res, cache_kw, None)
@@ -35,7 +38,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                 past = res.past_key_values
             token = int(res.logits[0, -1].argmax())
             out.append(token)
-            cur = torch.tensor([[token]])
+            cur = torch.tensor([[token]], device=device)
         outputs.append(out)
     return outputs
 
