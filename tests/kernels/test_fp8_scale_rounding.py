@@ -32,19 +32,24 @@ def test_exact_quotient_groups_quantize_differently_with_a_scale_an_ulp_off():
     assert not torch.equal((x / off).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), q.view(torch.uint8))
 
 
-def test_the_activation_scales_compile_to_ieee_division_for_sm90():
-    """The quantization kernel's scale is amax / 448 correctly rounded (div.rn), not Triton's `/` (div.full.f32), so
-    that a GPU quantizes as the CPU's reference does where the quotient is exact: compiled for sm_90 on this host."""
+@pytest.mark.parametrize("kernel", ["fp8_gemm._quantize_rows_kernel", "fp8_fused_quant._quantize_by_chunk_maxes_kernel"])
+def test_the_activation_scales_compile_to_ieee_division_for_sm90(kernel):
+    """The quantization kernels' scale is amax / 448 correctly rounded (div.rn), not Triton's `/` (div.full.f32), so
+    that a GPU quantizes as the CPU's reference does where the quotient is exact: compiled for sm_90 on this host.
+    These two divide nothing else (the norm's and SiLU's own divisions are not quantization steps)."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    from kernels import fp8_gemm
-
-    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_rows": "i32", "k": "i32", "group": "i32",
-           "num_groups": "i32", "x_stride": "i32", "BLOCK": "constexpr"}
-    source = ASTSource(fp8_gemm._quantize_rows_kernel, sig, constexprs={"BLOCK": 128})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+    module, name = kernel.split(".")
+    fn = getattr(importlib.import_module(f"kernels.{module}"), name)
+    pointers = {"x_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
+    constexprs = {"BLOCK": 128} if "rows" in name else {"CHUNK": 1024, "CHUNKS": 16}
+    sig = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32") for arg in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 1}).asm["ptx"]
     assert "div.full" not in ptx and "div.rn.f32" in ptx
 
 
