@@ -73,8 +73,8 @@ def _gate_up_fp8_kernel(
     offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = fm._gate_up_tile(
         w_ptr, ws_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xq + offs_k[None, :]
-    sg_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn  # the tile's first rows'
-    su_tile = sg_tile + inter * stride_wsn
+    sg_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn  # the first gate row's scales
+    su_tile = sg_tile + inter * stride_wsn  # and the first up row's
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
