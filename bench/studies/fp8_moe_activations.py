@@ -16,6 +16,7 @@ float64 on the same quantized weights (FP8 activations add their own quantizatio
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -175,7 +176,7 @@ def study() -> None:
     print(f"fused MoE layer, {e} experts top-{k}, hidden {h}, inter {i}, bf16: us (graph-replayed) and error against "
           "float64 on the quantized weights (unquantized activations), 16 rows without a router tie")
     print(f"{'T':>5} {'scales':>7} {'bf16':>8} {'w8a16':>8} {'w8a8':>8} {'w8a8 x bf16':>11} {'w8a8 x w8a16':>12} "
-          f"{'err w8a16':>9} {'err w8a8':>9}")
+          f"{'err w8a16':>9} {'err w8a8':>9} {'w8a8 K128':>9}")
     for num_tokens in TOKENS:
         x, logits, w13, w2 = case(num_tokens, SHAPE, torch.bfloat16, "cuda", seed=num_tokens)
         bf16_us = graph_us(lambda: fm.fused_moe(x, logits, w13, w2, k, True))  # noqa: B023
@@ -190,8 +191,13 @@ def study() -> None:
                                         quantize_activations=False)
             err16, err8 = rel(w8a16()[rows], ref), rel(w8a8()[rows], ref)
             us16, us8 = graph_us(w8a16), graph_us(w8a8)
+            # the fitted tiles with K tiles of 128 FP8 columns (the bf16 tiles' bytes a stage; fewer scale steps)
+            up, down = _fp8_tiles(*fm.tiles_for(num_tokens, e, h, i, k))
+            deep = (replace(up, block_k=GROUP), replace(down, block_k=GROUP))
+            us8_deep = graph_us(lambda: fused_moe_fp8_activations(x, logits, q13, q2, k, True,  # noqa: B023
+                                                                  tiles=deep, fp8=scales))  # noqa: B023
             print(f"{num_tokens:>5} {SCHEMES[group]:>7} {bf16_us:>8.1f} {us16:>8.1f} {us8:>8.1f} "
-                  f"{bf16_us / us8:>11.2f} {us16 / us8:>12.2f} {err16:>9.1e} {err8:>9.1e}", flush=True)
+                  f"{bf16_us / us8:>11.2f} {us16 / us8:>12.2f} {err16:>9.1e} {err8:>9.1e} {us8_deep:>9.1f}", flush=True)
 
 
 def main() -> None:
