@@ -57,10 +57,9 @@ def cold_graph_us(fn, weights: list, timing_ms: int = 10) -> float:
 def block_checkpoint_weight(w):
     """w as a fine-grained FP8 checkpoint holds it (128 x 128 blocks) and the loader lays it out: (fp8 w, the block
     scales repeated over their rows, how many aligned rows share them: kernels/fp8_quant.rows_sharing_scales)."""
-    from kernels.fp8_quant import quantize_blocks_ref, rows_sharing_scales
+    from kernels.fp8_quant import quantize_blocks_on_rows, rows_sharing_scales
 
-    wq, blocks = quantize_blocks_ref(w, (128, 128))
-    scale = blocks.repeat_interleave(128, 0)[: w.shape[0]].contiguous()
+    wq, scale = quantize_blocks_on_rows(w)
     return wq, scale, rows_sharing_scales(scale)
 
 

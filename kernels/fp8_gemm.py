@@ -136,14 +136,14 @@ def _fp8_gemm_kernel(
         k_mask = ks < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if W_PER_TILE:  # one K tile is one scale group, and the tile's rows of W share its scale: a scalar
+        if GROUPED:  # one K tile is one scale group
             a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
-            w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
-            acc += tl.dot(a, w) * (a_s * w_s)[:, None]
-        elif GROUPED:  # one K tile is one scale group
-            a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
-            w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
-            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+            if W_PER_TILE:  # the tile's rows of W share their scale: one scalar
+                w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
+                acc += tl.dot(a, w) * (a_s * w_s)[:, None]
+            else:
+                w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
+                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 adds every 128 of K at most (Hopper)
         a_ptrs += BLOCK_K

@@ -123,6 +123,13 @@ def quantize_blocks_ref(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale
 
 
+def quantize_blocks_on_rows(w: torch.Tensor, block: int = SCALE_BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks_ref with square blocks, the scales laid out as the loader lays a block checkpoint's (each
+    block's scale repeated over its rows): float8_e4m3fn [N, K] and float32 [N, ceil(K / block)]."""
+    q, blocks = quantize_blocks_ref(w, (block, block))
+    return q, blocks.repeat_interleave(block, 0)[: w.shape[0]].contiguous()
+
+
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The fine-grained format's weight: q * weight_scale_inv, each scale over its block."""

@@ -74,14 +74,10 @@ def block_quantized_experts(w: torch.Tensor, block: int = 128) -> tuple[torch.Te
     """Stacked expert weights [E, N, K] as a fine-grained FP8 checkpoint holds them (a scale per block x block,
     each expert's weight blocked on its own) and as the loader lays them out: (fp8 [E, N, K], the scales repeated
     over their rows [E, N, ceil(K / block)], the dequantized weights in float64)."""
-    from kernels.fp8_quant import dequantize_rows, quantize_blocks_ref
+    from kernels.fp8_quant import dequantize_rows, quantize_blocks_on_rows
 
     e, n, k = w.shape
-    qs, scales = [], []
-    for expert in w.float().cpu():
-        q, scale = quantize_blocks_ref(expert, (block, block))
-        qs.append(q)
-        scales.append(scale.repeat_interleave(block, 0)[:n])
-    q, scale = torch.stack(qs), torch.stack(scales)
+    q, scale = (torch.stack(parts) for parts in zip(*(quantize_blocks_on_rows(expert, block)
+                                                        for expert in w.float().cpu())))
     dequantized = dequantize_rows(q.reshape(e * n, k), scale.reshape(e * n, -1), block, torch.float64)
     return q.to(w.device), scale.to(w.device), dequantized.view(e, n, k)

@@ -18,7 +18,7 @@ from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_mo
 
 pytest.importorskip("triton")
 
-from kernels.fp8_quant import fp8_gemm_ref, quantize_blocks_ref, quantize_rows_ref  # noqa: E402
+from kernels.fp8_quant import fp8_gemm_ref, quantize_blocks_on_rows, quantize_rows_ref  # noqa: E402
 
 if KERNELS_RUN_HERE:
     from kernels import fp8_gemm
@@ -84,8 +84,7 @@ def test_a_block_checkpoints_weight_takes_one_scale_per_tile_and_group():
     x = torch.randn(5, 256, generator=gen)
     w = torch.randn(256, 256, generator=gen) * 2.0 ** torch.randint(-3, 3, (2, 2), generator=gen).repeat_interleave(
         128, 0).repeat_interleave(128, 1)
-    wq, blocks = quantize_blocks_ref(w, (128, 128))
-    w_scale = blocks.repeat_interleave(128, 0)
+    wq, w_scale = quantize_blocks_on_rows(w)
     assert rows_sharing_scales(w_scale) == 128
     a, a_scale = quantize_rows_ref(x, 128)
     ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128)
@@ -219,8 +218,7 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
     # the checkpoint's 128 x 128 blocks, repeated over their rows as the loader stores them
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(300, 400, generator=gen)
-    wq, scale_inv = quantize_blocks_ref(w, (128, 128))
-    w_scale = scale_inv.repeat_interleave(128, 0)[:300]
+    wq, w_scale = quantize_blocks_on_rows(w)
     x = torch.randn(37, 400, generator=gen).bfloat16()
     a, a_scale = quantize_rows_ref(x, 128)
     ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128)
