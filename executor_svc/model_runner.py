@@ -140,12 +140,6 @@ class ModelRunner:
                                       layout.bytes_per_block)
         if host_blocks:
             self.kv_pool.allocate_host(host_blocks)
-        # every rank runs the timed forward, or none does (tensor-parallel layers talk to each other)
-        timed = self.device.type == "cuda" or config.resolved_preemption_mode(self.device.type) == "auto"
-        num_tokens = min(CALIBRATION_PREFILL_TOKENS[self.device.type], config.max_num_batched_tokens,
-                         self.max_model_len, self.kv_pool.num_blocks // 2 * self.block_size)
-        self.calibration = calibrate(self.kv_pool, self._prefill_on_free_blocks if timed and num_tokens > 0 else None,
-                                     num_tokens, rank)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.capabilities.cuda_graph_safe:
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_model_len, self.block_size,
@@ -158,6 +152,13 @@ class ModelRunner:
             self.piecewise = capture_or_fall_back(
                 PiecewiseGraphs(self.model, max_piecewise, self.block_size, self.facts.hidden_size, self.dtype,
                                 self.device), rank, world_size)
+        # every rank runs the timed forward, or none does (tensor-parallel layers talk to each other); after the graphs
+        # are captured, so that it runs as a recomputed prefill will (in the piecewise graphs when a bucket holds it)
+        timed = self.device.type == "cuda" or config.resolved_preemption_mode(self.device.type) == "auto"
+        num_tokens = min(CALIBRATION_PREFILL_TOKENS[self.device.type], config.max_num_batched_tokens,
+                         self.max_model_len, self.kv_pool.num_blocks // 2 * self.block_size)
+        self.calibration = calibrate(self.kv_pool, self._prefill_on_free_blocks if timed and num_tokens > 0 else None,
+                                     num_tokens, rank)
         self.fused_masked_draw = False  # masked decode rows drawn by the graph's kernel (DecodeGraphs.redraw_masked)
         if self.device.type == "cuda" and self.rank == 0:
             from kernels import sampling
@@ -205,10 +206,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _prefill_on_free_blocks(self, num_tokens: int) -> None:
         """A prefill of one sequence of num_tokens random tokens on the pool's first blocks (all free at
-        start-up), zeroed again after, as the pool starts."""
+        start-up), zeroed again after, as the pool starts; through _forward, as a step's prefill runs."""
         chunks, num_blocks = profiling_chunks(num_tokens, 1, self.block_size, self.facts.vocab_size)
         inputs = self.prepare_inputs(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self._forward(inputs)
         self.model.compute_logits(hidden[inputs.logits_indices])
         self.kv_pool.cache[:, :, :num_blocks].zero_()
 

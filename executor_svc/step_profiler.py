@@ -127,4 +127,4 @@ def print_summaries(out_dir: str, top: int = 12) -> None:
 
 
 if __name__ == "__main__":
-    print_summaries(sys.argv[1])
+    print_summaries(sys.argv[1], *(int(a) for a in sys.argv[2:3]))

@@ -178,6 +178,25 @@ def test_the_handshake_reports_the_measured_copy_costs_and_in_auto_mode_the_pref
     assert not r.kv_pool.cache.any(), "the timed swaps and forward leave the pool as it starts: zeros"
 
 
+def test_the_timed_prefill_runs_as_a_step_does_after_the_graphs_are_made(tiny_llama, monkeypatch):
+    """The prefill rate is measured through ModelRunner._forward, the path a recomputed prefill takes (the piecewise
+    graphs on a GPU when a bucket holds it), and only once the runner has decided its graphs: timed before their
+    capture, it measured the eager forward that no step of that size runs."""
+    calls = []
+    forward = ModelRunner._forward
+
+    def recording(self, inputs):
+        calls.append((inputs.input_ids.shape[0], hasattr(self, "graphs") and hasattr(self, "piecewise")))
+        return forward(self, inputs)
+
+    monkeypatch.setattr(ModelRunner, "_forward", recording)
+    r = make_runner(tiny_llama, preemption_mode="auto")
+    assert handshake(r).prefill_tokens_per_s > 0
+    assert len(calls) == 2, calls  # the warm-up and the timed forward
+    assert all(graphs_decided for _, graphs_decided in calls), calls
+    assert len({n for n, _ in calls}) == 1 and calls[0][0] > 0
+
+
 def test_on_the_cpu_without_a_host_pool_or_auto_mode_nothing_is_timed(tiny_llama):
     r = make_runner(tiny_llama, num_host_blocks=None)  # the CPU's default mode: recompute, no host pool
     hs = handshake(r)
