@@ -240,18 +240,22 @@ def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: t
 
 
 @triton.jit
-def _scaled_dot(a, w, acc, s_ptrs, k, n_ok, SCALES: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+def _scaled_dot(a, w, acc, s_ptrs, s_tile_ptr, k, n_ok, SCALES: tl.constexpr, GROUP_K: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W_PER_TILE: tl.constexpr):
     """acc + a . w for one K tile. FP8 weights (SCALES > 0) are widened to the activations' dtype, exactly (e4m3's
     values are all bf16 values); with a scale per group of GROUP_K columns (SCALES 2: a block checkpoint's, the K tile
     inside one group) the tile's product is scaled as it joins the accumulator, per-row scales (SCALES 1) wait for
-    the epilogue."""
+    the epilogue. W_PER_TILE (per_tile): the tile's rows share their scales, so one scalar a group from its first
+    row (s_tile_ptr), not a [BLOCK_N] vector a K tile."""
     if SCALES == 0:
         return tl.dot(a, w, acc, input_precision=PRECISION)
     w = w.to(a.dtype)
     if SCALES == 1:
         return tl.dot(a, w, acc, input_precision=PRECISION)
-    s = tl.load(s_ptrs + (k * BLOCK_K) // GROUP_K, mask=n_ok, other=0.0)
+    group = (k * BLOCK_K) // GROUP_K
+    if W_PER_TILE:
+        return acc + tl.dot(a, w, input_precision=PRECISION) * tl.load(s_tile_ptr + group)
+    s = tl.load(s_ptrs + group, mask=n_ok, other=0.0)
     return acc + tl.dot(a, w, input_precision=PRECISION) * s[None, :]
 
 
@@ -267,21 +271,23 @@ def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr):
 def _weight_tile(w_ptr, s_ptr, expert, pid_n, n, stride_we, stride_wn, stride_se, stride_sn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A program's output columns of expert e's weight [N, K] and its first K tile's pointers: (offs_n, n_ok, offs_k,
-    the weight tile [K, N], and, for FP8 weights, the rows' scales)."""
+    the weight tile [K, N], and, for FP8 weights, the rows' scales and the tile's first row's scales)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    return offs_n, offs_n < n, offs_k, w_ptrs, s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    s_tile = s_ptr + expert * stride_se + (pid_n * BLOCK_N).to(tl.int64) * stride_sn
+    return offs_n, offs_n < n, offs_k, w_ptrs, s_tile + tl.arange(0, BLOCK_N).to(tl.int64) * stride_sn, s_tile
 
 
 @triton.jit
 def _gate_up_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """_weight_tile over w13's gate rows, with the up rows' pointers `inter` rows below: (offs_n, n_ok, offs_k, gate
-    and up weight tiles, gate and up scales)."""
-    offs_n, n_ok, offs_k, g_ptrs, sg_ptrs = _weight_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn,
-                                                         stride_se, stride_sn, BLOCK_N, BLOCK_K)
-    return offs_n, n_ok, offs_k, g_ptrs, g_ptrs + inter * stride_wn, sg_ptrs, sg_ptrs + inter * stride_sn
+    and up weight tiles, gate and up scales, gate and up tiles' first rows' scales)."""
+    offs_n, n_ok, offs_k, g_ptrs, sg_ptrs, sg_tile = _weight_tile(w_ptr, s_ptr, expert, pid_n, inter, stride_we,
+                                                                  stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    up = inter * stride_sn
+    return offs_n, n_ok, offs_k, g_ptrs, g_ptrs + inter * stride_wn, sg_ptrs, sg_ptrs + up, sg_tile, sg_tile + up
 
 
 @triton.jit
@@ -319,7 +325,7 @@ def _gate_up_silu_kernel(
     num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    SCALES: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALES: tl.constexpr, GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr,
 ):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -327,15 +333,15 @@ def _gate_up_silu_kernel(
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     token = (pair // TOP_K).to(tl.int64)
-    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = _gate_up_tile(
+    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, sg_tile, su_tile = _gate_up_tile(
         w_ptr, s_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
         a, g, u = _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, EVEN_K, UPCAST)
-        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
-        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
+        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, sg_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
+        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, su_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -355,15 +361,15 @@ def _down_weighted_kernel(
     num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALES: tl.constexpr,
-    GROUP_K: tl.constexpr,
+    GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pair, row_ok, expert = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
-    offs_n, n_ok, offs_k, b_ptrs, s_ptrs = _weight_tile(w_ptr, s_ptr, expert, pid_n, hidden, stride_we, stride_wn,
-                                                        stride_se, stride_sn, BLOCK_N, BLOCK_K)
+    offs_n, n_ok, offs_k, b_ptrs, s_ptrs, s_tile = _weight_tile(w_ptr, s_ptr, expert, pid_n, hidden, stride_we,
+                                                                stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K)
     a_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_ht + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
@@ -376,7 +382,7 @@ def _down_weighted_kernel(
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = _scaled_dot(a, b, acc, s_ptrs, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION)
+        acc = _scaled_dot(a, b, acc, s_ptrs, s_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     _store_weighted(out_ptr, _row_scaled(acc, s_ptrs, n_ok, SCALES), weights_ptr, pair, row_ok, offs_n, n_ok,
@@ -506,6 +512,14 @@ class Fp8Experts:
         object.__setattr__(self, "rows_sharing_scales", SCALE_BLOCK_ROWS if shared else 1)
 
 
+def per_tile(fp8: Fp8Experts, scale: torch.Tensor, tile: MoeTile, second_half_at: int = 0) -> bool:
+    """Whether each N tile of a weight with group scales takes one scale per group: aligned runs of rows share them
+    and a tile lies inside one run (its start aligned; w13's up rows start `second_half_at` = inter rows down, which
+    must be aligned too). A weight with a scale per row applies it in the epilogue instead."""
+    runs = fp8.rows_sharing_scales
+    return scale.shape[-1] > 1 and runs > 1 and runs % tile.block_n == 0 and second_half_at % tile.block_n == 0
+
+
 def _scale_args(scale: torch.Tensor | None, group_k: int, k: int, tile: MoeTile, like: torch.Tensor) -> tuple:
     """(scale tensor, its two strides, SCALES, GROUP_K, the tile) for a GEMM over K = k: a plain weight passes a
     placeholder; groups narrower than the K tile shrink the tile to the group (a power of two dividing it)."""
@@ -522,33 +536,36 @@ def _scale_args(scale: torch.Tensor | None, group_k: int, k: int, tile: MoeTile,
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k: int, tile: MoeTile,
-                 scale: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
-    """h [P, I]: silu(gate) * up of every (token, slot) pair, row t * k + j. FP8 w13 takes its scale
-    [E, 2I, G] (Fp8Experts)."""
+                 fp8: Fp8Experts | None = None) -> torch.Tensor:
+    """h [P, I]: silu(gate) * up of every (token, slot) pair, row t * k + j. FP8 w13 takes its scales (`fp8`)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     h = torch.empty(groups.num_pairs, inter, dtype=x.dtype, device=x.device)
-    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(scale, group_k, hidden, tile, h)
+    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(fp8 and fp8.w13_scale, fp8 and fp8.group_k13,
+                                                                 hidden, tile, h)
     _gate_up_silu_kernel[_grid(groups, inter, tile)](
         x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x),
-        SCALES=scales, GROUP_K=group_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2 and per_tile(fp8, s, tile, inter),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
 
 
 def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
-                  tile: MoeTile, scale: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
-    """y [P, H]: each pair's down projection times its routing weight. FP8 w2 takes its scale [E, H, G]."""
+                  tile: MoeTile, fp8: Fp8Experts | None = None) -> torch.Tensor:
+    """y [P, H]: each pair's down projection times its routing weight. FP8 w2 takes its scales (`fp8`)."""
     hidden, inter = w2.shape[1], w2.shape[2]
     y = torch.empty(groups.num_pairs, hidden, dtype=h.dtype, device=h.device)
-    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(scale, group_k, inter, tile, y)
+    s, stride_se, stride_sn, scales, group_k, tile = _scale_args(fp8 and fp8.w2_scale, fp8 and fp8.group_k2, inter,
+                                                                 tile, y)
     _down_weighted_kernel[_grid(groups, hidden, tile)](
         h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
         groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(h),
-        SCALES=scales, GROUP_K=group_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2 and per_tile(fp8, s, tile),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 
@@ -576,8 +593,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     if num_tokens == 0:
         return torch.zeros_like(x)
     weights, ids, groups, counts = route_and_group(router_logits, top_k, renormalize, up_tile.block_m)
-    h = gate_up_silu(x, w13, groups, top_k, up_tile, *((fp8.w13_scale, fp8.group_k13) if fp8 else ()))
+    h = gate_up_silu(x, w13, groups, top_k, up_tile, fp8)
     if down_tile.block_m != up_tile.block_m:  # the sweep avoids this (bench/moe_kernels.py): it regroups
         groups = group_by_expert(ids, num_experts, down_tile.block_m, counts)
-    y = down_weighted(h, w2, weights.view(-1), groups, down_tile, *((fp8.w2_scale, fp8.group_k2) if fp8 else ()))
+    y = down_weighted(h, w2, weights.view(-1), groups, down_tile, fp8)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in fp32, rounded once

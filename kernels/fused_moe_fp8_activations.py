@@ -70,11 +70,9 @@ def _gate_up_fp8_kernel(
         return
     pair, row_ok, expert = fm._tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     token = (pair // TOP_K).to(tl.int64)
-    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs = fm._gate_up_tile(
+    offs_n, n_ok, offs_k, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, sg_tile, su_tile = fm._gate_up_tile(
         w_ptr, ws_ptr, expert, pid_n, inter, stride_we, stride_wn, stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xq + offs_k[None, :]
-    sg_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn  # the first gate row's scales
-    su_tile = sg_tile + inter * stride_wsn  # and the first up row's
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -114,10 +112,9 @@ def _down_fp8_kernel(
         return
     pair, row_ok, expert = fm._tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M)
     pair64 = pair.to(tl.int64)
-    offs_n, n_ok, offs_k, b_ptrs, s_ptrs = fm._weight_tile(w_ptr, ws_ptr, expert, pid_n, hidden, stride_we, stride_wn,
-                                                           stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
+    offs_n, n_ok, offs_k, b_ptrs, s_ptrs, s_tile = fm._weight_tile(w_ptr, ws_ptr, expert, pid_n, hidden, stride_we,
+                                                                   stride_wn, stride_wse, stride_wsn, BLOCK_N, BLOCK_K)
     a_ptrs = hq_ptr + pair64[:, None] * inter + offs_k[None, :]
-    s_tile = ws_ptr + expert * stride_wse + (pid_n * BLOCK_N).to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
@@ -141,14 +138,6 @@ def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile
         return fm.MoeTile(16, GROUP, 32, 1, 1), fm.MoeTile(16, 32, 32, 1, 1)
     return (replace(up, block_n=GROUP, block_k=min(up.block_k, GROUP)),
             replace(down, block_k=min(down.block_k, GROUP)))
-
-
-def _per_tile(fp8: fm.Fp8Experts, scale: torch.Tensor, tile: fm.MoeTile, second_half_at: int = 0) -> bool:
-    """Whether each N tile of a weight with group scales takes one scale per group: aligned runs of rows share them
-    and a tile lies inside one run (its start aligned; w13's up rows start `second_half_at` = inter rows down, which
-    must be aligned too). A weight with a scale per row applies it in the epilogue instead."""
-    runs = fp8.rows_sharing_scales
-    return scale.shape[-1] > 1 and runs > 1 and runs % tile.block_n == 0 and second_half_at % tile.block_n == 0
 
 
 def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -177,7 +166,7 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
         groups.num_pairs, hidden, inter, xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1),
         fp8.w13_scale.stride(0), fp8.w13_scale.stride(1), hs.stride(0), fm._tiles_m(groups, up),
         TOP_K=top_k, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
-        W_GROUPED=fp8.w13_scale.shape[-1] > 1, W_PER_TILE=_per_tile(fp8, fp8.w13_scale, up, inter), OUT_DTYPE=out_dtype,
+        W_GROUPED=fp8.w13_scale.shape[-1] > 1, W_PER_TILE=fm.per_tile(fp8, fp8.w13_scale, up, inter), OUT_DTYPE=out_dtype,
         UPCAST=INTERPRET, num_warps=up.num_warps, num_stages=up.num_stages)
     if down.block_m != up.block_m:
         groups = fm.group_by_expert(ids, num_experts, down.block_m, counts)
@@ -187,6 +176,6 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
         groups.num_pairs, hidden, inter, hs.stride(0), w2.stride(0), w2.stride(1), fp8.w2_scale.stride(0),
         fp8.w2_scale.stride(1), y.stride(0), fm._tiles_m(groups, down), BLOCK_M=down.block_m, BLOCK_N=down.block_n,
         BLOCK_K=down.block_k, GROUP_M=down.group_m, W_GROUPED=fp8.w2_scale.shape[-1] > 1,
-        W_PER_TILE=_per_tile(fp8, fp8.w2_scale, down), UPCAST=INTERPRET, num_warps=down.num_warps,
+        W_PER_TILE=fm.per_tile(fp8, fp8.w2_scale, down), UPCAST=INTERPRET, num_warps=down.num_warps,
         num_stages=down.num_stages)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -231,25 +231,30 @@ def block_case(w13: torch.Tensor, w2: torch.Tensor) -> tuple:
 
 @interpreter
 def test_block_checkpoint_experts_take_one_weight_scale_per_tile_and_group():
-    """A 128 x 128 block checkpoint (hidden and inter 256: whole blocks) runs the w8a8 kernels with one weight
-    scale per N tile and K group (the tile's first row's), which they may since every aligned 128 rows share their
-    scales; the same values as the emulation. Scales per row and group, or per row, or cut blocks, never do."""
-    from kernels.fused_moe_fp8_activations import _fp8_tiles, _per_tile
+    """A 128 x 128 block checkpoint (hidden and inter 256: whole blocks) runs the w8a8 kernels, and the weight-only
+    ones, with one weight scale per N tile and K group (the tile's first row's), which they may since every aligned
+    128 rows share their scales; the same values as the emulation and as float64 on the dequantized weights. Scales per row and group, or per row, or cut blocks, never do."""
+    from kernels.fused_moe_fp8_activations import _fp8_tiles
 
     x, logits, w13, w2 = case(13, 4, 256, 256, torch.float32, seed=5, unused_experts=(3,))
     q13, q2, scales, d13, d2 = block_case(w13, w2)
     assert scales.rows_sharing_scales == 128
     up, down = _fp8_tiles(*fm.tiles_for(13, 4, 256, 256, 2))
-    assert _per_tile(scales, scales.w13_scale, up, 256) and _per_tile(scales, scales.w2_scale, down)
+    assert fm.per_tile(scales, scales.w13_scale, up, 256) and fm.per_tile(scales, scales.w2_scale, down)
     out = fused_moe_fp8_activations(x, logits, q13, q2, 2, True, fp8=replace(scales, activations="fp8"))
     assert rel_error(out, moe_reference.fp8_activations_ref64(x, logits, d13, d2, 2)) < 2e-3
+    # the weight-only path too (the bf16 activations' kernels), with tiles of 16 rows: 8 share a block's scales
+    tiles = (MoeTile(16, 16, 32, 1, 1),) * 2
+    assert fm.per_tile(scales, scales.w13_scale, tiles[0], 256) and fm.per_tile(scales, scales.w2_scale, tiles[1])
+    weight_only = fm.fused_moe(x, logits, q13, q2, 2, True, tiles=tiles, fp8=scales)
+    assert rel_error(weight_only, moe64(x, logits, d13, d2, 2, True)) < max_rel(torch.float32)
     # a scale that differs inside a block, or scales per row and group, or per row: the flag is off
     uneven = scales.w13_scale.clone()
     uneven[1, 5] *= 2
     assert fm.Fp8Experts(uneven, scales.w2_scale, 128, 128).rows_sharing_scales == 1
     assert fp8_case(w13, w2, 128, 128, seed=6)[2].rows_sharing_scales == 1  # a scale per row and group
     assert fp8_case(w13, w2, None, None, seed=6)[2].rows_sharing_scales == 1  # a scale per row
-    assert not _per_tile(scales, scales.w13_scale, up, 192)  # w13's up rows would start inside a tile
+    assert not fm.per_tile(scales, scales.w13_scale, up, 192)  # w13's up rows would start inside a tile
 
 
 @interpreter
