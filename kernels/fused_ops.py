@@ -148,25 +148,40 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_halves(base, offs, mask, half, cos, sin):
+def _load_product(ptr, offs, mask, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
+    """The values at ptr + offs in fp32. SCALED: they are an unscaled FP8 product's (kernels/fp8_quant.UnscaledProduct),
+    times the token's scale and their columns' `cols` scales and rounded to the activation dtype: what
+    kernels/fp8_gemm.scale_product would have written there, so the kernel computes on the same values."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        x = (x * (row_scale * col_scale)).to(ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_halves(base, offs, mask, half, cos, sin, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
     """The rotated halves of the heads at base + offs, in the activation dtype: each product rounded
-    as eager torch rounds it, after the fp32 cos/sin cache is cast to the activation dtype."""
+    as eager torch rounds it, after the fp32 cos/sin cache is cast to the activation dtype. SCALED: the heads are
+    an unscaled product's, their first halves' columns `cols` (_load_product)."""
     dtype = base.dtype.element_ty
     c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
-    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + offs + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = _load_product(base, offs, mask, row_scale, col_scale_ptr, cols, SCALED)
+    x2 = _load_product(base, offs + half, mask, row_scale, col_scale_ptr, cols + half, SCALED)
     o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
     o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
     return o1.to(dtype), o2.to(dtype)
 
 
 @triton.jit
-def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
-    """Rotate heads h of one token at `base`, in place."""
+def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask, row_scale, col_scale_ptr,
+                  SCALED: tl.constexpr):
+    """Rotate heads h of one token at `base`, in place (SCALED: an unscaled product's, _load_product)."""
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * stride_h + d[None, :]
-    o1, o2 = _rope_halves(base, offs, mask, half, cos, sin)
+    cols = h[:, None] * (2 * half) + d[None, :]  # the first halves' columns in the product, for SCALED
+    o1, o2 = _rope_halves(base, offs, mask, half, cos, sin, row_scale, col_scale_ptr, cols, SCALED)
     tl.store(base + offs, o1, mask=mask)
     tl.store(base + offs + half, o2, mask=mask)
 
@@ -186,8 +201,8 @@ def _rotary_kernel(
     d_mask = d < half
     cos = tl.load(cos_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * q_stride_t, h, num_q_heads, q_stride_h, half, cos, sin, d, d_mask)
-    _rotate_heads(k_ptr + t * k_stride_t, h, num_kv_heads, k_stride_h, half, cos, sin, d, d_mask)
+    _rotate_heads(q_ptr + t * q_stride_t, h, num_q_heads, q_stride_h, half, cos, sin, d, d_mask, 1.0, cos_ptr, False)
+    _rotate_heads(k_ptr + t * k_stride_t, h, num_kv_heads, k_stride_h, half, cos, sin, d, d_mask, 1.0, cos_ptr, False)
 
 
 def rotary_embedding(
@@ -239,12 +254,14 @@ def rotary_embedding_ref(
 
 
 @triton.jit
-def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_ptr):
+def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_ptr, row_scale, col_scale_ptr,
+                         SCALED: tl.constexpr):
     """RMSNorm of heads h of one token at `base`, written back: _rms_norm_kernel's expressions, so
-    that on the same tile and warps each head's sum of squares adds in the same order."""
+    that on the same tile and warps each head's sum of squares adds in the same order (SCALED: an unscaled
+    product's heads, _load_product)."""
     mask = (h < num_heads)[:, None] & (cols < dim)[None, :]
     offs = h[:, None] * stride_h + cols[None, :]
-    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x = _load_product(base, offs, mask, row_scale, col_scale_ptr, h[:, None] * dim + cols[None, :], SCALED)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
     normed = (x * rstd[:, None]).to(base.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
@@ -255,13 +272,16 @@ def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_pt
 def _rotate_store_kv_heads(
     k_base, v_base, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h, num_heads,
     k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT: tl.constexpr,
+    row_scale, k_col_scale_ptr, v_col_scale_ptr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
 ):
     """Rotate k heads h in place as _rotate_heads does, and write them and v's heads to the pool row
     (`store` false for slot -1; a quantized pool gets them quantized by their heads' scales, or int8's by
-    their channels', [H_kv, 2 * half] row-major); the rotated values go to the pool from registers."""
+    their channels', [H_kv, 2 * half] row-major); the rotated values go to the pool from registers.
+    K_SCALED, V_SCALED: k's, v's heads are an unscaled product's (_load_product)."""
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * k_stride_h + d[None, :]
-    o1, o2 = _rope_halves(k_base, offs, mask, half, cos, sin)
+    cols = h[:, None] * (2 * half) + d[None, :]  # the heads' first halves' columns in k's (and v's) product
+    o1, o2 = _rope_halves(k_base, offs, mask, half, cos, sin, row_scale, k_col_scale_ptr, cols, K_SCALED)
     tl.store(k_base + offs, o1, mask=mask)
     tl.store(k_base + offs + half, o2, mask=mask)
     cache_mask = mask & store
@@ -276,8 +296,8 @@ def _rotate_store_kv_heads(
     tl.store(k_cache_base + k_cache_offs, o1.to(k_cache_base.dtype.element_ty), mask=cache_mask)
     tl.store(k_cache_base + k_cache_offs + half, o2.to(k_cache_base.dtype.element_ty), mask=cache_mask)
     v_offs = h[:, None] * v_stride_h + d[None, :]
-    v1 = tl.load(v_base + v_offs, mask=cache_mask)
-    v2 = tl.load(v_base + v_offs + half, mask=cache_mask)
+    v1 = _load_product(v_base, v_offs, cache_mask, row_scale, v_col_scale_ptr, cols, V_SCALED)
+    v2 = _load_product(v_base, v_offs + half, cache_mask, row_scale, v_col_scale_ptr, cols + half, V_SCALED)
     if KV_FORMAT == 1:
         v_scale = tl.load(v_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
         v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
@@ -292,18 +312,22 @@ def _rotate_store_kv_heads(
 @triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])  # rows of the pool's scales
 def _qk_norm_rope_store_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    q_weight_ptr, k_weight_ptr, k_scale_ptr, v_scale_ptr,
-    dim, half, eps,
+    q_weight_ptr, k_weight_ptr, k_scale_ptr, v_scale_ptr, row_scale_ptr, q_col_scale_ptr, k_col_scale_ptr,
+    v_col_scale_ptr, dim, half, eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride,
     kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     NORM_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
+    KV_FORMAT: tl.constexpr, SCALED: tl.constexpr, ROPE_SCALED: tl.constexpr,
 ):
     # One program per token: all its q and k heads, then its row of the pool. The grid is the only
-    # thing sized by the token count, so no argument changes from step to step.
+    # thing sized by the token count, so no argument changes from step to step. SCALED: q, k and v are an unscaled
+    # FP8 product's, scaled where they are first read: by the norm, else by RoPE (ROPE_SCALED); v by the store.
     t = tl.program_id(0).to(tl.int64)
     q_base, k_base = q_ptr + t * q_stride_t, k_ptr + t * k_stride_t
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + t)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -314,14 +338,17 @@ def _qk_norm_rope_store_kernel(
         cols = tl.arange(0, BLOCK_D)
         rows = tl.arange(0, NORM_ROWS)
         for h0 in tl.static_range(0, NUM_Q_HEADS, NORM_ROWS):
-            _norm_heads_in_place(q_base, h0 + rows, NUM_Q_HEADS, q_stride_h, cols, dim, eps, q_weight_ptr)
+            _norm_heads_in_place(q_base, h0 + rows, NUM_Q_HEADS, q_stride_h, cols, dim, eps, q_weight_ptr, row_scale,
+                                 q_col_scale_ptr, SCALED)
         for h0 in tl.static_range(0, NUM_KV_HEADS, NORM_ROWS):
-            _norm_heads_in_place(k_base, h0 + rows, NUM_KV_HEADS, k_stride_h, cols, dim, eps, k_weight_ptr)
+            _norm_heads_in_place(k_base, h0 + rows, NUM_KV_HEADS, k_stride_h, cols, dim, eps, k_weight_ptr, row_scale,
+                                 k_col_scale_ptr, SCALED)
         # RoPE pairs elements that other threads normalised: their stores must land first.
         tl.debug_barrier()
     heads = tl.arange(0, ROPE_HEADS)
     for h0 in tl.static_range(0, NUM_Q_HEADS, ROPE_HEADS):
-        _rotate_heads(q_base, h0 + heads, NUM_Q_HEADS, q_stride_h, half, cos, sin, d, d_mask)
+        _rotate_heads(q_base, h0 + heads, NUM_Q_HEADS, q_stride_h, half, cos, sin, d, d_mask, row_scale,
+                      q_col_scale_ptr, ROPE_SCALED)
     store = slot >= 0  # -1: padding, or a prefix-cache hit already stored
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k_cache_base = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
@@ -330,6 +357,7 @@ def _qk_norm_rope_store_kernel(
         _rotate_store_kv_heads(
             k_base, v_ptr + t * v_stride_t, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h0 + heads,
             NUM_KV_HEADS, k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT,
+            row_scale, k_col_scale_ptr, v_col_scale_ptr, ROPE_SCALED, SCALED,
         )
 
 
@@ -337,7 +365,7 @@ def qk_norm_rope_store(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    kv_scales: KVScales | None = None,
+    kv_scales: KVScales | None = None, product_scales: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(q), rms_norm(k) (when the weights are given), RoPE on both, then store_kvcache(k, v,
     kv_scales): one launch, bit for bit the four kernels' result.
@@ -345,6 +373,9 @@ def qk_norm_rope_store(
     q [T, H_q, D], k and v [T, H_kv, D] (or [T, H*D]): views of the fused qkv output with a unit
     last stride. q and k are normalised and rotated in place; k and v are written to
     k_cache/v_cache [N, block_size, H_kv, D] at slot_mapping [T] (-1: not stored). Returns q and k.
+    product_scales (token [T, 1], then q's, k's and v's columns' [H * D, 1]): q, k and v are views of an unscaled
+    FP8 product (kernels/fp8_quant.UnscaledProduct), scaled as they are read, so the result is the one for
+    kernels/fp8_gemm.scale_product's output, without its pass (v is left unscaled in the product).
     """
     half = cos.shape[-1]
     head_dim = 2 * half
@@ -373,14 +404,22 @@ def qk_norm_rope_store(
     num_warps = _num_warps(norm_rows * block_d) if has_norm else _num_warps(rope_heads * block_half)
     weights = (q_norm_weight, k_norm_weight) if has_norm else (qv, kv)  # unused without the norm
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, slot_mapping)
+    if product_scales is not None:
+        row_scale, *col_scales = product_scales
+        assert row_scale.shape[0] >= num_tokens and row_scale.stride(0) == 1, (row_scale.shape, row_scale.stride())
+        for view, cols in zip((qv, kv, vv), col_scales):
+            assert cols.numel() == view.shape[1] * head_dim and cols.is_contiguous(), (cols.shape, view.shape)
+    else:  # pointers the kernel never reads
+        row_scale, col_scales = slot_mapping, (slot_mapping,) * 3
     _qk_norm_rope_store_kernel[(num_tokens,)](
         positions, qv, kv, vv, cos, sin, k_cache, v_cache, slot_mapping, *weights, k_scale, v_scale,
-        head_dim, half, eps,
+        row_scale, *col_scales, head_dim, half, eps,
         qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
         NORM_ROWS=norm_rows, BLOCK_D=block_d, ROPE_HEADS=rope_heads, BLOCK_HALF=block_half, KV_FORMAT=kv_format,
+        SCALED=product_scales is not None, ROPE_SCALED=product_scales is not None and not has_norm,
         num_warps=num_warps,
     )
     return q, k

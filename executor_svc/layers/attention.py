@@ -15,11 +15,16 @@ from torch import nn
 from executor_svc.layers.layernorm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
 from kernels.attention.base import AttentionBackend, AttentionMetadata
+from kernels.fp8_quant import UnscaledProduct
 from kernels.kv_quant import KVScales
 from kernels.kv_rotation import rotate
 
 
 class Attention(nn.Module):
+    # an FP8 qkv_proj may hand its product over unscaled (executor_svc/layers/fp8.scale_in_readers): the fused
+    # prologue scales q, k and v as it reads them; any other path scales the product first (split_qkv)
+    applies_fp8_product_scales = True
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads = num_heads  # local to this rank
@@ -38,25 +43,47 @@ class Attention(nn.Module):
         # K/V store in place of attention, it returns the buffer the rest of the forward reads the output from
         self.cut = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
-                k_norm: RMSNorm | None = None) -> torch.Tensor:
-        """q [T, H, D], k [T, H_kv, D], v [T, H_kv*D] -> [T, H*D]: q/k RMSNorm (when given), RoPE,
-        the rotation of q and k (when set), the K/V store, attention."""
-        if self.k_cache.numel() == 0:
-            raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
+    def _fused_prologue(self, x: torch.Tensor) -> bool:
+        """Whether q/k norm, RoPE and the K/V store run as one kernel: on CUDA with a backend that has it, and no
+        rotation (it goes between RoPE and the store, which the fused kernel does in one go)."""
         if self.backend is None:
             raise RuntimeError("attention layer has no backend: load the model with model_loader.load_model")
-        # a rotation goes between RoPE and the store, which the fused kernel does in one go
-        if q.is_cuda and self.backend.capabilities.fused_norm_rope_store and self.kv_rotation is None:
+        return x.is_cuda and self.backend.capabilities.fused_norm_rope_store and self.kv_rotation is None
+
+    def split_qkv(self, qkv: torch.Tensor | UnscaledProduct, q_size: int, kv_size: int) -> tuple:
+        """(q, k, v, product_scales) of a fused qkv projection's output. An FP8 product handed over unscaled keeps
+        its scales for the fused prologue to apply as it reads q, k and v ((token [T, 1], q's, k's, v's columns'));
+        on any other path it is scaled here, in one pass (as the projection would have scaled it)."""
+        scales = None
+        if isinstance(qkv, UnscaledProduct):
+            if self._fused_prologue(qkv.product):
+                scales = (qkv.row_scale, *qkv.col_scale.split([q_size, kv_size, kv_size]))
+                qkv = qkv.product
+            else:
+                from kernels.fp8_gemm import scaled
+
+                qkv = scaled(qkv)
+        return *qkv.split([q_size, kv_size, kv_size], dim=-1), scales
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None, product_scales: tuple | None = None) -> torch.Tensor:
+        """q [T, H, D], k [T, H_kv, D], v [T, H_kv*D] -> [T, H*D]: q/k RMSNorm (when given), RoPE,
+        the rotation of q and k (when set), the K/V store, attention. product_scales (split_qkv): q, k and v are an
+        unscaled FP8 product's, which the fused prologue scales as it reads them."""
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
+        if self._fused_prologue(q):
             # q/k norm, RoPE and the K/V store in one kernel: the same rounding as the chain below
             q_w = q_norm.weight if q_norm is not None else None
             k_w = k_norm.weight if k_norm is not None else None
             eps = q_norm.eps if q_norm is not None else 1e-6
             q, k = self.backend.norm_rope_store_kvcache(positions, q, k, v, rotary_emb.cos, rotary_emb.sin,
                                                         self.k_cache, self.v_cache, meta.slot_mapping, q_w, k_w, eps,
-                                                        self.kv_scales)
+                                                        self.kv_scales, product_scales)
         else:
+            if product_scales is not None:
+                raise ValueError("an unscaled FP8 product reaches attention only where the fused prologue runs")
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             q, k = rotary_emb(positions, q, k)

@@ -245,14 +245,17 @@ def quantize_in_producers(model: nn.Module) -> int:
 def scale_in_readers(model: nn.Module) -> int:
     """Let each FP8 Linear layer with channel scales hand its product unscaled to its one reader where that reader
     quantizes its own output (quantize_in_producers set it) and so applies the scales as it reads (the tensor-wise
-    GEMM's scale pass saved). Not a row-parallel layer under tensor parallelism: its ranks' partial products are
+    GEMM's scale pass saved), or is the attention layer (`applies_fp8_product_scales`: its fused prologue scales q,
+    k and v as it reads them). Not a row-parallel layer under tensor parallelism: its ranks' partial products are
     summed, each scaled by its own rank's token scales. Returns the number of such layers."""
     count = 0
     for module in model.modules():
         for layer, reader in getattr(module, "fp8_unscaled_readers", list)():
             if isinstance(layer, RowParallelLinear) and tp_size() > 1:
                 continue
-            if layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape[1] == 1 and reader.fp8_group is not None:
+            applies = getattr(reader, "fp8_group", None) is not None or getattr(reader, "applies_fp8_product_scales",
+                                                                                  False)
+            if layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape[1] == 1 and applies:
                 layer.fp8_unscaled_output = True
                 count += 1
     return count

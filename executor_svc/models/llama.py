@@ -35,11 +35,17 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v, product_scales = self.attn.split_qkv(self.qkv_proj(hidden), self.q_size, self.kv_size)
         q = q.unflatten(-1, (self.attn.num_heads, self.attn.head_dim))
         k = k.unflatten(-1, (self.attn.num_kv_heads, self.attn.head_dim))
         # q/k norm (Qwen3) and RoPE run inside the attention layer, fused with the K/V store when it can
-        return self.o_proj(self.attn(positions, q, k, v, meta, self.rotary_emb, self.q_norm, self.k_norm))
+        return self.o_proj(self.attn(positions, q, k, v, meta, self.rotary_emb, self.q_norm, self.k_norm,
+                                     product_scales))
+
+    def fp8_unscaled_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """As LlamaMLP.fp8_unscaled_readers: qkv_proj's output is read by the attention layer alone, whose fused
+        prologue scales q, k and v as it reads them."""
+        return [(self.qkv_proj, self.attn)]
 
 
 class LlamaMLP(nn.Module):

@@ -133,7 +133,8 @@ class FusedNormRopeStore(Protocol):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
         q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-        kv_scales: KVScales | None = None,
+        kv_scales: KVScales | None = None, product_scales: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm(q), rms_norm(k) (when the weights are given) and RoPE on both, in place (CUDA
-        tensors only), then store_kvcache(k, v, kv_scales); returns q and k."""
+        tensors only), then store_kvcache(k, v, kv_scales); returns q and k. product_scales: q, k and v are an
+        unscaled FP8 product's, scaled as they are read (kernels/fused_ops.qk_norm_rope_store)."""

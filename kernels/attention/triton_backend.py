@@ -409,10 +409,10 @@ class TritonAttentionBackend:
         store_kvcache(key, value, k_cache, v_cache, slot_mapping, kv_scales)
 
     def norm_rope_store_kvcache(self, positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                q_norm_weight, k_norm_weight, eps, kv_scales=None):
+                                q_norm_weight, k_norm_weight, eps, kv_scales=None, product_scales=None):
         """FusedNormRopeStore: kernels/fused_ops.qk_norm_rope_store, CUDA tensors only."""
         return fused_ops.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                                            q_norm_weight, k_norm_weight, eps, kv_scales)
+                                            q_norm_weight, k_norm_weight, eps, kv_scales, product_scales)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:

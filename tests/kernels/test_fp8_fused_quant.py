@@ -321,9 +321,9 @@ def test_o_proj_and_down_proj_hand_the_norm_after_them_their_products_unscaled_w
             to_fp8(layer, k)
     fp8.quantize_in_producers(model)
     monkeypatch.setattr(fp8, "tp_size", lambda: 2)
-    assert fp8.scale_in_readers(model) == 2  # the gate_up_projs alone
+    assert fp8.scale_in_readers(model) == 4  # the gate_up_projs and qkv_projs alone
     monkeypatch.setattr(fp8, "tp_size", lambda: 1)
-    assert fp8.scale_in_readers(model) == 5
+    assert fp8.scale_in_readers(model) == 7
     assert not getattr(second.mlp.down_proj, "fp8_unscaled_output", False)
     gen = torch.Generator().manual_seed(6)
     attn_out, residual = randn(6, 192, gen=gen, dtype=torch.bfloat16), randn(6, 192, gen=gen, dtype=torch.bfloat16)
@@ -339,6 +339,44 @@ def test_o_proj_and_down_proj_hand_the_norm_after_them_their_products_unscaled_w
     assert torch.equal(post_sum, scaled_post_sum) and torch.equal(unscaled_sum, scaled_sum)
     assert torch.equal(unscaled.scale, scaled.scale)
     assert torch.equal(unscaled.q.view(torch.uint8), scaled.q.view(torch.uint8))
+
+
+@interpreter
+def test_qkv_proj_hands_attention_its_product_unscaled_whose_scales_the_prologue_or_one_pass_applies(monkeypatch):
+    """bf16, a channel FP8 qkv_proj: the loader lets its tensor-wise product reach the attention layer unscaled. Where
+    the fused prologue runs (a CUDA backend that has it, no rotation) q, k and v stay views of the product and its
+    scales go with them, split at q's and k's columns (the kernel's test checks that it then writes what it writes
+    from the scaled product: tests/kernels/test_fused_ops.py); anywhere else split_qkv scales it first, to the bytes
+    the projection's own scale pass gives. Block scales never hand it over."""
+    from executor_svc.layers import fp8
+    from executor_svc.layers.attention import Attention
+    from kernels.attention.torch_backend import TorchAttentionBackend
+    from kernels.fp8_quant import UnscaledProduct
+
+    model = tiny_llama(torch.bfloat16)
+    first, second = model.model.layers
+    to_fp8(first.self_attn.qkv_proj, 192)
+    to_fp8(second.self_attn.qkv_proj, 128)  # block scales: applied inside the Triton GEMM
+    fp8.quantize_in_producers(model)
+    assert fp8.scale_in_readers(model) == 1 and first.self_attn.qkv_proj.fp8_unscaled_output
+    assert not getattr(second.self_attn.qkv_proj, "fp8_unscaled_output", False)
+    attn = first.self_attn
+    sizes = attn.q_size, attn.kv_size
+    x = randn(6, 192, gen=torch.Generator().manual_seed(9), dtype=torch.bfloat16)
+    product = attn.qkv_proj(x)
+    assert isinstance(product, UnscaledProduct)  # 256 x 192 is not in the table: tensor-wise
+    attn.qkv_proj.fp8_unscaled_output = False
+    expected = attn.qkv_proj(x).split([sizes[0], sizes[1], sizes[1]], dim=-1)
+    attn.attn.backend = TorchAttentionBackend()  # no fused prologue: scaled in one pass
+    *qkv, scales = attn.attn.split_qkv(UnscaledProduct(product.product.clone(), *product[1:]), *sizes)
+    assert scales is None and all(torch.equal(ours, theirs) for ours, theirs in zip(qkv, expected))
+    monkeypatch.setattr(Attention, "_fused_prologue", lambda self, t: True)
+    *qkv, scales = attn.attn.split_qkv(product, *sizes)
+    assert qkv[0].data_ptr() == product.product.data_ptr(), "q, k and v stay views of the unscaled product"
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(qkv, product.product.split([*sizes, sizes[1]], -1)))
+    row_scale, *cols = scales
+    assert row_scale is product.row_scale
+    assert [c.shape[0] for c in cols] == [*sizes, sizes[1]] and torch.equal(torch.cat(cols), product.col_scale)
 
 
 @interpreter

@@ -323,6 +323,52 @@ def test_fused_prologue_matches_float64(dtype, norm, shape):
 
 
 @interpreter
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])  # scaled by the norm, or by RoPE
+@pytest.mark.parametrize("fp8_pool", [False, True], ids=["bf16_pool", "fp8_pool"])
+def test_fused_prologue_scales_an_unscaled_fp8_product_as_it_reads_it_to_the_same_bytes(norm, fp8_pool):
+    """An FP8 qkv_proj's tensor-wise product handed over unscaled (kernels/fp8_quant.UnscaledProduct): the prologue,
+    given its token and column scales, leaves q, k and the pool exactly as it does on scale_product's output; v stays
+    unscaled in the product. bf16, as the product is only handed over in bf16; D = 48 masks each head's halves."""
+    from kernels.fp8_gemm import scale_product
+    from kernels.kv_quant import KVScales
+
+    num_tokens, hq, hkv, d = 7, 4, 2, 48
+    gen = torch.Generator().manual_seed(11 + norm + 2 * fp8_pool)
+    inputs = prologue_inputs(num_tokens, hq, hkv, d, gen=gen, dtype=torch.bfloat16)
+    # |x_q . w_q| reaches 448^2 * K; the scales bring it back to activations' size
+    inputs["qkv"] = (inputs["qkv"].float() * 2e4).to(torch.bfloat16)
+    n = inputs["qkv"].shape[1]
+    row_scale = torch.rand(num_tokens, 1, generator=gen) * 4e-5 + 1e-5
+    col_scale = torch.rand(n, 1, generator=gen) * 4e-3 + 1e-3
+    kv_scales = None
+    if fp8_pool:
+        kv_scales = KVScales(torch.rand(hkv, generator=gen) * 0.02 + 0.01, torch.rand(hkv, generator=gen) * 0.02 + 0.01)
+        for name in ("k_cache", "v_cache"):
+            inputs[name] = inputs[name].to(torch.float8_e4m3fn)
+    weights = (inputs["q_norm_weight"], inputs["k_norm_weight"]) if norm else (None, None)
+
+    def prologue(qkv, product_scales):
+        x = {name: t.clone() for name, t in inputs.items() if name != "qkv"}
+        q, k, v = split_heads(qkv, hq, hkv, d)
+        q, k = fo.qk_norm_rope_store(x["positions"], q, k, v, x["cos"], x["sin"], x["k_cache"], x["v_cache"],
+                                     x["slot_mapping"], *weights, EPS, kv_scales, product_scales)
+        return q, k, x["k_cache"], x["v_cache"]
+
+    scaled = scale_product(inputs["qkv"].clone(), row_scale, col_scale, torch.bfloat16)
+    plain = prologue(scaled, None)
+    product = inputs["qkv"].clone()
+    q_cols, k_cols, v_cols = col_scale.split([hq * d, hkv * d, hkv * d])
+    handed = prologue(product, (row_scale, q_cols, k_cols, v_cols))
+    for ours, theirs in zip(handed, plain):
+        assert ours.dtype == theirs.dtype and torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    assert torch.equal(split_heads(product, hq, hkv, d)[2], split_heads(inputs["qkv"], hq, hkv, d)[2])
+    assert not torch.equal(split_heads(product, hq, hkv, d)[0], split_heads(inputs["qkv"], hq, hkv, d)[0])
+    # the scales matter: read as if each column's scale were another's, the pool differs
+    wrong = prologue(inputs["qkv"].clone(), (row_scale, q_cols, v_cols, k_cols.flip(0)))
+    assert not torch.equal(wrong[3].view(torch.uint8), plain[3].view(torch.uint8))
+
+
+@interpreter
 def test_fused_prologue_refuses_one_norm_weight_without_the_other_and_accepts_an_empty_batch():
     gen = torch.Generator().manual_seed(8)
     inputs = prologue_inputs(2, 2, 1, 16, gen=gen, dtype=torch.float32)
