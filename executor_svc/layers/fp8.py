@@ -12,7 +12,10 @@ dividing both the block and the shard, so that every group still lies in one che
 On CUDA, the modules whose output only an FP8 layer reads (the models list them: the RMSNorms before
 qkv_proj and gate_up_proj, SiLU-and-mul before down_proj) are told that layer's activation groups and write
 their output quantized (kernels/fp8_fused_quant.py); the GEMM then skips its own quantization kernel.
-NANOSERVE_FP8_FUSED_QUANT=0 turns that off (every FP8 GEMM quantizes its input itself), to compare the two.
+Where a channel layer's tensor-wise product has one reader that can apply its scales as it reads it (that norm or
+SiLU-and-mul, or the attention layer's fused prologue after qkv_proj), the product goes to it unscaled
+(scale_in_readers). NANOSERVE_FP8_FUSED_QUANT=0 turns both off (every FP8 GEMM quantizes its input and scales its
+product itself), to compare.
 
 On the CPU the weights are dequantized at load (weight * scale, in float32, then the model dtype) and the
 layers stay plain: the products are exact in the model dtype; activations are not quantized.
@@ -248,6 +251,8 @@ def scale_in_readers(model: nn.Module) -> int:
     GEMM's scale pass saved), or is the attention layer (`applies_fp8_product_scales`: its fused prologue scales q,
     k and v as it reads them). Not a row-parallel layer under tensor parallelism: its ranks' partial products are
     summed, each scaled by its own rank's token scales. Returns the number of such layers."""
+    if os.environ.get(FUSED_QUANT_ENV, "1") == "0":
+        return 0
     count = 0
     for module in model.modules():
         for layer, reader in getattr(module, "fp8_unscaled_readers", list)():

@@ -52,6 +52,9 @@ def test_on_cuda_the_producers_before_fp8_layers_write_their_output_in_fp8(check
     # channel scales: gate_up_proj may hand SiLU-and-mul its product unscaled (block scales apply inside the GEMM)
     unscaled = [getattr(layer.mlp.gate_up_proj, "fp8_unscaled_output", False) for layer in (first, second)]
     assert unscaled == ([False, False] if model == "block" else [True, True])
+    # and qkv_proj the attention layer, whose fused prologue scales q, k and v as it reads them
+    unscaled = [getattr(layer.self_attn.qkv_proj, "fp8_unscaled_output", False) for layer in (first, second)]
+    assert unscaled == ([False, False] if model == "block" else [True, True])
 
 
 @pytest.mark.parametrize("model, quantization", [("block", None), ("plain", "fp8")])

@@ -249,6 +249,7 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
 
     monkeypatch.setenv(fp8.FUSED_QUANT_ENV, "0")
     assert fp8.quantize_in_producers(model) == 0 and first.input_layernorm.fp8_group is None
+    assert fp8.scale_in_readers(model) == 0  # the attention layer would take qkv_proj's channel product otherwise
     monkeypatch.delenv(fp8.FUSED_QUANT_ENV)
     assert fp8.quantize_in_producers(model) == 4
     assert (first.input_layernorm.fp8_group, first.post_attention_layernorm.fp8_group, first.mlp.act_fn.fp8_group,
