@@ -6,6 +6,7 @@ a kernel change does to the code, e.g. whether an operand is read from shared me
     python bench/studies/kernel_sass.py                              # decode and prefill, bf16 and fp8 pools, 0.6B shape
     python bench/studies/kernel_sass.py --model-shape qwen3-8b --kv-cache-dtype fp8 --kernels decode
     python bench/studies/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
+    python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels decode --kv-cache-dtype auto --decode-fp8-out 0 1 2
 
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
 (kernels/attention/triton_tuning.py's configs, bf16 activations), and the arguments are specialised as a
@@ -117,14 +118,19 @@ def _shared_arguments(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype) ->
 
 
 def decode_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
-                config: DecodeConfig | None = None) -> tuple:
+                config: DecodeConfig | None = None, fp8_out: int = 0) -> tuple:
+    """The unsplit decode kernel; fp8_out: its FP8 output for an FP8 o_proj (decode_common.FP8_OUT_*)."""
     pointers, constexprs = _shared_arguments(shape, kv_dtype, dtype)
     cfg = config or decode_config(constexprs["BLOCK_D"], dtype, constexprs["KV_FORMAT"])
-    pointers |= {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "order_ptr": "*i32"}
+    pointers |= {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "order_ptr": "*i32",
+                 "q_out_ptr": "*fp8e4nv", "q_scale_ptr": "*fp32", "part_amax_ptr": "*fp32", "counters_ptr": "*i32"}
     group = constexprs["GROUP"]
+    num_kv_heads = shape["num_attention_heads"] // group
     constexprs |= dict(NUM_Q_HEADS=shape["num_attention_heads"], BLOCK_G=max(16, triton.next_power_of_2(group)),
-                       BLOCK_N=cfg.block_n, SPLIT=False, HAS_ORDER=True)
-    return tb._decode_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages, f"BLOCK_N {cfg.block_n}"
+                       BLOCK_N=cfg.block_n, SPLIT=False, HAS_ORDER=True, FP8_OUT=fp8_out,
+                       BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads))
+    return (tb._decode_kernel, pointers, constexprs, cfg.num_warps, cfg.num_stages,
+            f"BLOCK_N {cfg.block_n}" + (f" fp8 out {fp8_out}" if fp8_out else ""))
 
 
 def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
@@ -146,6 +152,8 @@ def main() -> None:
                    help="decode tiles to compile instead of the engine's: BLOCK_N,warps,stages each")
     p.add_argument("--prefill-configs", nargs="+", metavar="M,N,W,S",
                    help="prefill tiles to compile instead of the engine's: BLOCK_M,BLOCK_N,warps,stages each")
+    p.add_argument("--decode-fp8-out", nargs="+", type=int, choices=[0, 1, 2], default=[0],
+                   help="the decode kernel's FP8 output for an FP8 o_proj: none, per token, per head")
     p.add_argument("--dump-dir", help="write each kernel's SASS here")
     p.add_argument("--out", default=str(HERE.parent / "results" / "kernel_sass.json"))
     args = p.parse_args()
@@ -159,10 +167,12 @@ def main() -> None:
     print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} "
           f"{'loop':>5}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
-    for kernel_name, kv_name, config in [(k, kv, c) for k in args.kernels for kv in args.kv_cache_dtype
-                                     for c in configs[k]]:
+    fp8_outs = {"decode": args.decode_fp8_out, "prefill": [0]}
+    for kernel_name, kv_name, config, fp8_out in [(k, kv, c, f) for k in args.kernels for kv in args.kv_cache_dtype
+                                                  for c in configs[k] for f in fp8_outs[k]]:
         kv_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv_name, torch.bfloat16)
-        fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, config=config)
+        extra = {"fp8_out": fp8_out} if fp8_out else {}
+        fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, config=config, **extra)
         result = compile_sm90(fn, pointers, constexprs, warps, stages)
         tiles = f"{tiles} w{warps} s{stages}"
         print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "

@@ -39,6 +39,9 @@ class Attention(nn.Module):
         # (kernels/kv_rotation.py, --kv-cache-rotation); None: stored as they come
         self.kv_rotation: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None  # set by the model loader
+        # set (CUDA, an FP8 o_proj: executor_svc/layers/fp8.quantize_in_producers): a decode step's output goes to
+        # o_proj in FP8, a scale per token and this many columns, where the backend writes it so (decode_fp8)
+        self.fp8_group: int | None = None
         # set while the forward is captured in pieces (executor_svc/piecewise_graphs.py): called with q after the
         # K/V store in place of attention, it returns the buffer the rest of the forward reads the output from
         self.cut = None
@@ -70,7 +73,8 @@ class Attention(nn.Module):
                 k_norm: RMSNorm | None = None, product_scales: tuple | None = None) -> torch.Tensor:
         """q [T, H, D], k [T, H_kv, D], v [T, H_kv*D] -> [T, H*D]: q/k RMSNorm (when given), RoPE,
         the rotation of q and k (when set), the K/V store, attention. product_scales (split_qkv): q, k and v are an
-        unscaled FP8 product's, which the fused prologue scales as it reads them."""
+        unscaled FP8 product's, which the fused prologue scales as it reads them. With fp8_group set, a decode step's
+        output may come as QuantizedActivations for o_proj."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention layer has no KV cache: the KV pool must assign k_cache/v_cache")
         if self._fused_prologue(q):
@@ -95,6 +99,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         if self.cut is not None:
             return self.cut(self, q)
+        if self.fp8_group is not None and meta.is_decode and self.backend.capabilities.fp8_decode_output:
+            quantized = self.backend.decode_fp8(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
+                                                self.fp8_group)
+            if quantized is not None:
+                return quantized
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -42,6 +42,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(positions, q, k, v, meta, self.rotary_emb, self.q_norm, self.k_norm,
                                      product_scales))
 
+    def fp8_activation_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """As LlamaMLP.fp8_activation_producers: the attention layer's output is read by o_proj alone (decode steps
+        write it in FP8 where the backend can: Attention.fp8_group)."""
+        return [(self.attn, self.o_proj)]
+
     def fp8_unscaled_readers(self) -> list[tuple[nn.Module, nn.Module]]:
         """As LlamaMLP.fp8_unscaled_readers: qkv_proj's output is read by the attention layer alone, whose fused
         prologue scales q, k and v as it reads them."""

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from kernels.fp8_quant import QuantizedActivations
 from kernels.kv_quant import KVScales
 
 
@@ -92,6 +93,8 @@ class AttentionCapabilities:
     block_size_multiple: int = 1
     # the quantized pools it stores and attends over: torch.float8_e4m3fn (--kv-cache-dtype fp8), torch.int8
     quantized_kv_dtypes: tuple = ()
+    # it has decode_fp8 (Fp8DecodeOutput): a decode step's output in FP8 for an FP8 o_proj, no quantizing pass
+    fp8_decode_output: bool = False
 
     def supports_block_size(self, block_size: int) -> bool:
         return block_size % self.block_size_multiple == 0
@@ -138,3 +141,13 @@ class FusedNormRopeStore(Protocol):
         """rms_norm(q), rms_norm(k) (when the weights are given) and RoPE on both, in place (CUDA
         tensors only), then store_kvcache(k, v, kv_scales); returns q and k. product_scales: q, k and v are an
         unscaled FP8 product's, scaled as they are read (kernels/fused_ops.qk_norm_rope_store)."""
+
+
+class Fp8DecodeOutput(Protocol):
+    """What a backend whose capabilities say fp8_decode_output has besides AttentionBackend."""
+
+    def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, kv_scales: KVScales | None, fp8_group: int) -> QuantizedActivations | None:
+        """A decode step's output [T, H*D] as FP8 with a scale per token and fp8_group columns, the bytes
+        kernels/fp8_gemm.quantize_rows gives for forward's output; None where it cannot (the caller attends
+        with forward)."""

@@ -1,14 +1,76 @@
 """What both decode kernels (the Triton one in triton_backend.py, the Gluon one in gluon_decode.py) share:
 base-2 softmax, the int8 -> fp16 conversion, and flash-decoding's split partials (their workspace, and the kernel
-that merges them into the output).
+that merges them into the output). Also the FP8 output of a decode step for an FP8 o_proj (FP8_OUT_*): the
+programs that write a token's heads quantize them as kernels/fp8_gemm.quantize_rows would quantize the bf16 output.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
+from kernels.fp8_quant import MIN_SCALE
+
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+# the decode output for an FP8 o_proj: none; a scale per token (channel weights), whose last program to finish
+# quantizes the token's row; a scale per head (a 1 x head_dim group: block weights of 128 columns, D = 128)
+FP8_OUT_NONE, FP8_OUT_PER_TOKEN, FP8_OUT_PER_HEAD = 0, 1, 2
+_ROW_CHUNK = tl.constexpr(1024)  # columns the last program quantizes at a time
+
+
+class Fp8Output(NamedTuple):
+    """Where a decode kernel writes o_proj's FP8 input: values [T, H*D], scales [T, 1] or [T, H], and for per-token
+    scales each (token, part)'s max |y| [T, parts] and the tokens' counters (zeros, left at zero)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    mode: int
+    part_amax: torch.Tensor
+    counters: torch.Tensor
+
+
+@triton.jit
+def fp8_output(y, mask, o_row_ptr, q_row_ptr, scale_row_ptr, part_amax_row_ptr, counter_ptr, part, first_head,
+               MODE: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK_PARTS: tl.constexpr, HEADS: tl.constexpr,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, ROW: tl.constexpr):
+    """After a program stored heads [first_head, first_head + HEADS) of one token's output row (ROW = H * D columns,
+    contiguous heads; y [rows, BLOCK_D] those values in fp32, rounded to the output's dtype, `mask` the real ones):
+    MODE per head, quantize each of them with its own scale, read back from the row (in registers beside the
+    output, the per-head scales took the decode kernel from 128 sm_90 registers to 162, 4 programs an SM to 3);
+    MODE per token, leave this part's max |y|, count the part in the token's counter, and, if it is the last of
+    the token's NUM_PARTS to count, quantize the token's row from what every part stored (read from L2), then
+    reset the counter. The barriers and the atomic's release order every thread's stores before the count, the
+    last one's acquire and barrier its reads after (as kernels/fp8_gemm's split-K)."""
+    if MODE == 2:
+        tl.debug_barrier()  # this program's stores, before its threads read them back
+        offs = tl.arange(0, BLOCK_D)
+        for h in tl.static_range(HEADS):
+            cols = (first_head + h) * D + offs
+            x = tl.load(o_row_ptr + cols, mask=offs < D, other=0.0).to(tl.float32)
+            scale = fp8_scale(tl.max(tl.abs(x), axis=0), _MIN_SCALE)
+            tl.store(q_row_ptr + cols, quantize_fp8(x, scale).to(q_row_ptr.dtype.element_ty), mask=offs < D)
+            tl.store(scale_row_ptr + first_head + h, scale)
+    else:
+        y = tl.where(mask, y, 0.0)
+        tl.store(part_amax_row_ptr + part, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+        tl.debug_barrier()
+        counted = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if counted == NUM_PARTS - 1:
+            tl.debug_barrier()
+            parts = tl.arange(0, BLOCK_PARTS)
+            amax = tl.load(part_amax_row_ptr + parts, mask=parts < NUM_PARTS, other=0.0, cache_modifier=".cg")
+            scale = fp8_scale(tl.max(amax, axis=0), _MIN_SCALE)
+            for start in tl.static_range(0, ROW, _ROW_CHUNK):
+                offs = start + tl.arange(0, _ROW_CHUNK)
+                x = tl.load(o_row_ptr + offs, mask=offs < ROW, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(q_row_ptr + offs, quantize_fp8(x, scale).to(q_row_ptr.dtype.element_ty), mask=offs < ROW)
+            tl.store(scale_row_ptr, scale)
+            tl.atomic_xchg(counter_ptr, 0)
 
 
 # int8 x as fp16, exactly, four values per 32-bit register: x ^ 0x80 is x + 128 as a byte, which PRMT places
@@ -29,9 +91,12 @@ INT8_TO_FP16_PTX = tl.constexpr("""{
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
+    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs,
     NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    FP8_OUT: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr,
 ):
-    """Merge the splits' partial softmaxes: rescale each to the global max, then normalise."""
+    """Merge the splits' partial softmaxes: rescale each to the global max, then normalise (and with FP8_OUT,
+    quantize the output for an FP8 o_proj: fp8_output, a program a head)."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -49,6 +114,12 @@ def _merge_splits_kernel(
     out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=offs_d < D)
+    if FP8_OUT != 0:
+        row = seq.to(tl.int64)
+        y = out.to(o_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        fp8_output(y, (offs_d < D)[None, :], o_ptr + row * stride_ot, q_out_ptr + row * (NUM_Q_HEADS * D),
+                   q_scale_ptr + row * stride_qs, part_amax_ptr + row * NUM_Q_HEADS, counters_ptr + row, head, head,
+                   FP8_OUT, NUM_Q_HEADS, BLOCK_Q_HEADS, 1, D, BLOCK_D, NUM_Q_HEADS * D)
 
 
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,13 +135,23 @@ def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, to
     return part_acc, part_m, part_l
 
 
+def fp8_output_args(fp8_out: Fp8Output | None, like: torch.Tensor) -> tuple:
+    """The kernels' (q, scales, parts' maxes, counters, scales' row stride, FP8_OUT) for fp8_out; with none,
+    pointers they never read."""
+    if fp8_out is None:
+        return like, like, like, like, 0, FP8_OUT_NONE
+    return fp8_out.q, fp8_out.scale, fp8_out.part_amax, fp8_out.counters, fp8_out.scale.stride(0), fp8_out.mode
+
+
 def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor, num_splits: int,
-                 block_d: int) -> None:
-    """out [B, H_q, D] from the partials that split_partials allocated and a decode kernel wrote."""
+                 block_d: int, fp8_out: Fp8Output | None = None) -> None:
+    """out [B, H_q, D] from the partials that split_partials allocated and a decode kernel wrote (and fp8_out's
+    FP8 copy of it)."""
     num_seqs, num_q_heads, head_dim = out.shape
     part_acc, part_m, part_l = partials
+    *fp8_args, fp8_mode = fp8_output_args(fp8_out, out)
     _merge_splits_kernel[(num_q_heads, num_seqs)](
-        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits, *fp8_args,
         NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4,
+        FP8_OUT=fp8_mode, BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), num_warps=4,
     )

@@ -15,17 +15,21 @@ q . k = sum_d (q_d s_d) k_d), V's scales the accumulated output (per head, or pe
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import fused_ops
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
-from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, merge_splits, split_partials
+from kernels.attention.decode_common import (FP8_OUT_PER_HEAD, FP8_OUT_PER_TOKEN, INT8_TO_FP16_PTX, LOG2E, Fp8Output,
+                                             fp8_output, fp8_output_args, merge_splits, split_partials)
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
 from kernels.attention.triton_kv_store import KV_PLAIN, check_last_dim_contiguous, kv_scale_args, store_kvcache
+from kernels.fp8_quant import QuantizedActivations, empty_quantized
 from kernels.kv_quant import QUANTIZED_DTYPES, KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
@@ -234,10 +238,11 @@ def _decode_kernel(
     block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FORMAT: tl.constexpr, FP16_DOTS: tl.constexpr,
+    KV_FORMAT: tl.constexpr, FP16_DOTS: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
 ):
     # kv_head varies fastest, so neighbouring CTAs read neighbouring bytes of the same blocks.
     kv_head = tl.program_id(0)
@@ -294,6 +299,12 @@ def _decode_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only for an empty (padded) sequence
         o_ptrs = o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+        if FP8_OUT != 0:  # o_proj's FP8 input too (decode_common.fp8_output): this program is one of H_kv parts
+            row = seq.to(tl.int64)
+            fp8_output(out.to(o_ptr.dtype.element_ty).to(tl.float32), out_mask, o_ptr + row * stride_ot,
+                       q_out_ptr + row * (NUM_Q_HEADS * D), q_scale_ptr + row * stride_qs,
+                       part_amax_ptr + row * (NUM_Q_HEADS // GROUP), counters_ptr + row, kv_head, kv_head * GROUP,
+                       FP8_OUT, NUM_Q_HEADS // GROUP, BLOCK_KV_HEADS, GROUP, D, BLOCK_D, NUM_Q_HEADS * D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,39 +373,79 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                             num_splits: int | None = None, config: DecodeConfig | None = None,
-                            kv_scales: KVScales | None = None) -> torch.Tensor:
+                            kv_scales: KVScales | None = None, fp8_group: int | None = None,
+                            ) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations]:
     """paged_decode_attention by the split-K Triton kernel: any head size, block size and pool; config
-    overrides the tiles."""
+    overrides the tiles. fp8_group (fp8_output_supported): also the output in FP8 for an FP8 o_proj, a scale per
+    token and `fp8_group` columns, as kernels/fp8_gemm.quantize_rows would make it: returns (out, that)."""
     num_seqs = meta.num_seqs
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
+    if out is None:  # contiguous rows: the FP8 output's last program reads a token's row back
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fp8_out = None
     if num_seqs == 0:
-        return out
+        return out if fp8_group is None else (out, _fp8_decode_output(out, num_kv_heads, 1, fp8_group).quantized)
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
     cfg = config or decode_config(block_d, q.dtype, kv_format)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
+    if fp8_group is not None:
+        fp8_out = _fp8_decode_output(out, num_kv_heads, num_splits, fp8_group)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
+    *fp8_args, fp8_mode = fp8_output_args(None if num_splits > 1 else fp8_out and fp8_out.output, out)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, meta.block_tables, meta.seqlens_k,
         meta.decode_order if meta.decode_order is not None else meta.seqlens_k, scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0), *fp8_args,
         NUM_Q_HEADS=num_q_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1, HAS_ORDER=meta.decode_order is not None, UPCAST=INTERPRET,
         DOT_PRECISION=_dot_precision(q.dtype), KV_FORMAT=kv_format, FP16_DOTS=_fp16_dots(kv_format, q.dtype),
+        FP8_OUT=fp8_mode, BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        merge_splits(partials, out, num_splits, block_d)
-    return out
+        merge_splits(partials, out, num_splits, block_d, fp8_out and fp8_out.output)
+    return out if fp8_out is None else (out, fp8_out.quantized)
+
+
+def fp8_output_supported(num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
+    """Whether the decode kernels write o_proj's FP8 input in groups of fp8_group columns: a scale per token (the
+    group spans the row) or per head (the group is one head)."""
+    return fp8_group >= num_q_heads * head_dim or fp8_group == head_dim
+
+
+class _Fp8Decode(NamedTuple):
+    output: Fp8Output  # what the kernels take
+    quantized: QuantizedActivations  # what o_proj takes
+
+
+def _fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8_group: int) -> _Fp8Decode:
+    """The FP8 output's buffers for out [T, H_q, D]: values [T, H_q * D] and scales (kernels/fp8_quant.empty_quantized,
+    rows rounded up as o_proj's padded GEMMs read them); with a scale per token, the parts that write a token's
+    heads (its H_kv programs, or its H_q merge programs after a split) count in the device's zeroed counters."""
+    from kernels.fp8_gemm import split_counters
+
+    num_seqs, num_q_heads, head_dim = out.shape
+    if not fp8_output_supported(num_q_heads, head_dim, fp8_group):
+        raise ValueError(f"the decode kernels write FP8 a scale per token or per head ({head_dim} columns), "
+                         f"not per {fp8_group}")
+    per_token = fp8_group >= num_q_heads * head_dim
+    q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device)
+    parts = num_kv_heads if num_splits == 1 else num_q_heads
+    part_amax = torch.empty(num_seqs, parts, dtype=torch.float32, device=out.device) if per_token else scale
+    counters = split_counters(out.device)
+    if per_token and num_seqs > counters.numel():
+        raise ValueError(f"FP8 decode output for {num_seqs} sequences: {counters.numel()} counters")
+    mode = FP8_OUT_PER_TOKEN if per_token else FP8_OUT_PER_HEAD
+    return _Fp8Decode(Fp8Output(q, scale, mode, part_amax, counters), QuantizedActivations(q, scale, out.dtype))
 
 
 class TritonAttentionBackend:
@@ -402,7 +453,7 @@ class TritonAttentionBackend:
 
     name = TRITON
     capabilities = AttentionCapabilities(fused_norm_rope_store=True, cuda_graph_safe=True,
-                                         quantized_kv_dtypes=QUANTIZED_DTYPES)
+                                         quantized_kv_dtypes=QUANTIZED_DTYPES, fp8_decode_output=True)
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
@@ -413,6 +464,16 @@ class TritonAttentionBackend:
         """FusedNormRopeStore: kernels/fused_ops.qk_norm_rope_store, CUDA tensors only."""
         return fused_ops.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
                                             q_norm_weight, k_norm_weight, eps, kv_scales, product_scales)
+
+    def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, kv_scales: KVScales | None, fp8_group: int) -> QuantizedActivations | None:
+        """Fp8DecodeOutput: a decode step by the Triton kernel, its output in FP8 for an FP8 o_proj; None where the
+        Gluon kernel takes the step (an 8-bit pool it fits) or the groups are neither a token's nor a head's."""
+        if not meta.is_decode or not fp8_output_supported(q.shape[1], q.shape[2], fp8_group):
+            return None
+        if meta.num_seqs and gluon_decode is not None and gluon_decode.gluon_decode_fits(q, k_cache):
+            return None
+        return triton_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales, fp8_group=fp8_group)[1]
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:

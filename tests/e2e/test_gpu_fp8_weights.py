@@ -39,7 +39,7 @@ def test_fp8_weights_decode_under_cuda_graphs_to_the_eager_tokens(checkpoints, m
     assert_greedy_matches(graphs, [o.token_ids for o in eager], max_flip_fraction=1.0)
 
 
-@pytest.mark.parametrize("model, quantization, fed", [("block", None, 4), ("plain", "fp8", 6)])
+@pytest.mark.parametrize("model, quantization, fed", [("block", None, 6), ("plain", "fp8", 8)])
 def test_on_cuda_the_producers_before_fp8_layers_write_their_output_in_fp8(checkpoints, model, quantization, fed):
     loaded, _ = load_model(f"{checkpoints}/{model}", torch.bfloat16, torch.device("cuda"), TorchAttentionBackend(),
                            quantization=quantization)
@@ -47,7 +47,10 @@ def test_on_cuda_the_producers_before_fp8_layers_write_their_output_in_fp8(check
     assert (first.input_layernorm.fp8_group, first.post_attention_layernorm.fp8_group, first.mlp.act_fn.fp8_group) \
         == ((128, 128, 128) if model == "block" else (256, 256, 320))
     producers = [m for m in loaded.modules() if getattr(m, "fp8_group", None) is not None]
-    assert len(producers) == fed  # the block checkpoint leaves layer 1's MLP plain: only its qkv_proj is fed
+    # the block checkpoint leaves layer 1's MLP plain: its qkv_proj and o_proj alone are fed (o_proj by attention)
+    assert len(producers) == fed
+    assert [layer.self_attn.attn.fp8_group for layer in (first, second)] == ([128, 128] if model == "block" else
+                                                                             [512, 512])
     assert loaded.model.norm.fp8_group is None
     # channel scales: gate_up_proj may hand SiLU-and-mul its product unscaled (block scales apply inside the GEMM)
     unscaled = [getattr(layer.mlp.gate_up_proj, "fp8_unscaled_output", False) for layer in (first, second)]

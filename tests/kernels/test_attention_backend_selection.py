@@ -103,6 +103,16 @@ def test_a_backend_that_claims_the_fused_store_has_it():
         assert cls.capabilities.fused_norm_rope_store == hasattr(cls, "norm_rope_store_kvcache"), name
 
 
+def test_a_backend_that_claims_an_fp8_decode_output_has_it():
+    """Attention.forward asks decode_fp8 of a backend whose capabilities say fp8_decode_output (Triton's), for an FP8
+    o_proj's input."""
+    names = (TORCH, FLASH_ATTN) + ((TRITON,) if importlib.util.find_spec("triton") else ())
+    for name in names:
+        cls = backend_class(name)
+        assert cls.capabilities.fp8_decode_output == hasattr(cls, "decode_fp8"), name
+    assert [backend_class(n).capabilities.fp8_decode_output for n in names] == [False, False, True][:len(names)]
+
+
 def test_a_quantized_kv_cache_goes_only_to_backends_that_declare_they_read_it(monkeypatch):
     fp8, int8 = torch.float8_e4m3fn, torch.int8
     assert backend_class(TORCH).capabilities.quantized_kv_dtypes == (fp8, int8)

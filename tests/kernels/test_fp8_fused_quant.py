@@ -251,9 +251,11 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
     assert fp8.quantize_in_producers(model) == 0 and first.input_layernorm.fp8_group is None
     assert fp8.scale_in_readers(model) == 0  # the attention layer would take qkv_proj's channel product otherwise
     monkeypatch.delenv(fp8.FUSED_QUANT_ENV)
-    assert fp8.quantize_in_producers(model) == 4
+    assert fp8.quantize_in_producers(model) == 5
     assert (first.input_layernorm.fp8_group, first.post_attention_layernorm.fp8_group, first.mlp.act_fn.fp8_group,
             second.input_layernorm.fp8_group) == (128, 128, 320, 192)
+    # the attention layer before an FP8 o_proj (its decode steps may write FP8: tests/kernels/test_triton_attention.py)
+    assert first.self_attn.attn.fp8_group == 128 and second.self_attn.attn.fp8_group is None
     assert second.post_attention_layernorm.fp8_group is None and second.mlp.act_fn.fp8_group is None
     assert model.model.norm.fp8_group is None, "the final norm feeds the LM head"
 
@@ -268,7 +270,8 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
 
     fused = [block_products(b) for b in (first, second)]
     assert isinstance(first.mlp.act_fn(torch.ones(6, 640, dtype=dtype)), QuantizedActivations)
-    for producer in (first.input_layernorm, first.post_attention_layernorm, first.mlp.act_fn, second.input_layernorm):
+    for producer in (first.input_layernorm, first.post_attention_layernorm, first.mlp.act_fn, second.input_layernorm,
+                     first.self_attn.attn):
         producer.fp8_group = None
     unfused = [block_products(b) for b in (first, second)]
     for ours, theirs in zip(sum(fused, ()), sum(unfused, ())):

@@ -139,6 +139,76 @@ def test_decode_row_with_empty_context_gives_zeros_not_nan(num_splits):
     assert rel_error(out[:1], reference_attention(q, k_cache, v_cache, meta, 0.25)[:1]) < 1e-3
 
 
+def assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, fp8_group):
+    """The decode kernels' FP8 output for an FP8 o_proj: the bytes and scales kernels/fp8_gemm.quantize_rows makes
+    of the plain output, which they return beside it unchanged."""
+    from kernels.fp8_gemm import quantize_rows
+
+    scale = q.shape[-1] ** -0.5
+    plain = ta.paged_decode_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    out, fp8 = ta.triton_decode_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits,
+                                          fp8_group=fp8_group)
+    assert torch.equal(out, plain)
+    want_q, want_scale = quantize_rows(plain.reshape(plain.shape[0], -1), fp8_group)
+    assert fp8.q.shape == want_q.shape and fp8.scale.shape == want_scale.shape and fp8.dtype == q.dtype
+    assert torch.equal(fp8.scale, want_scale)
+    assert torch.equal(fp8.q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("per", ["token", "head"])
+def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(num_splits, per):
+    """Per token (channel weights: the last of a token's programs quantizes its row) or per head (block weights whose
+    groups are head_dim wide), unsplit (a token's H_kv programs) and split (its H_q merge programs); ragged contexts,
+    one of them empty (a padded graph row), bf16 as the engine runs it, and, per token, every program counted back to
+    zero (the counters are shared with the split-K GEMMs)."""
+    from kernels.fp8_gemm import split_counters
+
+    seqlens_k, hq, hkv, d, bs = [9, 1, 30, 17], 4, 2, 16, 4
+    q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, block_size=bs, dtype=torch.bfloat16, seed=21 + num_splits)
+    meta.seqlens_k[1] = 0
+    assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, hq * d if per == "token" else d)
+    assert not split_counters(q.device).any()
+    with pytest.raises(ValueError, match="per token or per head"):
+        ta.triton_decode_attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits, fp8_group=8)
+
+
+@interpreter
+def test_an_attention_layer_before_an_fp8_o_proj_hands_it_fp8_on_decode_steps_only():
+    """executor_svc/layers/attention.Attention with fp8_group set (the loader's, before an FP8 o_proj): a decode
+    step, after RoPE and the K/V store, comes out as QuantizedActivations, the quantization of the plain layer's
+    output; a step with a prefill chunk comes out plain (fp8_linear quantizes it)."""
+    from executor_svc.layers.attention import Attention
+    from executor_svc.layers.rotary import RotaryEmbedding
+    from kernels.fp8_gemm import quantize_rows
+    from kernels.fp8_quant import QuantizedActivations
+
+    hq, hkv, d, bs = 4, 2, 16, 4
+    rope = RotaryEmbedding(d, 64, 10000.0)
+
+    def run(seqlens_q, fp8_group):
+        seqlens_k = [9, 30, 17][:len(seqlens_q)]
+        q, k_cache, v_cache, meta = make_batch(seqlens_q, seqlens_k, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                               block_size=bs, dtype=torch.bfloat16, seed=40)
+        gen = torch.Generator().manual_seed(41)
+        k, v = (torch.randn(q.shape[0], hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+        positions = torch.cat([torch.arange(n - m, n) for m, n in zip(seqlens_q, seqlens_k)])
+        layer = Attention(hq, d, d ** -0.5, hkv)
+        layer.backend, layer.k_cache, layer.v_cache, layer.fp8_group = ta.TritonAttentionBackend(), k_cache, v_cache, \
+            fp8_group
+        return layer.forward(positions, q, k, v.flatten(1), meta, rope)
+
+    plain = run([1, 1, 1], None)
+    quantized = run([1, 1, 1], hq * d)
+    assert isinstance(quantized, QuantizedActivations) and quantized.dtype == torch.bfloat16
+    want_q, want_scale = quantize_rows(plain, hq * d)
+    assert torch.equal(quantized.scale, want_scale) and torch.equal(quantized.q.view(torch.uint8),
+                                                                    want_q.view(torch.uint8))
+    assert torch.equal(run([3, 1], hq * d), run([3, 1], None))  # a prefill chunk: plain
+
+
 @interpreter
 def test_backend_stores_new_tokens_then_attends_over_prefix_and_new_tokens():
     backend = ta.TritonAttentionBackend()
@@ -243,6 +313,25 @@ def test_gpu_decode_matches_reference_for_any_split_count(heads, num_splits):
                                            head_dim=d, block_size=16, dtype=torch.bfloat16, device="cuda", seed=12)
     out = ta.paged_decode_attention(q, k_cache, v_cache, meta, d ** -0.5, num_splits=num_splits)
     assert rel_error(out, reference_attention(q, k_cache, v_cache, meta, d ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("per", ["token", "head"])
+def test_gpu_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(num_splits, per):
+    """As on the CPU, at the 8B shape's heads (32 / 8, D = 128) and 150 ragged contexts, five times over fresh
+    inputs: a token's last program must see every other program's stores (the counters' release and acquire)."""
+    from kernels.fp8_gemm import split_counters
+
+    for seed in range(5):
+        seqlens_k = torch.randint(1, 2049, (150,), generator=torch.Generator().manual_seed(seed)).tolist()
+        q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=32, num_kv_heads=8,
+                                               head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda",
+                                               seed=30 + seed)
+        assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits,
+                                                  32 * 128 if per == "token" else 128)
+        assert not split_counters(q.device).any()
 
 
 @pytest.mark.gpu
