@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
-from kernels.fp8_quant import MIN_SCALE
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -155,3 +155,37 @@ def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out:
         NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
         FP8_OUT=fp8_mode, BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), num_warps=4,
     )
+
+
+def fp8_output_supported(num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
+    """Whether the decode kernels write o_proj's FP8 input in groups of fp8_group columns: a scale per token (the
+    group spans the row) or per head (the group is one head)."""
+    return fp8_group >= num_q_heads * head_dim or fp8_group == head_dim
+
+
+class Fp8Decode(NamedTuple):
+    """A decode step's FP8 output, as the kernels write it and as o_proj reads it (the same tensors)."""
+
+    output: Fp8Output  # what the kernels take
+    quantized: QuantizedActivations  # what o_proj takes
+
+
+def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8_group: int) -> Fp8Decode:
+    """The FP8 output's buffers for out [T, H_q, D]: values [T, H_q * D] and scales (kernels/fp8_quant.empty_quantized,
+    rows rounded up as o_proj's padded GEMMs read them); with a scale per token, the parts that write a token's
+    heads (its H_kv programs, or its H_q merge programs after a split) count in the device's zeroed counters."""
+    from kernels.fp8_gemm import split_counters
+
+    num_seqs, num_q_heads, head_dim = out.shape
+    if not fp8_output_supported(num_q_heads, head_dim, fp8_group):
+        raise ValueError(f"the decode kernels write FP8 a scale per token or per head ({head_dim} columns), "
+                         f"not per {fp8_group}")
+    per_token = fp8_group >= num_q_heads * head_dim
+    q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device)
+    parts = num_kv_heads if num_splits == 1 else num_q_heads
+    part_amax = torch.empty(num_seqs, parts, dtype=torch.float32, device=out.device) if per_token else scale
+    counters = split_counters(out.device)
+    if per_token and num_seqs > counters.numel():
+        raise ValueError(f"FP8 decode output for {num_seqs} sequences: {counters.numel()} counters")
+    mode = FP8_OUT_PER_TOKEN if per_token else FP8_OUT_PER_HEAD
+    return Fp8Decode(Fp8Output(q, scale, mode, part_amax, counters), QuantizedActivations(q, scale, out.dtype))

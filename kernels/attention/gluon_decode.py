@@ -32,8 +32,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, merge_splits, split_partials
+from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, fp8_decode_output, merge_splits, split_partials
 from kernels.attention.triton_kv_store import kv_scale_args
+from kernels.fp8_quant import QuantizedActivations
 from kernels.kv_quant import is_quantized
 from kernels.triton_runtime import INTERPRET, num_sms
 
@@ -236,18 +237,23 @@ def gluon_decode_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                 kv_scales, num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_scales, num_splits: int | None = None, out: torch.Tensor | None = None,
+                 fp8_group: int | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations | None]:
     """Attention of one query token per sequence over its paged context in an fp8 or int8 pool, dequantized by
-    kv_scales, where gluon_decode_fits; num_splits only changes speed (None: gluon_num_splits)."""
+    kv_scales, where gluon_decode_fits; num_splits only changes speed (None: gluon_num_splits). fp8_group: also the
+    output in FP8 for an FP8 o_proj (decode_common.fp8_output), written by the split merge: returns (out, that), that
+    None when the context is not split."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     assert head_dim == D_HEAD and k_cache.shape[1] == BLOCK_T and group <= 8, (head_dim, k_cache.shape, group)
     assert k_cache.stride() == v_cache.stride()
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
-    out = torch.empty_like(q) if out is None else out
+    if out is None:  # contiguous rows: the FP8 output's last program reads a token's row back
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
+    fp8 = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group) if fp8_group and num_splits > 1 else None
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     order = meta.decode_order
@@ -259,5 +265,7 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_Q_HEADS=num_q_heads, GROUP=group, SPLIT=num_splits > 1, HAS_ORDER=order is not None,
         KV_FORMAT=kv_format, PTX_INT8=not INTERPRET, num_warps=1)
     if num_splits > 1:
-        merge_splits(partials, out, num_splits, head_dim)
-    return out
+        merge_splits(partials, out, num_splits, head_dim, fp8 and fp8.output)
+    if fp8_group is None:
+        return out
+    return out, fp8 and fp8.quantized

@@ -15,21 +15,19 @@ q . k = sum_d (q_d s_d) k_d), V's scales the accumulated output (per head, or pe
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import fused_ops
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
-from kernels.attention.decode_common import (FP8_OUT_PER_HEAD, FP8_OUT_PER_TOKEN, INT8_TO_FP16_PTX, LOG2E, Fp8Output,
-                                             fp8_output, fp8_output_args, merge_splits, split_partials)
+from kernels.attention.decode_common import (INT8_TO_FP16_PTX, LOG2E, fp8_decode_output, fp8_output, fp8_output_args,
+                                             fp8_output_supported, merge_splits, split_partials)
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
 from kernels.attention.triton_kv_store import KV_PLAIN, check_last_dim_contiguous, kv_scale_args, store_kvcache
-from kernels.fp8_quant import QuantizedActivations, empty_quantized
+from kernels.fp8_quant import QuantizedActivations
 from kernels.kv_quant import QUANTIZED_DTYPES, KVScales
 from kernels.triton_runtime import INTERPRET, num_sms
 
@@ -386,7 +384,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     fp8_out = None
     if num_seqs == 0:
-        return out if fp8_group is None else (out, _fp8_decode_output(out, num_kv_heads, 1, fp8_group).quantized)
+        return out if fp8_group is None else (out, fp8_decode_output(out, num_kv_heads, 1, fp8_group).quantized)
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
@@ -394,7 +392,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if fp8_group is not None:
-        fp8_out = _fp8_decode_output(out, num_kv_heads, num_splits, fp8_group)
+        fp8_out = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     *fp8_args, fp8_mode = fp8_output_args(None if num_splits > 1 else fp8_out and fp8_out.output, out)
@@ -416,38 +414,6 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out if fp8_out is None else (out, fp8_out.quantized)
 
 
-def fp8_output_supported(num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
-    """Whether the decode kernels write o_proj's FP8 input in groups of fp8_group columns: a scale per token (the
-    group spans the row) or per head (the group is one head)."""
-    return fp8_group >= num_q_heads * head_dim or fp8_group == head_dim
-
-
-class _Fp8Decode(NamedTuple):
-    output: Fp8Output  # what the kernels take
-    quantized: QuantizedActivations  # what o_proj takes
-
-
-def _fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8_group: int) -> _Fp8Decode:
-    """The FP8 output's buffers for out [T, H_q, D]: values [T, H_q * D] and scales (kernels/fp8_quant.empty_quantized,
-    rows rounded up as o_proj's padded GEMMs read them); with a scale per token, the parts that write a token's
-    heads (its H_kv programs, or its H_q merge programs after a split) count in the device's zeroed counters."""
-    from kernels.fp8_gemm import split_counters
-
-    num_seqs, num_q_heads, head_dim = out.shape
-    if not fp8_output_supported(num_q_heads, head_dim, fp8_group):
-        raise ValueError(f"the decode kernels write FP8 a scale per token or per head ({head_dim} columns), "
-                         f"not per {fp8_group}")
-    per_token = fp8_group >= num_q_heads * head_dim
-    q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device)
-    parts = num_kv_heads if num_splits == 1 else num_q_heads
-    part_amax = torch.empty(num_seqs, parts, dtype=torch.float32, device=out.device) if per_token else scale
-    counters = split_counters(out.device)
-    if per_token and num_seqs > counters.numel():
-        raise ValueError(f"FP8 decode output for {num_seqs} sequences: {counters.numel()} counters")
-    mode = FP8_OUT_PER_TOKEN if per_token else FP8_OUT_PER_HEAD
-    return _Fp8Decode(Fp8Output(q, scale, mode, part_amax, counters), QuantizedActivations(q, scale, out.dtype))
-
-
 class TritonAttentionBackend:
     """The AttentionBackend for CUDA: decode steps take the split-K kernel, all others prefill."""
 
@@ -467,13 +433,22 @@ class TritonAttentionBackend:
 
     def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_scales: KVScales | None, fp8_group: int) -> QuantizedActivations | None:
-        """Fp8DecodeOutput: a decode step by the Triton kernel, its output in FP8 for an FP8 o_proj; None where the
-        Gluon kernel takes the step (an 8-bit pool it fits) or the groups are neither a token's nor a head's."""
+        """Fp8DecodeOutput: a decode step, its output in FP8 for an FP8 o_proj, written by the decode kernels (the
+        Gluon kernel's through its split merge; unsplit, quantize_rows quantizes its output); None where the groups
+        are neither a token's nor a head's."""
         if not meta.is_decode or not fp8_output_supported(q.shape[1], q.shape[2], fp8_group):
             return None
         if meta.num_seqs and gluon_decode is not None and gluon_decode.gluon_decode_fits(q, k_cache):
-            return None
-        return triton_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales, fp8_group=fp8_group)[1]
+            out, quantized = gluon_decode.gluon_decode(q, k_cache, v_cache, meta, scale, kv_scales,
+                                                       fp8_group=fp8_group)
+        else:
+            out, quantized = triton_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales,
+                                                     fp8_group=fp8_group)
+        if quantized is None:
+            from kernels.fp8_gemm import quantize_rows
+
+            quantized = QuantizedActivations(*quantize_rows(out.reshape(out.shape[0], -1), fp8_group), out.dtype)
+        return quantized
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:

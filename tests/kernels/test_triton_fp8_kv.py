@@ -335,3 +335,31 @@ def test_gpu_decode_over_an_8bit_pool_takes_the_gluon_kernel_exactly_where_it_fi
         assert not gd.gluon_decode_fits(q, k8), (heads, block_size)
         assert torch.equal(ta.paged_decode_attention(q, k8, v8, meta, 0.1, kv_scales=scales),
                            ta.triton_decode_attention(q, k8, v8, meta, 0.1, kv_scales=scales))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [5, 150])  # the Gluon kernel splits the contexts in many or in two
+@pytest.mark.parametrize("per", ["token", "head"])
+def test_gpu_decode_over_an_fp8_pool_writes_o_projs_fp8_input_as_the_quantization_of_its_output(num_seqs, per):
+    """The backend's decode_fp8 over an fp8 pool (the Gluon kernel, its FP8 output written by the split merge, or
+    quantize_rows after an unsplit step): the bytes quantize_rows makes of forward's output, five times over fresh
+    inputs."""
+    from kernels.fp8_gemm import quantize_rows, split_counters
+
+    backend = ta.TritonAttentionBackend()
+    for seed in range(5):
+        seqlens_k = torch.randint(1, 2049, (num_seqs,), generator=torch.Generator().manual_seed(seed)).tolist()
+        q, k8, v8, meta, scales, _, _ = fp8_batch([1] * num_seqs, seqlens_k, (32, 8, 128), 16, seed=50 + seed,
+                                                  dtype=torch.bfloat16, device="cuda")
+        group = 32 * 128 if per == "token" else 128
+        quantized = backend.decode_fp8(q, k8, v8, meta, 0.1, scales, group)
+        want_q, want_scale = quantize_rows(backend.forward(q, k8, v8, meta, 0.1, scales).reshape(num_seqs, -1), group)
+        assert torch.equal(quantized.scale, want_scale)
+        assert torch.equal(quantized.q.view(torch.uint8), want_q.view(torch.uint8))
+        assert not split_counters(q.device).any()
+
+    from kernels.attention import gluon_decode as gd
+
+    # unsplit (from 462 sequences of 8 KV heads on 132 SMs), the Gluon kernel leaves the FP8 output to quantize_rows
+    assert gd.gluon_decode(q, k8, v8, meta, 0.1, scales, num_splits=1, fp8_group=group)[1] is None
