@@ -177,6 +177,7 @@ def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8
     from kernels.fp8_gemm import split_counters
 
     num_seqs, num_q_heads, head_dim = out.shape
+    assert out.is_contiguous(), "the programs read a token's heads back as one row"
     if not fp8_output_supported(num_q_heads, head_dim, fp8_group):
         raise ValueError(f"the decode kernels write FP8 a scale per token or per head ({head_dim} columns), "
                          f"not per {fp8_group}")
