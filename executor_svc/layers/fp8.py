@@ -17,8 +17,9 @@ SiLU-and-mul, or the attention layer's fused prologue after qkv_proj), the produ
 (scale_in_readers). NANOSERVE_FP8_FUSED_QUANT=0 turns both off (every FP8 GEMM quantizes its input and scales its
 product itself), to compare.
 
-On the CPU the weights are dequantized at load (weight * scale, in float32, then the model dtype) and the
-layers stay plain: the products are exact in the model dtype; activations are not quantized.
+On the CPU, and on a GPU without FP8 tensor cores (before Ada: an A100), the weights are dequantized at load
+(weight * scale, in float32, then the model dtype) and the layers stay plain: the products are exact in the model
+dtype; activations are not quantized (runs_fp8_gemms; the log says so, and that they take the model dtype's memory).
 
 A mixture of experts' stacked weights (layers/fused_moe.StackedExperts: w13 [E, 2I, H], w2 [E, H, I]) convert the
 same way, each whole or not at all: fp8 w13 and w2 with scales w13_scale [E, 2I, G13] and w2_scale [E, H, G2] in
@@ -51,6 +52,15 @@ FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
 # FP8 experts on a GPU multiply FP8 activations (kernels/fused_moe_fp8_activations.py: "fp8", the default where their
 # scales allow it) or widen their weights to the activation dtype ("bf16", weight-only); see moe_activations
 MOE_ACTIVATIONS_ENV = "NANOSERVE_FP8_MOE_ACTIVATIONS"
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on; an A100 (8.0) has none
+
+
+def runs_fp8_gemms(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on this device: a CUDA GPU with FP8 tensor cores. Elsewhere (the CPU, or a GPU
+    before Ada, where torch._scaled_mm and Triton's FP8 dots do not run) they are dequantized at load."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -185,8 +195,10 @@ def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
 
 @torch.no_grad()
 def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dtype, device: torch.device) -> int:
-    """After loading: quantize plain weights (online), give every FP8 layer its `weight_scale`, and on the
-    CPU dequantize them into plain weights of `dtype`. Returns the number of FP8 layers."""
+    """After loading: quantize plain weights (online), give every FP8 layer its `weight_scale`, and where FP8 GEMMs
+    do not run (runs_fp8_gemms: the CPU, a GPU before Ada) dequantize them into plain weights of `dtype`. Returns the
+    number of FP8 layers."""
+    fp8_gemms = runs_fp8_gemms(device)
     count = 0
     for name, layer in linear_layers(model):
         if layer.weight.dtype != FP8_DTYPE:
@@ -198,18 +210,22 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
             q, scale = layer.weight.data, getattr(layer, quant.scale_name).data
             delattr(layer, quant.scale_name)
         count += 1
-        if device.type != "cuda":
+        if not fp8_gemms:
             layer.weight = nn.Parameter(dequantize_rows(q, scale, layer.fp8_group_k).to(dtype), requires_grad=False)
             continue
         _check_gpu_group(name, layer.fp8_group_k)
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
-    expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device) for name, experts in expert_layers(model))
-    where = "dequantized to " + str(dtype).removeprefix("torch.") + " on the CPU" if device.type != "cuda" else "FP8 GEMMs"
+    expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms)
+                        for name, experts in expert_layers(model))
+    where = "FP8 GEMMs" if fp8_gemms else "dequantized to " + str(dtype).removeprefix("torch.") + (
+        " on the CPU" if device.type != "cuda" else
+        f": this GPU (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}) has no FP8 tensor cores "
+        f"(sm_89 and up), so they take {str(dtype).removeprefix('torch.')}'s memory")
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
-    if device.type == "cuda":
+    if fp8_gemms:
         from kernels.fp8_gemm import split_counters, unit_scale
 
         split_counters(device)  # before the decode graphs are captured: a split-K GEMM counts its tiles there
@@ -267,9 +283,10 @@ def scale_in_readers(model: nn.Module) -> int:
 
 
 def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,
-                    device: torch.device) -> int:
+                    device: torch.device, fp8_gemms: bool) -> int:
     """One StackedExperts after loading, as finish_loading does a Linear layer: quantized per row if plain (online),
-    then FP8 with `experts.fp8` on CUDA, dequantized elsewhere. Returns 1 if it holds FP8 weights, else 0."""
+    then FP8 with `experts.fp8` where FP8 GEMMs run (`fp8_gemms`: runs_fp8_gemms), dequantized elsewhere. Returns 1 if
+    it holds FP8 weights, else 0."""
     from executor_svc.layers import fused_moe
 
     if experts.w13.dtype != FP8_DTYPE:
@@ -287,7 +304,7 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
         for attr in ("w13", "w2"):
             delattr(experts, f"{attr}_{quant.scale_name}")
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
-    on_gpu = device.type == "cuda" and fused_moe.moe_kernels is not None
+    on_gpu = fp8_gemms and fused_moe.moe_kernels is not None
     if on_gpu:
         _check_gpu_group(name, experts.fp8_group_k2)  # gate/up's K (hidden) is never split
     for attr, (q, scale) in stacked.items():

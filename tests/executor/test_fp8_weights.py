@@ -217,3 +217,19 @@ def test_fp8_experts_multiply_fp8_activations_by_default_where_their_scales_allo
     else:
         with pytest.raises(ValueError, match=expected):
             fp8.moe_activations("layers.0.mlp.experts", scales)
+
+
+def test_fp8_weights_stay_fp8_only_on_gpus_with_fp8_tensor_cores(checkpoints, monkeypatch, caplog):
+    """runs_fp8_gemms: Ada and Hopper (sm_89, sm_90) keep FP8 weights for the FP8 GEMMs; an A100 (sm_80), whose
+    torch._scaled_mm and Triton FP8 dots do not run, dequantizes them at load as the CPU does, and says why. The
+    loader follows the predicate (here forced on for a CPU load: the layers keep their FP8 weights and scales)."""
+    for capability, fp8_gemms in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8.runs_fp8_gemms(torch.device("cuda")) == fp8_gemms, capability
+    assert not fp8.runs_fp8_gemms(CPU)
+    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, _ = load(os.path.join(checkpoints, "block"))
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+    assert "FP8 GEMMs" in caplog.text
