@@ -172,7 +172,7 @@ def test_expert_scales_shard_with_their_weights_whatever_the_split(tp, scheme, b
                 getattr(experts, attr).weight_loader(getattr(experts, attr), q, (e, part))
                 scale = getattr(experts, f"{attr}_{quant.scale_name}")
                 scale.weight_loader(scale, s, (e, part))
-            assert fp8._finish_experts("experts", experts, quant, torch.float32, CPU) == 1
+            assert fp8._finish_experts("experts", experts, quant, torch.float32, CPU, False) == 1
         rows = lambda t: t.chunk(tp, 0)[rank]  # noqa: E731
         for e in range(num_experts):
             assert torch.equal(experts.w13[e], torch.cat([rows(full[e, "gate"]), rows(full[e, "up"])]))
