@@ -76,10 +76,10 @@ def _scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.conste
 
 @triton.jit
 def _rms_norm_quant_kernel(
-    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr,
+    x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr, plain_ptr,
     dim, eps, num_groups, x_stride, r_stride,
     HAS_RESIDUAL: tl.constexpr, HAS_SCALES: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE: tl.constexpr, KEEP_PLAIN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tiles = tl.arange(0, NUM_TILES)
@@ -98,18 +98,20 @@ def _rms_norm_quant_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # fused_ops._rms_norm_kernel's output, rounded to the activation dtype as it stores it
     y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    if KEEP_PLAIN:  # the norm's output as it is too, for a reader besides the FP8 GEMM (a MoE router)
+        tl.store(plain_ptr + row * dim + cols, y.to(dtype), mask=mask)
     scale = _group_scales(y, PER_ROW)
     tl.store(q_ptr + row * dim + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * num_groups + tiles, scale, mask=tiles < num_groups)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
-                   residual: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
+                   residual: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   keep_plain: bool = False) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
     """RMSNorm over x [T, hidden] (with `residual`: of x + residual, returned too, as fused_ops.rms_norm),
     written as FP8 with a scale per token and `group` columns (group >= hidden: per token). `scales` (per token
     [T, 1], per column [hidden, 1]): x is an unscaled product, which kernels/fp8_gemm.scale_product would have scaled
-    first."""
+    first. keep_plain: the output in x's dtype too (`plain`: fused_ops.rms_norm's bytes), in the same pass."""
     num_rows, dim = x.shape
     assert weight.dtype == x.dtype, "the norm's weight must be in the activation dtype"
     if x.stride(1) != 1:
@@ -123,15 +125,16 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
         residual_out = torch.empty_like(x)
     else:
         residual, residual_out = x, x  # unused by the kernel
+    plain = torch.empty(num_rows, dim, dtype=x.dtype, device=x.device) if keep_plain else None
     if num_rows > 0:
         row_scale, col_scale = scales if scales is not None else (x, x)
         _rms_norm_quant_kernel[(num_rows,)](
-            x, residual, weight, q, scale, residual_out, row_scale, col_scale,
+            x, residual, weight, q, scale, residual_out, row_scale, col_scale, plain if keep_plain else x,
             dim, eps, num_groups, x.stride(0), residual.stride(0),
             HAS_RESIDUAL=residual_out is not x, HAS_SCALES=scales is not None, PER_ROW=per_row, NUM_TILES=num_tiles,
-            TILE=tile, num_warps=_num_warps(num_tiles * tile),
+            TILE=tile, KEEP_PLAIN=keep_plain, num_warps=_num_warps(num_tiles * tile),
         )
-    out = QuantizedActivations(q, scale, x.dtype)
+    out = QuantizedActivations(q, scale, x.dtype, plain)
     return out if residual_out is x else (out, residual_out)
 
 

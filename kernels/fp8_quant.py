@@ -71,6 +71,9 @@ class QuantizedActivations(NamedTuple):
     q: torch.Tensor  # float8_e4m3fn [M, K]
     scale: torch.Tensor  # float32 [M, G]: a scale per token (G = 1) or per token and group of K's columns
     dtype: torch.dtype  # the activations' own dtype: the GEMM's output dtype
+    # the values before quantization [M, K], in dtype, where another reader needs them too (a MoE router beside its
+    # FP8 experts); None otherwise
+    plain: torch.Tensor | None = None
 
 
 class UnscaledProduct(NamedTuple):

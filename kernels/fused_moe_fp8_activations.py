@@ -2,7 +2,7 @@
 128 columns (DeepSeek's 1 x 128), and both GEMMs multiply FP8 by FP8 on the tensor cores, where the weight-only path
 (kernels/fused_moe.py, `Fp8Experts` with activations "bf16") widens each weight tile to the activation dtype.
 
-- x is quantized by kernels/fp8_gemm.quantize_rows;
+- x is quantized by kernels/fp8_gemm.quantize_rows, or comes quantized by the norm before the block (`quantized`);
 - gate/up: each K tile's FP8 product is scaled by the activations' group scale, and by the weights' (128-column
   block scales) as it joins the fp32 accumulator; a weight's row scale (channel) multiplies the accumulator in the
   epilogue. The epilogue rounds gate and up to the activation dtype as HF's expert does, takes silu(gate) * up,
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels import fused_moe as fm
 from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
-from kernels.fp8_quant import MIN_SCALE
+from kernels.fp8_quant import MIN_SCALE, QuantizedActivations
 from kernels.triton_runtime import INTERPRET
 
 GROUP = 128  # activation groups (DeepSeek's 1 x 128) and the gate/up N tile that quantizes h
@@ -142,10 +142,10 @@ def _fp8_tiles(up: fm.MoeTile, down: fm.MoeTile) -> tuple[fm.MoeTile, fm.MoeTile
 
 def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                               top_k: int, renormalize: bool, tiles: tuple[fm.MoeTile, fm.MoeTile] | None = None, *,
-                              fp8: fm.Fp8Experts) -> torch.Tensor:
+                              fp8: fm.Fp8Experts, quantized: QuantizedActivations | None = None) -> torch.Tensor:
     """kernels/fused_moe.fused_moe's contract (its caller picks this one where `fp8.activations` is "fp8") with FP8
     experts whose scales are per row or per row and 128 columns, the activations quantized to FP8 per token and 128
-    columns before each GEMM."""
+    columns before each GEMM (x's given as `quantized` where its producer wrote them)."""
     from kernels.fp8_gemm import quantize_rows
 
     if not takes_fp8_activations(fp8):
@@ -156,7 +156,13 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
     up, down = _fp8_tiles(*(tiles or fm.tiles_for(num_tokens, num_experts, hidden, inter, top_k, x.element_size())))
     if num_tokens == 0:
         return torch.zeros_like(x)
-    xq, xs = quantize_rows(x, GROUP)
+    if quantized is None:
+        xq, xs = quantize_rows(x, GROUP)
+    else:  # x quantized by the kernel that produced it (the norm before the block: layers/fp8.quantize_in_producers)
+        xq, xs = quantized.q, quantized.scale
+        if xq.shape != x.shape or xs.shape != (num_tokens, triton.cdiv(hidden, GROUP)):
+            raise ValueError(f"x quantized as {tuple(xq.shape)} with scales {tuple(xs.shape)}; the experts take it "
+                             f"per token and {GROUP} columns")
     weights, ids, groups, counts = fm.route_and_group(router_logits, top_k, renormalize, up.block_m)
     hq = torch.empty(groups.num_pairs, inter, dtype=w13.dtype, device=x.device)
     hs = torch.empty(groups.num_pairs, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)

@@ -242,14 +242,22 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
 
 def quantize_in_producers(model: nn.Module) -> int:
     """Tell each producer whose Linear layer (its only reader) has FP8 weights the groups that layer's GEMM
-    quantizes its input in, so that it writes its output so (a CUDA model, after finish_loading). Returns the
-    number of Linear layers fed so."""
+    quantizes its input in, so that it writes its output so (a CUDA model, after finish_loading); and each norm
+    before a mixture of experts that multiplies FP8 activations to write its output both ways (its router reads it
+    as it is). Returns the number of layers fed so."""
     from kernels.fp8_fused_quant import can_quantize_in_groups
 
     if os.environ.get(FUSED_QUANT_ENV, "1") == "0":
         return 0
     fed = 0
     for module in model.modules():
+        for producer, moe in getattr(module, "fp8_router_producers", list)():
+            fp8 = getattr(moe.experts, "fp8", None)
+            if fp8 is not None and fp8.activations == "fp8":  # x per token and 128 columns, the router's x as it is
+                from kernels.fused_moe_fp8_activations import GROUP
+
+                producer.fp8_group, producer.fp8_keeps_plain = GROUP, True
+                fed += 1
         for producer, layer in getattr(module, "fp8_activation_producers", list)():
             if layer.weight.dtype != FP8_DTYPE:
                 continue  # a plain layer the checkpoint did not convert

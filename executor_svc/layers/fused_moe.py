@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.layers.parallel import all_reduce, shard_size, tp_rank
+from kernels.fp8_quant import QuantizedActivations
 from kernels.moe_reference import fused_moe_ref
 
 try:
@@ -43,13 +44,21 @@ class FusedMoE(nn.Module):
         self.gate = Router(num_experts, hidden_size)
         self.experts = StackedExperts(num_experts, hidden_size, self.inter_local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
+        """x [T, H], or QuantizedActivations with `plain` (the norm before wrote both: executor_svc/layers/fp8.py,
+        quantize_in_producers): the router reads x as it is, FP8 experts that multiply FP8 activations the FP8 copy."""
+        quantized = None
+        if isinstance(x, QuantizedActivations):
+            quantized, x = x, x.plain
         logits = F.linear(x, self.gate.weight)  # in the model's dtype, as HF
         w13, w2 = self.experts.w13, self.experts.w2
         fp8 = self.experts.fp8
         if moe_kernels is not None and x.is_cuda:
-            fused = fused_moe_fp8_activations if fp8 is not None and fp8.activations == "fp8" else moe_kernels.fused_moe
-            out = fused(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize, fp8=fp8)
+            if fp8 is not None and fp8.activations == "fp8":
+                out = fused_moe_fp8_activations(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize, fp8=fp8,
+                                                quantized=quantized)
+            else:
+                out = moe_kernels.fused_moe(x.contiguous(), logits, w13, w2, self.top_k, self.renormalize, fp8=fp8)
         else:
             out = fused_moe_ref(x, logits, w13, w2, self.top_k, self.renormalize)
         return all_reduce(out)

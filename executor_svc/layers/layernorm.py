@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded)
         self.fp8_group: int | None = None  # set: the output goes out in FP8, a scale per token and this many columns
+        # and in the activation dtype too (QuantizedActivations.plain): a MoE router reads it beside the FP8 experts
+        self.fp8_keeps_plain = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 and the scale applied after casting back, as HF does.
@@ -41,10 +43,12 @@ class RMSNorm(nn.Module):
         if isinstance(x, UnscaledProduct):  # an FP8 o_proj's or down_proj's product, its scales left to this kernel
             if self.fp8_group is not None:
                 return fp8_fused_quant.rms_norm_quant(x.product, self.weight, self.eps, self.fp8_group, residual,
-                                                      scales=(x.row_scale, x.col_scale))
+                                                      scales=(x.row_scale, x.col_scale),
+                                                      keep_plain=self.fp8_keeps_plain)
             x = fp8_gemm.scaled(x)
         if self.fp8_group is not None:
-            return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual)
+            return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual,
+                                                  keep_plain=self.fp8_keeps_plain)
         if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -110,6 +110,11 @@ class LlamaDecoderLayer(nn.Module):
         """As LlamaMLP.fp8_unscaled_readers: o_proj's output is read by the post-attention norm alone."""
         return [(self.self_attn.o_proj, self.post_attention_layernorm)]
 
+    def fp8_router_producers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(producer, mixture of experts) pairs: the post-attention norm's output is read by the block's router, as it
+        is, and by its experts, which quantize it when they multiply FP8 activations: the norm may write both."""
+        return [] if isinstance(self.mlp, LlamaMLP) else [(self.post_attention_layernorm, self.mlp)]
+
 
 def dense_mlp(config, layer_idx: int) -> nn.Module:
     return LlamaMLP(config)

@@ -233,3 +233,23 @@ def test_fp8_weights_stay_fp8_only_on_gpus_with_fp8_tensor_cores(checkpoints, mo
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
     assert "FP8 GEMMs" in caplog.text
+
+
+def test_the_norm_before_fp8_experts_that_multiply_fp8_activations_writes_both_forms(tmp_path, monkeypatch):
+    """quantize_in_producers on a Qwen3-MoE with --quantization fp8, loaded as a GPU with FP8 tensor cores would load
+    it (runs_fp8_gemms forced on for a CPU load): the post-attention norm of each sparse layer writes FP8 per token
+    and 128 columns for its experts and its plain output for the router; the dense layer's feeds its gate_up_proj;
+    with weight-only experts (NANOSERVE_FP8_MOE_ACTIVATIONS=bf16) the norm stays plain."""
+    from support.tiny_checkpoints import make_tiny_qwen3_moe
+
+    path = make_tiny_qwen3_moe(str(tmp_path / "moe"))
+    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
+    model, _ = load(path, quantization="fp8")
+    sparse, dense = [model.model.layers[i] for i in (0, 2)], model.model.layers[1]
+    for layer in sparse:
+        norm = layer.post_attention_layernorm
+        assert layer.mlp.experts.fp8.activations == "fp8" and (norm.fp8_group, norm.fp8_keeps_plain) == (128, True)
+    assert not dense.post_attention_layernorm.fp8_keeps_plain and dense.post_attention_layernorm.fp8_group is not None
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "bf16")
+    model, _ = load(path, quantization="fp8")
+    assert all(model.model.layers[i].post_attention_layernorm.fp8_group is None for i in (0, 2))

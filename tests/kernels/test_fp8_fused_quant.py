@@ -384,6 +384,39 @@ def test_qkv_proj_hands_attention_its_product_unscaled_whose_scales_the_prologue
 
 
 @interpreter
+def test_a_norm_before_fp8_experts_writes_its_output_both_ways_and_the_experts_take_the_fp8_copy():
+    """rms_norm_quant(keep_plain=True): the FP8 bytes of the plain call and, beside them, fused_ops.rms_norm's output
+    (a MoE router reads it); fused_moe_fp8_activations given that FP8 copy gives what it gives quantizing x itself.
+    Hidden 256 (two groups of 128), 4 experts top-2, fp32 (the interpreter's bf16 rounds by truncation)."""
+    from kernels import fused_moe as fm
+    from kernels.fused_moe_fp8_activations import GROUP, fused_moe_fp8_activations
+
+    x, residual = activations(7, 256, seed=21, dtype=torch.float32), activations(7, 256, seed=22, dtype=torch.float32)
+    weight = randn(256, gen=torch.Generator().manual_seed(23), dtype=torch.float32)
+    both, summed = fq.rms_norm_quant(x, weight, EPS, GROUP, residual, keep_plain=True)
+    fp8_only, _ = fq.rms_norm_quant(x, weight, EPS, GROUP, residual)
+    plain, plain_sum = fo.rms_norm(x, weight, EPS, residual)
+    assert fp8_only.plain is None and torch.equal(both.plain, plain) and torch.equal(summed, plain_sum)
+    assert torch.equal(both.scale, fp8_only.scale) and torch.equal(both.q.view(torch.uint8), fp8_only.q.view(torch.uint8))
+
+    gen = torch.Generator().manual_seed(24)
+    logits = torch.randn(7, 4, generator=gen)
+    w13, w2 = torch.randn(4, 2 * 128, 256, generator=gen) / 16, torch.randn(4, 256, 128, generator=gen) / 11
+    q13, s13 = (t.view(4, 256, -1) for t in quantize_rows_ref(w13.reshape(-1, 256), 256))
+    q2, s2 = (t.view(4, 256, -1) for t in quantize_rows_ref(w2.reshape(-1, 128), 128))
+    experts = fm.Fp8Experts(s13, s2, 256, 128, activations="fp8")
+    given = fused_moe_fp8_activations(plain, logits, q13, q2, 2, True, fp8=experts, quantized=both)
+    itself = fused_moe_fp8_activations(plain, logits, q13, q2, 2, True, fp8=experts)
+    assert torch.equal(given, itself)
+    doubled = QuantizedActivations(both.q, both.scale * 2, both.dtype, both.plain)  # the copy is what the GEMMs read
+    assert not torch.allclose(fused_moe_fp8_activations(plain, logits, q13, q2, 2, True, fp8=experts,
+                                                        quantized=doubled), itself, rtol=0.1, atol=0.0)
+    with pytest.raises(ValueError, match="per token and 128 columns"):
+        fused_moe_fp8_activations(plain, logits, q13, q2, 2, True, fp8=experts,
+                                  quantized=fq.rms_norm_quant(x, weight, EPS, 256, keep_plain=True))
+
+
+@interpreter
 def test_under_tensor_parallelism_silu_and_mul_quantizes_this_ranks_slice_in_down_projs_shard_groups():
     # rank 1 of 2 (its collective left out: this rank's partial sum is compared): intermediate 320 is 160 columns of
     # down_proj here, so block weights' groups shrink to gcd(128, 160) = 32 (as executor_svc/layers/fp8.py does);
