@@ -40,6 +40,7 @@ async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asy
     """Runs until stop is set; sets it itself (and returns 1) when the engine cannot be kept up."""
     served = False  # the engine was ready since the roles last (re)started
     ever_served = False  # ... since serve started
+    times_ready = 0  # engine.times_ready when last looked at: a readiness lost again within POLL_S still counts
     failed_restarts = 0  # restarts in a row whose roles died before the engine was ready again
     frontends_checked = time.monotonic()
 
@@ -67,7 +68,8 @@ async def supervise(procs: EngineProcesses, engine: AsyncEngineClient, stop: asy
 
     while not stop.is_set():
         await asyncio.sleep(POLL_S)
-        if engine.ready is not None and not served:
+        if engine.times_ready != times_ready:
+            times_ready = engine.times_ready
             served = ever_served = True
             failed_restarts = 0
         if time.monotonic() - frontends_checked >= FRONTEND_RESTART_S:

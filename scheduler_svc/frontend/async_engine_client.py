@@ -57,6 +57,9 @@ class AsyncEngineClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(scheduler_addr)
         self.ready: engine_pb2.EngineReady | None = None
+        # how many times the engine became ready: a watcher that samples `ready` now and then (serve's supervisor)
+        # still learns of a readiness lost again between two looks
+        self.times_ready = 0
         self.awaiting_scheduler_loss = False  # see mark_lost
         self.on_ready_change: list[Callable[[bool], None]] = []  # called with the new readiness
         self.max_buffered_outputs = max_buffered_outputs  # per engine request, in a StreamQueue
@@ -188,6 +191,7 @@ class AsyncEngineClient:
                 became_ready = self.ready is None
                 self.ready = msg.ready
                 if became_ready:
+                    self.times_ready += 1
                     log.info("engine ready: %s, max_model_len %d", msg.ready.model.model_name,
                              msg.ready.max_model_len)
                     self._notify(True)

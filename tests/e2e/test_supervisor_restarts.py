@@ -24,8 +24,13 @@ class FakeProcess:
 @dataclass
 class FakeEngine:
     ready: object | None = None
+    times_ready: int = 0
     awaiting_scheduler_loss: bool = False
     lost: list[str] = field(default_factory=list)
+
+    def become_ready(self) -> None:
+        self.ready = object()
+        self.times_ready += 1
 
     def mark_lost(self, reason: str, await_scheduler: bool = False) -> None:
         self.lost.append(reason)
@@ -49,8 +54,12 @@ class FakeRoles:
         life = self.lives.pop(0) if self.lives else "lives"
         loop = asyncio.get_running_loop()
         if life == "ready":
-            self.engine.ready = object()
+            self.engine.become_ready()
             loop.call_later(0.05, self._die)
+        elif life == "ready briefly":  # ready, then lost and dead within one of the supervisor's looks
+            self.engine.become_ready()
+            self.engine.mark_lost("the executor exited")
+            loop.call_later(0.001, self._die)
         elif life == "dies":
             loop.call_later(0.02, self._die)
 
@@ -115,3 +124,12 @@ def test_an_engine_ready_again_resets_the_count_and_a_later_death_restarts_at_on
     assert len(roles.started_at) == 7
     first_gap_after_ready = gaps(roles)[3]  # the 4th start was ready: the 5th start follows its death at once
     assert first_gap_after_ready < 0.05 + 0.04, gaps(roles)
+
+
+def test_an_engine_ready_and_lost_between_two_looks_still_counts_as_served_and_is_restarted(monkeypatch):
+    """The engine became ready and was lost again within one poll (a role killed right after it served): the
+    supervisor must restart it, not take it for a configuration that never served (as when it only sampled
+    `ready`, which a test of the real roles caught, killing the executor 0.12 s after the engine was ready)."""
+    monkeypatch.setattr(supervisor, "POLL_S", 0.05)
+    code, roles = supervise(["ready briefly", "lives"], run_for_s=1.0)
+    assert code is None and len(roles.started_at) == 2
