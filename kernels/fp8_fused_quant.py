@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
 from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, empty_quantized, quantize_rows_ref
-from kernels.fused_ops import rms_norm_ref, silu_and_mul_ref
+from kernels.fused_ops import rms_norm_ref, scaled_as_written, silu_and_mul_ref
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -61,14 +61,6 @@ def _group_scales(v, PER_ROW: tl.constexpr):
     return fp8_scale(amax, _MIN_SCALE)
 
 
-@triton.jit
-def _scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
-    """v, values of an unscaled FP8 product (kernels/fp8_quant.UnscaledProduct) at `cols`, times the token's and
-    their columns' scales, rounded to dtype: what kernels/fp8_gemm.scale_product would have written there."""
-    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-    return (v * (row_scale * col_scale)).to(dtype).to(tl.float32)
-
-
 # ---------------------------------------------------------------------------------------------
 # RMSNorm (with the residual add) -> FP8
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +79,7 @@ def _rms_norm_quant_kernel(
     mask = cols < dim
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALES:  # an unscaled FP8 product (o_proj's, down_proj's)
-        x = _scaled_as_written(x, tl.load(row_scale_ptr + row), col_scale_ptr, cols, mask, x_ptr.dtype.element_ty)
+        x = scaled_as_written(x, tl.load(row_scale_ptr + row), col_scale_ptr, cols, mask, x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(residual_out_ptr.dtype.element_ty)  # rounded as eager torch adds, then normalised
@@ -167,8 +159,8 @@ def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask, row_scale, col_scal
     gate = tl.load(x_ptr + row_offset + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row_offset + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALES:
-        gate = _scaled_as_written(gate, row_scale, col_scale_ptr, cols, mask, dtype)
-        up = _scaled_as_written(up, row_scale, col_scale_ptr, inter + cols, mask, dtype)
+        gate = scaled_as_written(gate, row_scale, col_scale_ptr, cols, mask, dtype)
+        up = scaled_as_written(up, row_scale, col_scale_ptr, inter + cols, mask, dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (act * up).to(dtype).to(tl.float32)
 

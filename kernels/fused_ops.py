@@ -148,14 +148,20 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
+    """v, values of an unscaled FP8 product (kernels/fp8_quant.UnscaledProduct) at `cols`, times the token's and
+    their columns' scales, rounded to dtype: what kernels/fp8_gemm.scale_product would have written there."""
+    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    return (v * (row_scale * col_scale)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _load_product(ptr, offs, mask, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
-    """The values at ptr + offs in fp32. SCALED: they are an unscaled FP8 product's (kernels/fp8_quant.UnscaledProduct),
-    times the token's scale and their columns' `cols` scales and rounded to the activation dtype: what
-    kernels/fp8_gemm.scale_product would have written there, so the kernel computes on the same values."""
+    """The values at ptr + offs in fp32; SCALED: an unscaled FP8 product's, scaled_as_written, so the kernel computes
+    on the values scale_product would have written."""
     x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
-        col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-        x = (x * (row_scale * col_scale)).to(ptr.dtype.element_ty).to(tl.float32)
+        x = scaled_as_written(x, row_scale, col_scale_ptr, cols, mask, ptr.dtype.element_ty)
     return x
 
 

@@ -219,10 +219,15 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
     expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms)
                         for name, experts in expert_layers(model))
-    where = "FP8 GEMMs" if fp8_gemms else "dequantized to " + str(dtype).removeprefix("torch.") + (
-        " on the CPU" if device.type != "cuda" else
-        f": this GPU (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}) has no FP8 tensor cores "
-        f"(sm_89 and up), so they take {str(dtype).removeprefix('torch.')}'s memory")
+    plain = str(dtype).removeprefix("torch.")
+    if fp8_gemms:
+        where = "FP8 GEMMs"
+    elif device.type != "cuda":
+        where = f"dequantized to {plain} on the CPU"
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        where = (f"dequantized to {plain}: this GPU (sm_{major}{minor}) has no FP8 tensor cores (sm_89 and up), so "
+                 f"they take {plain}'s memory")
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
     if fp8_gemms:
