@@ -6,6 +6,8 @@ temperature 0.6, ignore_eos, one warm-up request.
 
     python bench/throughput.py [--num-seqs 256] [--model DIR] [--peer transformers] [engine flags]
     python bench/throughput.py --kv-cache-dtype fp8      # the fp8 KV cache (issue 13: >= 35,000 tok/s on the H200)
+    python bench/throughput.py --model-shape qwen3-8b --quantization fp8         # FP8 weights, a scale per row
+    python bench/throughput.py --model-shape qwen3-8b --fp8-checkpoint block     # FP8 weights in 128 x 128 blocks
 """
 from __future__ import annotations
 
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--peer", choices=["none", "transformers"], default="none")
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b",
                         help="the random-weight model when --model is not given")
+    parser.add_argument("--fp8-checkpoint", choices=["block"], default=None,
+                        help="with --model-shape: random weights in an FP8 checkpoint's format (block: the fine-grained "
+                             "128 x 128 blocks of Qwen3-*-FP8 and DeepSeek), quantized at load, to time its kernels")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--out", default="bench/results/throughput.json")
     add_engine_args(parser)
@@ -99,7 +104,11 @@ def main() -> None:
     args = parser.parse_args()
     tmp = None
     if not args.model:  # the Qwen3-0.6B architecture with random weights, made in-process
-        tmp = dummy_model_dir(MODEL_SHAPES[args.model_shape])
+        shape = MODEL_SHAPES[args.model_shape]
+        if args.fp8_checkpoint == "block":
+            shape = {**shape, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                      "weight_block_size": [128, 128]}}
+        tmp = dummy_model_dir(shape)
         args.model = tmp.name
         args.load_format = "dummy"
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.workload_seed)

@@ -7,7 +7,7 @@ import contextlib
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors import safe_open
@@ -18,7 +18,7 @@ from executor_svc.layers import fp8
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
-from scheduler_svc.common.weight_quantization import WeightQuantization, weight_quantization
+from scheduler_svc.common.weight_quantization import weight_quantization
 
 
 @dataclass
@@ -74,7 +74,8 @@ def load_model(
     FP8 checkpoints, and `quantization` "fp8" for plain ones, give FP8 Linear weights (layers/fp8.py)."""
     quant = weight_quantization(model_dir, quantization)  # refuses an unsupported quant_method first
     if quant is not None and quant.from_checkpoint and load_format == "dummy":
-        quant = WeightQuantization("channel", from_checkpoint=False, scale_name="weight_scale")  # random weights
+        # random weights, quantized at load in the checkpoint's format (a block checkpoint's square blocks, or per row)
+        quant = replace(quant, from_checkpoint=False, not_converted=())
     config = AutoConfig.from_pretrained(model_dir)
     facts = _facts(model_dir, config)
     model_cls = MODEL_REGISTRY.get(facts.architecture)

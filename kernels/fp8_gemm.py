@@ -8,7 +8,7 @@ tensor-parallel shard boundary inside a block costs nothing). Activations are qu
 groups: per token for channel weights, per token and group_k columns for block weights (DeepSeek's
 1 x 128), scale = max|x| / 448 over the group.
 
-Three GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
+Four GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
 - `torch._scaled_mm` with row-wise scales (per token x per channel; channel weights only): cuBLASLt's
   outer-vector-scaled kernel on sm_90;
 - `torch._scaled_mm` tensor-wise on unit scales (channel weights only), then `_scale_product_kernel` applies
@@ -16,6 +16,9 @@ Three GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
   the H200 stream W 1.3-1.6x faster than its outer-vector ones at decode's M (bench/RESULTS.md, 2026-12-04).
   The unscaled product (|x_q|, |w_q| <= 448) lies far inside bf16's range, so this costs one more bf16 rounding
   and nothing else;
+- `torch.nn.functional.scaled_mm` with torch's block recipe (block weights whose scales are whole 128 x 128 blocks,
+  activations per token and 128 columns): cuBLASLt's block-scaled kernels (CUDA 12.9 and up), which on the H200 beat
+  the Triton kernel from about 128 tokens (bench/RESULTS.md, 2026-12-05);
 - `_fp8_gemm_kernel`, Triton: channel weights accumulate over all of K and scale once in the epilogue;
   block weights scale each group's partial product (BLOCK_K = group_k) as it joins the accumulator.
   Either way the fp32 accumulator takes each K tile's product (at most 128 deep) in an fp32 add: Hopper's
@@ -270,6 +273,24 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     return out if bias is None else out + bias
 
 
+def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_blocks: torch.Tensor,
+                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+    """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,
+    w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). cuBLASLt takes the activations' scales M-major
+    (strides (1, M)), which the quantizers do not write: one small copy here. Rows: at least M rounded up to 4 (the
+    scales' leading dimension), more where the dispatch pads them (scaled_mm_fp8_gemm)."""
+    import torch.nn.functional as F
+
+    m = a.shape[0]
+    rows = max(rows, -(-m // 4) * 4)
+    if rows > m:
+        a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
+    scale_a = a_scale.t().contiguous().t()
+    out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(), F.ScalingType.BlockWise128x128,
+                      output_dtype=out_dtype)[:m]
+    return out if bias is None else out + bias
+
+
 @triton.jit(do_not_specialize=["m"])
 def _scale_product_kernel(y_ptr, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, m, n, stride_y, stride_out,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -330,13 +351,14 @@ def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.d
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
-               bias: torch.Tensor | None = None, unscaled: bool = False,
-               rows_sharing_scales: int = 1) -> torch.Tensor | UnscaledProduct:
+               bias: torch.Tensor | None = None, unscaled: bool = False, rows_sharing_scales: int = 1,
+               block_scales: torch.Tensor | None = None) -> torch.Tensor | UnscaledProduct:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
     groups the weight's scales need; else one kernel quantizes it here. `unscaled`: the reader can apply the scales
     itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
-    as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's."""
+    as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's. `block_scales`:
+    w's scales as whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), where they are (block_scaled_mm)."""
     from kernels.fp8_gemm_dispatch import choose_gemm
 
     grouped = w_scale.shape[1] > 1
@@ -349,8 +371,11 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
         out_dtype, lead = x.dtype, x.shape[:-1]
     n, k = w.shape
-    backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k)
-    if backend == "scaled_mm":
+    backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k,
+                                whole_blocks=block_scales is not None)
+    if backend == "block_scaled_mm":
+        out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)
+    elif backend == "scaled_mm":
         out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
     elif backend == "unit_scaled_mm":
         if unscaled and bias is None and out_dtype == torch.bfloat16 and len(lead) == 1:

@@ -1,7 +1,9 @@
 """Which FP8 GEMM runs a Linear layer's product, per weight format, shape and token count, and with which tiles
 the Triton kernel runs it: the one dispatch table of kernels/fp8_gemm.py.
 
-- block weights (a scale per 128 x 128 block): only the Triton kernel applies the scales per K group;
+- block weights (a scale per 128 x 128 block): the Triton kernel ("triton"), which applies the scales per K group,
+  or torch's block recipe on cuBLASLt ("block_scaled_mm": its scales must be whole 128 x 128 blocks, N and K
+  multiples of 128), per BLOCK_TABLE;
 - channel weights (a scale per output row, activations per token): `torch._scaled_mm`'s row-wise GEMM
   ("scaled_mm"), its tensor-wise GEMM on unit scales with the scales applied after ("unit_scaled_mm"), or the
   Triton kernel ("triton"), whichever bench/kernels.py --fp8-gemm-sweep measured fastest at that shape and M.
@@ -17,6 +19,11 @@ graph of calls over copies of W larger than L2, and prints the rows to put here.
 on the H200 (bench/RESULTS.md, 2026-12-04, 302c3a7): Triton's kernel (split-K among its tiles) at the smallest M,
 the tensor-wise GEMM through most of decode's M, the row-wise one at prefill's (and on gate_up_proj from 161).
 
+BLOCK_TABLE maps (N, K) of a block weight the same way; a shape not in it takes BLOCK_DEFAULT's rows, from
+bench/studies/fp8_scaling_modes.py on the H200 (2026-12-05, df68ff7): at 132-256 tokens cuBLASLt's block kernels beat
+the Triton kernel on all four Qwen3-8B products (1.1-1.6x; gate_up_proj fastest on 256 rows), at 64 Triton wins or
+ties on all four; prefill's M was not measured, so Triton keeps it.
+
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
 """
@@ -26,6 +33,7 @@ import json
 import os
 
 BACKENDS = ("scaled_mm", "unit_scaled_mm", "triton")
+BLOCK_BACKENDS = ("triton", "block_scaled_mm")
 # a shape the table lacks: cuBLASLt's plain (tensor-wise) FP8 GEMM up to decode's M, its row-wise one above, the faster
 # on each of the Qwen3-8B shape's products at those M (bench/RESULTS.md, 2026-12-04)
 DEFAULT = "scaled_mm"
@@ -38,6 +46,14 @@ TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one c
     (4096, 4096): [(256, "unit_scaled_mm"), (4096, "scaled_mm")],
     (24576, 4096): [(64, "triton"), (160, "unit_scaled_mm"), (224, "scaled_mm", 256), (4096, "scaled_mm")],
     (4096, 12288): [(1, "triton"), (16, "unit_scaled_mm", 32), (256, "unit_scaled_mm"), (4096, "scaled_mm")],
+}
+# M past a block row's last: Triton
+BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (256, "block_scaled_mm")]
+BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
+    (6144, 4096): [(64, "triton"), (256, "block_scaled_mm")],
+    (4096, 4096): [(128, "triton"), (256, "block_scaled_mm")],
+    (24576, 4096): [(64, "triton"), (128, "block_scaled_mm"), (256, "block_scaled_mm", 256)],
+    (4096, 12288): [(128, "triton"), (256, "block_scaled_mm")],
 }
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
     ("channel", 6144, 4096): [
@@ -96,10 +112,18 @@ def _lookup(rows, m: int) -> tuple | None:
     return next((row for row in rows if m <= row[0]), None)
 
 
-def choose_gemm(scheme: str, m: int, n: int, k: int) -> tuple[str, int]:
-    """(one of BACKENDS, the rows to run it on) for an [m, k] x [k, n] product with `scheme` ("block" or "channel")
-    scales: m, or more where the TABLE row pads _scaled_mm's rows."""
-    if scheme == "block" or n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
+def choose_gemm(scheme: str, m: int, n: int, k: int, whole_blocks: bool = False) -> tuple[str, int]:
+    """(one of BACKENDS or BLOCK_BACKENDS, the rows to run it on) for an [m, k] x [k, n] product with `scheme`
+    ("block" or "channel") scales: m, or more where the table's row pads _scaled_mm's rows. whole_blocks: a block
+    weight's scales are whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), which block_scaled_mm needs."""
+    if scheme == "block":
+        if not whole_blocks or n % 128 or k % 128:
+            return "triton", m
+        row = _lookup(BLOCK_TABLE.get((n, k), BLOCK_DEFAULT), m)
+        if row is None:  # past the table's last row
+            return "triton", m
+        return row[1], max(m, row[2]) if len(row) > 2 else m
+    if n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
         return "triton", m
     row = _lookup(TABLE.get((n, k), ()), m)
     if row is None:
@@ -115,14 +139,16 @@ def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
 
 def apply_table(measured: dict) -> None:
     """Replace TABLE's and TILES' rows by the shapes a sweep (bench/fp8_gemm_table.py) measured:
-    {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}."""
-    for key, rows in measured["backends"].items():
-        n, k = map(int, key.split("x"))
-        unknown = {backend for _, backend, *_ in rows} - set(BACKENDS)
-        if unknown:
-            raise ValueError(f"FP8 GEMM table row for {key} names {sorted(unknown)}; the backends are {BACKENDS}")
-        TABLE[(n, k)] = [(int(m), backend, *map(int, pad)) for m, backend, *pad in rows]
-    for key, rows in measured["tiles"].items():
+    {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}, and
+    optionally "block_backends" ({"NxK": rows} of BLOCK_TABLE)."""
+    for key_name, table, backends in (("backends", TABLE, BACKENDS), ("block_backends", BLOCK_TABLE, BLOCK_BACKENDS)):
+        for key, rows in measured.get(key_name, {}).items():
+            n, k = map(int, key.split("x"))
+            unknown = {backend for _, backend, *_ in rows} - set(backends)
+            if unknown:
+                raise ValueError(f"FP8 GEMM table row for {key} names {sorted(unknown)}; the backends are {backends}")
+            table[(n, k)] = [(int(m), backend, *map(int, pad)) for m, backend, *pad in rows]
+    for key, rows in measured.get("tiles", {}).items():
         scheme, shape = key.split()
         n, k = map(int, shape.split("x"))
         TILES[(scheme, n, k)] = [(int(m), tuple(int(v) for v in tiles)) for m, tiles in rows]

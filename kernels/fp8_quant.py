@@ -30,6 +30,17 @@ def rows_sharing_scales(scale: torch.Tensor, rows: int = SCALE_BLOCK_ROWS) -> in
     return rows if bool((runs == runs[:, :, :1]).all()) else 1
 
 
+def block_scales_of(scale: torch.Tensor, group_k: int, rows_sharing: int) -> torch.Tensor | None:
+    """A weight's scales [N, G] (the loader's form: each block's scale repeated over its rows) as whole 128 x 128
+    blocks, [N / 128, G] contiguous, as torch's block recipe takes them (kernels/fp8_gemm.block_scaled_mm_fp8_gemm); None
+    where they are not: K groups other than 128 columns, or runs of rows that do not share their scales (a block cut
+    by a fused piece or a rank's slice), or N not a multiple of 128."""
+    n, groups = scale.shape
+    if group_k != SCALE_BLOCK_ROWS or groups == 1 or rows_sharing % SCALE_BLOCK_ROWS or n % SCALE_BLOCK_ROWS:
+        return None
+    return scale[::SCALE_BLOCK_ROWS].contiguous()
+
+
 def group_scales(amax: torch.Tensor) -> torch.Tensor:
     """The scales of groups whose largest magnitudes are amax: amax / 448 by IEEE division on any device, as the
     kernels divide (kernels/attention/triton_kv_store.fp8_scale). CUDA torch divides a tensor by a Python scalar as a

@@ -41,7 +41,8 @@ from torch import nn
 from executor_svc.layers.fused_moe import StackedExperts
 from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from executor_svc.layers.parallel import tp_rank, tp_size
-from kernels.fp8_quant import dequantize_rows, quantize_weight_per_channel, rows_sharing_scales
+from kernels.fp8_quant import (block_scales_of, dequantize_rows, quantize_blocks_ref, quantize_weight_per_channel,
+                               rows_sharing_scales)
 from kernels.kv_quant import FP8_DTYPE
 from scheduler_svc.common.weight_quantization import WeightQuantization
 
@@ -193,6 +194,18 @@ def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
     return heads * layer.head_dim * tp_size()
 
 
+def quantize_plain(w: torch.Tensor, quant: WeightQuantization) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A plain weight [N, K] quantized at load, as (fp8 weight, scales in the canonical form, K group): per output row
+    (--quantization fp8), or in the square blocks of a block checkpoint's format (random weights drawn for a block
+    checkpoint's config: model_loader's dummy format), each block's scale repeated over its rows as the loader lays a
+    checkpoint's."""
+    if quant.scheme == "block":
+        q, blocks = quantize_blocks_ref(w, quant.block)
+        return q, blocks.repeat_interleave(quant.block[0], 0)[: w.shape[0]].contiguous(), quant.block[1]
+    q, scale = quantize_weight_per_channel(w)
+    return q, scale, q.shape[1]
+
+
 @torch.no_grad()
 def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dtype, device: torch.device) -> int:
     """After loading: quantize plain weights (online), give every FP8 layer its `weight_scale`, and where FP8 GEMMs
@@ -204,8 +217,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         if layer.weight.dtype != FP8_DTYPE:
             if quant.from_checkpoint:
                 continue  # a module the checkpoint did not convert
-            q, scale = quantize_weight_per_channel(layer.weight.data)
-            layer.fp8_group_k = q.shape[1]
+            q, scale, layer.fp8_group_k = quantize_plain(layer.weight.data, quant)
         else:
             q, scale = layer.weight.data, getattr(layer, quant.scale_name).data
             delattr(layer, quant.scale_name)
@@ -217,6 +229,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
+        layer.fp8_block_scales = block_scales_of(layer.weight_scale, layer.fp8_group_k, layer.fp8_rows_sharing_scales)
     expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms)
                         for name, experts in expert_layers(model))
     plain = str(dtype).removeprefix("torch.")
@@ -308,9 +321,9 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
         stacked = {}
         for attr in ("w13", "w2"):
             w = getattr(experts, attr).data
-            q, scale = quantize_weight_per_channel(w.reshape(-1, w.shape[-1]))
-            stacked[attr] = q.view(w.shape), scale.view(*w.shape[:2], 1)
-        experts.fp8_group_k13, experts.fp8_group_k2 = experts.w13.shape[2], experts.w2.shape[2]
+            q, scale, group = quantize_plain(w.reshape(-1, w.shape[-1]), quant)
+            stacked[attr] = q.view(w.shape), scale.view(*w.shape[:2], -1)
+            setattr(experts, "fp8_group_k13" if attr == "w13" else "fp8_group_k2", group)
     else:
         stacked = {attr: (getattr(experts, attr).data, getattr(experts, f"{attr}_{quant.scale_name}").data)
                    for attr in ("w13", "w2")}

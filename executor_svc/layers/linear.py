@@ -23,7 +23,8 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     if layer.weight.dtype == FP8_DTYPE:
         return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias,
                                    unscaled=getattr(layer, "fp8_unscaled_output", False),
-                                   rows_sharing_scales=getattr(layer, "fp8_rows_sharing_scales", 1))
+                                   rows_sharing_scales=getattr(layer, "fp8_rows_sharing_scales", 1),
+                                   block_scales=getattr(layer, "fp8_block_scales", None))
     return F.linear(x, layer.weight, bias)
 
 

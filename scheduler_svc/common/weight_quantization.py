@@ -45,9 +45,10 @@ class WeightQuantization:
 
     def describe(self) -> str:
         """The weight format as GetModelInfo reports it."""
+        at_load = "" if self.from_checkpoint else ", quantized at load"
         if self.scheme == "block":
-            return f"fp8_e4m3fn, {self.block[0]}x{self.block[1]} block scales"
-        return "fp8_e4m3fn, per-channel scales" + ("" if self.from_checkpoint else ", quantized at load")
+            return f"fp8_e4m3fn, {self.block[0]}x{self.block[1]} block scales{at_load}"
+        return f"fp8_e4m3fn, per-channel scales{at_load}"
 
 
 def weight_quantization(model_dir: str, quantization: str | None) -> WeightQuantization | None:

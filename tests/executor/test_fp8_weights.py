@@ -91,6 +91,29 @@ def test_quantization_fp8_quantizes_a_plain_checkpoint_per_output_channel_and_sa
             assert torch.equal(param, expected[name]), name
 
 
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_random_weights_for_an_fp8_checkpoints_config_are_quantized_in_its_format(checkpoints, scheme):
+    """load_format dummy (the benchmarks' random weights) on an FP8 checkpoint's config: the random weights quantized
+    at load as that checkpoint holds its weights (128 x 128 blocks, or a scale per output row), so that a benchmark
+    runs the format's own kernels."""
+    plain, _ = load(os.path.join(checkpoints, "plain"), load_format="dummy")
+    model, facts = load(os.path.join(checkpoints, scheme), load_format="dummy")
+    assert facts.weight_format == {"block": "fp8_e4m3fn, 128x128 block scales, quantized at load",
+                                   "channel": "fp8_e4m3fn, per-channel scales, quantized at load"}[scheme]
+    expected = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith("proj.weight"):
+            if scheme == "block":
+                q, blocks = quantize_blocks_ref(expected[name], (128, 128))
+                want = dequantize_blocks(q, blocks, (128, 128))
+            else:
+                q, scale = quantize_weight_per_channel(expected[name])
+                want = q.float() * scale
+            assert torch.equal(param, want) and not torch.equal(param, expected[name]), name
+        else:
+            assert torch.equal(param, expected[name]), name
+
+
 @contextmanager
 def as_rank(rank: int, size: int):
     with mock.patch.multiple(parallel, tp_rank=lambda: rank, tp_size=lambda: size), \

@@ -229,6 +229,51 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 64, 133, 300])
+@pytest.mark.parametrize("n, k", [(384, 512), (4096, 4096)])
+def test_torchs_block_recipe_on_whole_block_scales_matches_float64(m, n, k):
+    """block_scaled_mm_fp8_gemm (cuBLASLt's block-scaled kernels through torch.nn.functional.scaled_mm) on a
+    block checkpoint's weight: activations per token and 128 columns, weights per 128 x 128 block; on M rows, on
+    padded rows, and through fp8_linear where the dispatch picks it (a CUDA graph replayed on fresh inputs)."""
+    from kernels import fp8_gemm_dispatch as dispatch
+    from kernels.fp8_quant import block_scales_of, rows_sharing_scales
+
+    gen = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, k, generator=gen) * 2.0 ** torch.randint(-4, 4, (n // 128, 1), generator=gen).repeat_interleave(
+        128, 0)
+    wq, w_scale = quantize_blocks_on_rows(w)
+    blocks = block_scales_of(w_scale, 128, rows_sharing_scales(w_scale))
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:3]] *= 30
+    a, a_scale = quantize_rows_ref(x, 128)
+    bias = torch.randn(n, generator=gen)
+    ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128, bias)
+    wq, w_scale, blocks = wq.cuda(), w_scale.cuda(), blocks.cuda()
+    for rows in (0, m + 57):
+        out = fp8_gemm.block_scaled_mm_fp8_gemm(a.cuda(), a_scale.cuda(), wq, blocks, torch.bfloat16,
+                                                bias.bfloat16().cuda(), rows=rows)
+        assert out.shape == (m, n)
+        assert_close_to_float64(out.cpu(), ref, rel=1e-2)
+    # fp32 out: cuBLASLt's accumulation alone, bound as the Triton kernel's
+    out = fp8_gemm.block_scaled_mm_fp8_gemm(a.cuda(), a_scale.cuda(), wq, blocks, torch.float32, bias.cuda())
+    assert_close_to_float64(out.cpu(), ref, rel=1e-3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
+        static_x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+        fp8_gemm.fp8_linear(static_x, wq, w_scale, 128, block_scales=blocks)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fp8_gemm.fp8_linear(static_x, wq, w_scale, 128, block_scales=blocks)
+        for seed in (1, 2):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            static_x.copy_(x.cuda())
+            graph.replay()
+            a, a_scale = quantize_rows_ref(x, 128)
+            assert_close_to_float64(static_out.cpu(), fp8_gemm_ref(a, a_scale, wq.cpu(), w_scale.cpu(), 128), rel=1e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["scaled_mm", "unit_scaled_mm"])
 def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monkeypatch, backend):
     """fp8_linear on a TABLE row that pads M = 132 to 256 rows, its activations quantized in the call (spare rows
@@ -259,6 +304,7 @@ def test_a_padded_scaled_mm_row_replayed_in_a_cuda_graph_gives_the_product(monke
 
 
 def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_triton(monkeypatch):
+    """Channel rows; block weights whose scales are not whole blocks take Triton, the one kernel that applies them."""
     from kernels import fp8_gemm_dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "TABLE", {})
@@ -268,7 +314,7 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
                           "tiles": {"channel 96x64": [[16, [16, 32, 256, 4, 4]], [256, [64, 64, 128, 4, 4, 2]]]}})
     picks = [dispatch.choose_gemm("channel", m, 96, 64)[0] for m in (1, 2, 64, 65, 256, 257)]
     assert picks == ["triton", "scaled_mm", "scaled_mm", "triton", "triton", dispatch.DEFAULT]
-    assert dispatch.choose_gemm("block", 2, 96, 64) == ("triton", 2)  # only Triton applies block scales
+    assert dispatch.choose_gemm("block", 2, 96, 64) == ("triton", 2)  # only Triton applies per-row block scales
     # a shape not measured: the tensor-wise GEMM up to decode's M, the row-wise one above
     assert dispatch.choose_gemm("channel", 256, 96, 80) == ("unit_scaled_mm", 256)
     assert dispatch.choose_gemm("channel", 257, 96, 80) == (dispatch.DEFAULT, 257)
@@ -281,6 +327,38 @@ def test_the_dispatch_takes_each_m_to_the_row_above_it_and_block_weights_to_trit
     assert dispatch.measured_tiles("channel", 17, 96, 64) == (64, 64, 128, 4, 4, 2)  # split-K in two
     assert dispatch.measured_tiles("channel", 257, 96, 64) is None
     assert dispatch.measured_tiles("block", 1, 96, 64) is None
+
+
+def test_block_weights_go_to_torchs_block_recipe_only_where_their_scales_are_whole_blocks(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "BLOCK_TABLE", {})
+    dispatch.apply_table({"block_backends": {"256x512": [[64, "triton"], [128, "block_scaled_mm", 256],
+                                                         [4096, "block_scaled_mm"]]}})
+    picks = [dispatch.choose_gemm("block", m, 256, 512, whole_blocks=True) for m in (64, 65, 128, 129, 5000)]
+    assert picks == [("triton", 64), ("block_scaled_mm", 256), ("block_scaled_mm", 256), ("block_scaled_mm", 129),
+                     ("triton", 5000)]  # past the last row: Triton, as BLOCK_DEFAULT's last row
+    assert dispatch.choose_gemm("block", 100, 256, 512) == ("triton", 100)  # scales not whole blocks
+    assert dispatch.choose_gemm("block", 100, 200, 512, whole_blocks=True) == ("triton", 100)  # N not in 128s
+    assert dispatch.choose_gemm("block", 100, 256, 320, whole_blocks=True) == ("triton", 100)  # nor K
+    # a shape not measured: BLOCK_DEFAULT (Triton at few tokens, cuBLASLt's block kernels from 65 to 256)
+    assert [dispatch.choose_gemm("block", m, 384, 384, whole_blocks=True)[0] for m in (64, 65, 256, 257)] == [
+        "triton", "block_scaled_mm", "block_scaled_mm", "triton"]
+    with pytest.raises(ValueError, match="scaled_mm"):  # a channel backend named for block weights
+        dispatch.apply_table({"block_backends": {"256x512": [[16, "scaled_mm"]]}})
+
+
+def test_whole_block_scales_are_found_only_where_every_128_rows_share_them():
+    from kernels.fp8_quant import block_scales_of, quantize_blocks_ref, rows_sharing_scales
+
+    w = torch.randn(384, 300) * torch.rand(384, 1)
+    q, blocks = quantize_blocks_ref(w, (128, 128))
+    per_row = blocks.repeat_interleave(128, 0)  # the loader's layout
+    assert torch.equal(block_scales_of(per_row, 128, rows_sharing_scales(per_row)), blocks)
+    assert block_scales_of(per_row, 64, 128) is None  # K groups of a rank's slice, not the checkpoint's
+    assert block_scales_of(per_row, 128, 1) is None  # a fused piece starting inside a block
+    assert block_scales_of(per_row[:200], 128, 128) is None  # N not a multiple of 128
+    assert block_scales_of(torch.rand(384, 1), 300, 1) is None  # channel scales
 
 
 def test_the_sweep_pads_a_scaled_mm_row_only_where_more_rows_were_measured_faster():
