@@ -186,7 +186,7 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
     import torch
 
     from kernels import fp8_gemm
-    from kernels.fp8_quant import quantize_rows_ref
+    from kernels.fp8_quant import block_scales_of, quantize_rows_ref
 
     gen = torch.Generator(device=device).manual_seed(1)
     rows, tiles = [], {}
@@ -215,6 +215,10 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                        "us": {",".join(map(str, c)): t for c, t in timed.items()}, "best": list(best),
                        "best_us": timed[best], "default_us": timed.get(_sweep_tiles(scheme, m)[0])}
                 tiles.setdefault(f"{scheme} {n}x{k}", []).append([m, list(best)])
+                if scheme == "block":  # torch's block recipe on the checkpoint's whole blocks
+                    blocks = block_scales_of(ws, 128, shared)
+                    row["block_scaled_mm_us"] = cold_graph_us(
+                        lambda w: fp8_gemm.block_scaled_mm_fp8_gemm(a, a_s, w, blocks, torch.bfloat16), wqs)
                 if scheme == "channel":
                     row["scaled_mm_us"] = cold_graph_us(
                         lambda w: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16), wqs)
@@ -227,21 +231,23 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                 rows.append(row)
             del wqs
             torch.cuda.empty_cache()
-    return {"rows": rows, "table": {"backends": choose_backends(rows), "tiles": tiles}}
+    return {"rows": rows, "table": {"backends": choose_backends(rows), "tiles": tiles,
+                                    "block_backends": choose_backends(rows, "block")}}
 
 
 PAD_GAIN = 0.95  # padding to more rows must beat the product on M rows by 5%: beyond do_bench's noise, and an
 # activation tensor without spare rows (kernels/fp8_quant.empty_quantized) pays a copy
 
 
-def choose_backends(rows: list[dict]) -> dict:
-    """Per channel shape and swept M, the fastest of: [M, "triton"]; [M, B] or [M, B, P] for each of _scaled_mm's
-    GEMMs B ("scaled_mm", row-wise; "unit_scaled_mm", tensor-wise then scaled), P where B measured faster on P rows
-    (a swept M up to 2M) than on M, by PAD_GAIN: the product then runs on P rows."""
-    cublas = ("scaled_mm", "unit_scaled_mm")
+def choose_backends(rows: list[dict], scheme: str = "channel") -> dict:
+    """Per shape of `scheme` and swept M, the fastest of: [M, "triton"]; [M, B] or [M, B, P] for each cuBLASLt GEMM B
+    (channel: _scaled_mm's "scaled_mm", row-wise, and "unit_scaled_mm", tensor-wise then scaled; block: torch's
+    block recipe, "block_scaled_mm"), P where B measured faster on P rows (a swept M up to 2M) than on M, by
+    PAD_GAIN: the product then runs on P rows."""
+    cublas = ("scaled_mm", "unit_scaled_mm") if scheme == "channel" else ("block_scaled_mm",)
     timed: dict[str, dict[str, dict[int, float]]] = {}
     for r in rows:
-        if r["scheme"] == "channel":
+        if r["scheme"] == scheme:
             shape = timed.setdefault(f"{r['n']}x{r['k']}", {})
             shape.setdefault("triton", {})[r["m"]] = r["best_us"]
             for backend in cublas:
@@ -267,7 +273,7 @@ def choose_backends(rows: list[dict]) -> dict:
 
 def print_fp8_gemm_sweep(sweep: dict) -> None:
     print("\nFP8 GEMM tile sweep (us, graph-replayed over copies of W, L2 cold): the default tiles, the fastest, "
-          "_scaled_mm row-wise and tensor-wise on unit scales (then scaled, but for "
+          "_scaled_mm row-wise (block weights: torch's block recipe) and tensor-wise on unit scales (then scaled, but for "
           f"{', '.join(sorted(SCALED_BY_READER))}, whose readers scale them)")
     print(f"{'gemm':>12} {'scheme':>7} {'M':>5} {'default':>8} {'best':>8} {'tiles':>24} {'scaled_mm':>9} "
           f"{'unit':>9}")
@@ -275,12 +281,15 @@ def print_fp8_gemm_sweep(sweep: dict) -> None:
         default = f"{r['default_us']:.1f}" if r["default_us"] is not None else "-"
         scaled = f"{r['scaled_mm_us']:.1f}" if "scaled_mm_us" in r else ""
         unit = f"{r['unit_scaled_mm_us']:.1f}" if "unit_scaled_mm_us" in r else ""
+        if "block_scaled_mm_us" in r:  # the block recipe, in the row-wise column
+            scaled = f"{r['block_scaled_mm_us']:.1f}"
         print(f"{r['gemm']:>12} {r['scheme']:>7} {r['m']:>5} {default:>8} {r['best_us']:>8.1f} "
               f"{str(tuple(r['best'])):>24} {scaled:>9} {unit:>9}")
-    print("\nkernels/fp8_gemm_dispatch.TABLE (channel backends) and TILES, as measured:")
-    for key, entries in sweep["table"]["backends"].items():
-        n, k = key.split("x")
-        print(f"    ({n}, {k}): {[tuple(e) for e in entries]},")
+    print("\nkernels/fp8_gemm_dispatch.TABLE (channel backends), BLOCK_TABLE and TILES, as measured:")
+    for part in ("backends", "block_backends"):
+        for key, entries in sweep["table"].get(part, {}).items():
+            n, k = key.split("x")
+            print(f"    {'block ' if part == 'block_backends' else ''}({n}, {k}): {[tuple(e) for e in entries]},")
     for key, entries in sweep["table"]["tiles"].items():
         scheme, shape = key.split()
         n, k = shape.split("x")
@@ -291,7 +300,7 @@ def merge_tables(base: dict, new: dict) -> dict:
     """An earlier sweep's table with a newer one's rows joined in, per shape, in increasing M; where both measured
     an M, the newer row wins. Both are {"backends": {key: [[M, value, ...], ...]}, "tiles": {...}}."""
     merged = {}
-    for part in ("backends", "tiles"):
+    for part in ("backends", "tiles", "block_backends"):
         merged[part] = {}
         for key in base.get(part, {}).keys() | new.get(part, {}).keys():
             rows = {int(m): rest for m, *rest in base.get(part, {}).get(key, [])}

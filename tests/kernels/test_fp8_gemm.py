@@ -386,6 +386,23 @@ def test_the_sweep_pads_a_scaled_mm_row_only_where_more_rows_were_measured_faste
                                                [256, "unit_scaled_mm"], [4096, "scaled_mm"]]
 
 
+def test_the_sweep_chooses_block_weights_backends_from_their_own_rows():
+    from bench.fp8_gemm_table import choose_backends, merge_tables
+
+    def row(scheme, m, triton, cublas):
+        key = "block_scaled_mm_us" if scheme == "block" else "scaled_mm_us"
+        return {"scheme": scheme, "n": 96, "k": 128, "m": m, "best_us": triton, key: cublas}
+
+    rows = [row("block", 64, 30.0, 36.0), row("block", 144, 75.0, 60.0), row("block", 256, 88.0, 47.0),
+            row("block", 4096, 700.0, 650.0), row("channel", 64, 10.0, 1.0)]
+    assert choose_backends(rows, "block") == {"96x128": [
+        [64, "triton"], [144, "block_scaled_mm", 256], [256, "block_scaled_mm"], [4096, "block_scaled_mm"]]}
+    assert choose_backends(rows) == {"96x128": [[64, "scaled_mm"]]}  # channel rows alone
+    merged = merge_tables({"block_backends": {"96x128": [[64, "triton"], [128, "triton"]]}},
+                          {"block_backends": {"96x128": [[128, "block_scaled_mm"]]}})
+    assert merged["block_backends"] == {"96x128": [[64, "triton"], [128, "block_scaled_mm"]]}
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(1, 100), st.floats(1, 100), st.floats(1, 100)), min_size=1, max_size=8),
        st.lists(st.integers(1, 4096), min_size=8, max_size=8, unique=True))
