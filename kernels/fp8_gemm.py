@@ -277,12 +277,14 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
                              out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,
     w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). cuBLASLt takes the activations' scales M-major
-    (strides (1, M)), which the quantizers do not write: one small copy here. Rows: at least M rounded up to 4 (the
-    scales' leading dimension), more where the dispatch pads them (scaled_mm_fp8_gemm)."""
+    (strides (1, M)), which the quantizers do not write: one small copy here. It refuses a leading dimension that is
+    not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on the H200), so the product runs on max(M, rows) rounded up to
+    4 rows (the dispatch pads to more where that is faster, as scaled_mm_fp8_gemm). A bf16 output is the one measured
+    (fp8_linear takes Triton for others)."""
     import torch.nn.functional as F
 
     m = a.shape[0]
-    rows = max(rows, -(-m // 4) * 4)
+    rows = -(-max(rows, m) // 4) * 4
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
     scale_a = a_scale.t().contiguous().t()
@@ -372,7 +374,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         out_dtype, lead = x.dtype, x.shape[:-1]
     n, k = w.shape
     backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k,
-                                whole_blocks=block_scales is not None)
+                                whole_blocks=block_scales is not None and out_dtype == torch.bfloat16)
     if backend == "block_scaled_mm":
         out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)
     elif backend == "scaled_mm":

@@ -19,10 +19,10 @@ graph of calls over copies of W larger than L2, and prints the rows to put here.
 on the H200 (bench/RESULTS.md, 2026-12-04, 302c3a7): Triton's kernel (split-K among its tiles) at the smallest M,
 the tensor-wise GEMM through most of decode's M, the row-wise one at prefill's (and on gate_up_proj from 161).
 
-BLOCK_TABLE maps (N, K) of a block weight the same way; a shape not in it takes BLOCK_DEFAULT's rows, from
-bench/studies/fp8_scaling_modes.py on the H200 (2026-12-05, df68ff7): at 132-256 tokens cuBLASLt's block kernels beat
-the Triton kernel on all four Qwen3-8B products (1.1-1.6x; gate_up_proj fastest on 256 rows), at 64 Triton wins or
-ties on all four; prefill's M was not measured, so Triton keeps it.
+BLOCK_TABLE maps (N, K) of a block weight the same way; a shape not in it takes BLOCK_DEFAULT's rows. Both come from
+bench/studies/fp8_scaling_modes.py on the H200 (2026-12-05, df68ff7): from 132 tokens on cuBLASLt's block kernels beat
+the Triton kernel on all four Qwen3-8B products (1.1-1.6x at 132-256, gate_up_proj fastest on 256 rows; 1.6-1.7x at
+4,096), at 96-128 on qkv_proj and gate_up_proj, while at 64 Triton wins or ties on all four.
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
@@ -47,13 +47,13 @@ TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one c
     (24576, 4096): [(64, "triton"), (160, "unit_scaled_mm"), (224, "scaled_mm", 256), (4096, "scaled_mm")],
     (4096, 12288): [(1, "triton"), (16, "unit_scaled_mm", 32), (256, "unit_scaled_mm"), (4096, "scaled_mm")],
 }
-# M past a block row's last: Triton
-BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (256, "block_scaled_mm")]
+ANY_M = 1 << 62
+BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (ANY_M, "block_scaled_mm")]  # an M past a table's last row: Triton
 BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
-    (6144, 4096): [(64, "triton"), (256, "block_scaled_mm")],
-    (4096, 4096): [(128, "triton"), (256, "block_scaled_mm")],
-    (24576, 4096): [(64, "triton"), (128, "block_scaled_mm"), (256, "block_scaled_mm", 256)],
-    (4096, 12288): [(128, "triton"), (256, "block_scaled_mm")],
+    (6144, 4096): [(64, "triton"), (ANY_M, "block_scaled_mm")],
+    (4096, 4096): [(128, "triton"), (ANY_M, "block_scaled_mm")],
+    (24576, 4096): [(64, "triton"), (128, "block_scaled_mm"), (256, "block_scaled_mm", 256), (ANY_M, "block_scaled_mm")],
+    (4096, 12288): [(128, "triton"), (ANY_M, "block_scaled_mm")],
 }
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
     ("channel", 6144, 4096): [

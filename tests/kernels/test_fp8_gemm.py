@@ -249,14 +249,11 @@ def test_torchs_block_recipe_on_whole_block_scales_matches_float64(m, n, k):
     bias = torch.randn(n, generator=gen)
     ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128, bias)
     wq, w_scale, blocks = wq.cuda(), w_scale.cuda(), blocks.cuda()
-    for rows in (0, m + 57):
+    for rows in (0, m + 57, 256):  # M rows (rounded up to 4), a count cuBLASLt refuses as it is, the engine's pad
         out = fp8_gemm.block_scaled_mm_fp8_gemm(a.cuda(), a_scale.cuda(), wq, blocks, torch.bfloat16,
                                                 bias.bfloat16().cuda(), rows=rows)
         assert out.shape == (m, n)
         assert_close_to_float64(out.cpu(), ref, rel=1e-2)
-    # fp32 out: cuBLASLt's accumulation alone, bound as the Triton kernel's
-    out = fp8_gemm.block_scaled_mm_fp8_gemm(a.cuda(), a_scale.cuda(), wq, blocks, torch.float32, bias.cuda())
-    assert_close_to_float64(out.cpu(), ref, rel=1e-3)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
         static_x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
@@ -341,9 +338,9 @@ def test_block_weights_go_to_torchs_block_recipe_only_where_their_scales_are_who
     assert dispatch.choose_gemm("block", 100, 256, 512) == ("triton", 100)  # scales not whole blocks
     assert dispatch.choose_gemm("block", 100, 200, 512, whole_blocks=True) == ("triton", 100)  # N not in 128s
     assert dispatch.choose_gemm("block", 100, 256, 320, whole_blocks=True) == ("triton", 100)  # nor K
-    # a shape not measured: BLOCK_DEFAULT (Triton at few tokens, cuBLASLt's block kernels from 65 to 256)
-    assert [dispatch.choose_gemm("block", m, 384, 384, whole_blocks=True)[0] for m in (64, 65, 256, 257)] == [
-        "triton", "block_scaled_mm", "block_scaled_mm", "triton"]
+    # a shape not measured: BLOCK_DEFAULT (Triton at few tokens, cuBLASLt's block kernels from 65 on)
+    assert [dispatch.choose_gemm("block", m, 384, 384, whole_blocks=True)[0] for m in (64, 65, 256, 5000)] == [
+        "triton", "block_scaled_mm", "block_scaled_mm", "block_scaled_mm"]
     with pytest.raises(ValueError, match="scaled_mm"):  # a channel backend named for block weights
         dispatch.apply_table({"block_backends": {"256x512": [[16, "scaled_mm"]]}})
 
