@@ -319,11 +319,10 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
         if quant.from_checkpoint:
             return 0  # experts the checkpoint did not convert
         stacked = {}
-        for attr in ("w13", "w2"):
-            w = getattr(experts, attr).data
-            q, scale, group = quantize_plain(w.reshape(-1, w.shape[-1]), quant)
-            stacked[attr] = q.view(w.shape), scale.view(*w.shape[:2], -1)
-            setattr(experts, "fp8_group_k13" if attr == "w13" else "fp8_group_k2", group)
+        for attr in ("w13", "w2"):  # each expert on its own, as a checkpoint holds them (a block never spans two)
+            parts = [quantize_plain(w, quant) for w in getattr(experts, attr).data]
+            stacked[attr] = torch.stack([q for q, _, _ in parts]), torch.stack([scale for _, scale, _ in parts])
+            setattr(experts, "fp8_group_k13" if attr == "w13" else "fp8_group_k2", parts[0][2])
     else:
         stacked = {attr: (getattr(experts, attr).data, getattr(experts, f"{attr}_{quant.scale_name}").data)
                    for attr in ("w13", "w2")}

@@ -86,3 +86,26 @@ def test_quantization_fp8_quantizes_every_expert_per_output_row_and_says_so(tmp_
             assert not torch.equal(param, w)
         elif not name.endswith("proj.weight"):
             assert torch.equal(param, expected[name]), name
+
+
+def test_random_experts_for_a_block_checkpoints_config_are_quantized_in_blocks_per_expert(tmp_path):
+    """load_format dummy (the benchmarks' random weights) on an MoE config with a block checkpoint's
+    quantization_config: each expert's gate/up and down weights are its own 128 x 128 block quantization (a block
+    never spans two experts), dequantized on the CPU; the router stays plain."""
+    from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref
+
+    path = make_tiny_qwen3_moe(str(tmp_path / "plain"))
+    plain = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend(), load_format="dummy")[0]
+    block = with_config(make_tiny_qwen3_moe(str(tmp_path / "block")), quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    model, facts = load_model(block, torch.float32, torch.device("cpu"), TorchAttentionBackend(), load_format="dummy")
+    assert facts.weight_format == "fp8_e4m3fn, 128x128 block scales, quantized at load"
+    expected = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.w13", "experts.w2")):
+            want = torch.stack([dequantize_blocks(*quantize_blocks_ref(w, (128, 128)), (128, 128))
+                                for w in expected[name]])
+            assert torch.equal(param, want) and not torch.equal(param, expected[name]), name
+        elif not name.endswith("proj.weight"):
+            assert torch.equal(param, expected[name]), name
+
