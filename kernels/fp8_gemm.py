@@ -273,6 +273,18 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     return out if bias is None else out + bias
 
 
+def block_recipe_runs(device: torch.device) -> bool:
+    """Whether torch's block recipe can run on `device`: torch.nn.functional.scaled_mm with its block scaling types,
+    built against CUDA 12.9 or later (cuBLASLt's block-scaled kernels), on Hopper or later (the one measured); else
+    block weights stay on the Triton kernel."""
+    import torch.nn.functional as F
+
+    if device.type != "cuda" or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType") or not torch.version.cuda:
+        return False
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 9) and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_blocks: torch.Tensor,
                              out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,

@@ -212,6 +212,11 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     do not run (runs_fp8_gemms: the CPU, a GPU before Ada) dequantize them into plain weights of `dtype`. Returns the
     number of FP8 layers."""
     fp8_gemms = runs_fp8_gemms(device)
+    block_recipe = False  # whether block weights may also run on cuBLASLt's block-scaled kernels
+    if fp8_gemms and quant.scheme == "block":
+        from kernels.fp8_gemm import block_recipe_runs
+
+        block_recipe = block_recipe_runs(device)
     count = 0
     for name, layer in linear_layers(model):
         if layer.weight.dtype != FP8_DTYPE:
@@ -229,7 +234,8 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
-        layer.fp8_block_scales = block_scales_of(layer.weight_scale, layer.fp8_group_k, layer.fp8_rows_sharing_scales)
+        layer.fp8_block_scales = (block_scales_of(layer.weight_scale, layer.fp8_group_k, layer.fp8_rows_sharing_scales)
+                                  if block_recipe else None)
     expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms)
                         for name, experts in expert_layers(model))
     plain = str(dtype).removeprefix("torch.")

@@ -227,6 +227,23 @@ def test_fp8_linear_on_block_checkpoint_weights_matches_float64():
     assert_close_to_float64(out.cpu(), ref, rel=1e-2)
 
 
+@interpreter
+def test_the_block_recipe_is_taken_only_where_torch_cuda_and_the_gpu_have_it(monkeypatch):
+    import torch.nn.functional as F
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for cuda, capability, runs in (("13.0", (9, 0), True), ("12.9", (10, 0), True), ("12.8", (9, 0), False),
+                                   ("12.9", (8, 9), False), (None, (9, 0), False)):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_gemm.block_recipe_runs(gpu) is runs, (cuda, capability)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert not fp8_gemm.block_recipe_runs(torch.device("cpu"))
+    monkeypatch.delattr(F, "scaled_mm")  # a torch without the block recipe's API
+    assert not fp8_gemm.block_recipe_runs(gpu)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64, 133, 300])
