@@ -48,11 +48,12 @@ TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one c
     (4096, 12288): [(1, "triton"), (16, "unit_scaled_mm", 32), (256, "unit_scaled_mm"), (4096, "scaled_mm")],
 }
 ANY_M = 1 << 62
-BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (ANY_M, "block_scaled_mm")]  # an M past a table's last row: Triton
+BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (ANY_M, "block_scaled_mm")]  # a block shape BLOCK_TABLE lacks
 BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
     (6144, 4096): [(64, "triton"), (ANY_M, "block_scaled_mm")],
     (4096, 4096): [(128, "triton"), (ANY_M, "block_scaled_mm")],
-    (24576, 4096): [(64, "triton"), (128, "block_scaled_mm"), (256, "block_scaled_mm", 256), (ANY_M, "block_scaled_mm")],
+    (24576, 4096): [(64, "triton"), (128, "block_scaled_mm"), (256, "block_scaled_mm", 256),
+                    (ANY_M, "block_scaled_mm")],
     (4096, 12288): [(128, "triton"), (ANY_M, "block_scaled_mm")],
 }
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
@@ -112,6 +113,11 @@ def _lookup(rows, m: int) -> tuple | None:
     return next((row for row in rows if m <= row[0]), None)
 
 
+def _backend_and_rows(row: tuple, m: int) -> tuple[str, int]:
+    """A table row's (backend, the rows to run it on): m, or the row's padded count where it names one."""
+    return row[1], max(m, row[2]) if len(row) > 2 else m
+
+
 def choose_gemm(scheme: str, m: int, n: int, k: int, whole_blocks: bool = False) -> tuple[str, int]:
     """(one of BACKENDS or BLOCK_BACKENDS, the rows to run it on) for an [m, k] x [k, n] product with `scheme`
     ("block" or "channel") scales: m, or more where the table's row pads _scaled_mm's rows. whole_blocks: a block
@@ -120,15 +126,13 @@ def choose_gemm(scheme: str, m: int, n: int, k: int, whole_blocks: bool = False)
         if not whole_blocks or n % 128 or k % 128:
             return "triton", m
         row = _lookup(BLOCK_TABLE.get((n, k), BLOCK_DEFAULT), m)
-        if row is None:  # past the table's last row
-            return "triton", m
-        return row[1], max(m, row[2]) if len(row) > 2 else m
+        return ("triton", m) if row is None else _backend_and_rows(row, m)  # past the table's last row: Triton
     if n % 16 or k % 16:  # _scaled_mm needs both multiples of 16
         return "triton", m
     row = _lookup(TABLE.get((n, k), ()), m)
     if row is None:
         return DEFAULT_UP_TO[0] if m <= DEFAULT_UP_TO[1] else DEFAULT, m
-    return row[1], max(m, row[2]) if len(row) > 2 else m
+    return _backend_and_rows(row, m)
 
 
 def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:

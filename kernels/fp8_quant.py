@@ -32,9 +32,9 @@ def rows_sharing_scales(scale: torch.Tensor, rows: int = SCALE_BLOCK_ROWS) -> in
 
 def block_scales_of(scale: torch.Tensor, group_k: int, rows_sharing: int) -> torch.Tensor | None:
     """A weight's scales [N, G] (the loader's form: each block's scale repeated over its rows) as whole 128 x 128
-    blocks, [N / 128, G] contiguous, as torch's block recipe takes them (kernels/fp8_gemm.block_scaled_mm_fp8_gemm); None
-    where they are not: K groups other than 128 columns, or runs of rows that do not share their scales (a block cut
-    by a fused piece or a rank's slice), or N not a multiple of 128."""
+    blocks, [N / 128, G] contiguous, as torch's block recipe takes them (kernels/fp8_gemm.block_scaled_mm_fp8_gemm);
+    None where they are not: K groups other than 128 columns, or runs of rows that do not share their scales (a block
+    cut by a fused piece or a rank's slice), or N not a multiple of 128."""
     n, groups = scale.shape
     if group_k != SCALE_BLOCK_ROWS or groups == 1 or rows_sharing % SCALE_BLOCK_ROWS or n % SCALE_BLOCK_ROWS:
         return None
@@ -137,11 +137,14 @@ def quantize_blocks_ref(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale
 
 
-def quantize_blocks_on_rows(w: torch.Tensor, block: int = SCALE_BLOCK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_blocks_ref with square blocks, the scales laid out as the loader lays a block checkpoint's (each
-    block's scale repeated over its rows): float8_e4m3fn [N, K] and float32 [N, ceil(K / block)]."""
-    q, blocks = quantize_blocks_ref(w, (block, block))
-    return q, blocks.repeat_interleave(block, 0)[: w.shape[0]].contiguous()
+def quantize_blocks_on_rows(w: torch.Tensor, block: int | tuple[int, int] = SCALE_BLOCK_ROWS
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks_ref with blocks of (rows, columns) (an int: square), the scales laid out as the loader lays a
+    block checkpoint's (each block's scale repeated over its rows): float8_e4m3fn [N, K] and float32
+    [N, ceil(K / columns)]."""
+    block_n, block_k = block if isinstance(block, tuple) else (block, block)
+    q, blocks = quantize_blocks_ref(w, (block_n, block_k))
+    return q, blocks.repeat_interleave(block_n, 0)[: w.shape[0]].contiguous()
 
 
 def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -62,7 +62,8 @@ def prefetch_rows(w, frac: float) -> None:
 
 
 def _chains(name: str, n: int, k: int, m: int, device):
-    """(fp8 chain, bf16 chain, fp8 W, bf16 W): chain(w, frac) runs [prefetch ->] producer -> product."""
+    """(fp8 chain, bf16 chain, producer alone, fp8 W, bf16 W): chain(w, frac) runs [prefetch ->] producer -> product,
+    producer_only(w, frac, fp8) the same without the product."""
     import torch
     import torch.nn.functional as F
 
@@ -129,7 +130,8 @@ def run(tokens: list[int], fractions: list[float], timing_ms: int) -> list[dict]
                 hot = cold_graph_us(lambda w: chain(w, 0.0), [w] * 8, timing_ms)
                 alone = {f: cold_graph_us(lambda w, f=f: producer_only(w, f, dtype == "fp8"), copies, timing_ms)
                          for f in (0.0, fractions[-1])}
-                row = {"product": name, "n": n, "k": k, "m": m, "dtype": dtype, "weight_mb": w.numel() * w.element_size() / 2**20,
+                row = {"product": name, "n": n, "k": k, "m": m, "dtype": dtype,
+                       "weight_mb": w.numel() * w.element_size() / 2**20,
                        "us": {str(f): v for f, v in us.items()}, "hot_us": hot,
                        "prefetch_only_extra_us": alone[fractions[-1]] - alone[0.0]}
                 rows.append(row)

@@ -41,7 +41,7 @@ from torch import nn
 from executor_svc.layers.fused_moe import StackedExperts
 from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from executor_svc.layers.parallel import tp_rank, tp_size
-from kernels.fp8_quant import (block_scales_of, dequantize_rows, quantize_blocks_ref, quantize_weight_per_channel,
+from kernels.fp8_quant import (block_scales_of, dequantize_rows, quantize_blocks_on_rows, quantize_weight_per_channel,
                                rows_sharing_scales)
 from kernels.kv_quant import FP8_DTYPE
 from scheduler_svc.common.weight_quantization import WeightQuantization
@@ -200,8 +200,7 @@ def quantize_plain(w: torch.Tensor, quant: WeightQuantization) -> tuple[torch.Te
     checkpoint's config: model_loader's dummy format), each block's scale repeated over its rows as the loader lays a
     checkpoint's."""
     if quant.scheme == "block":
-        q, blocks = quantize_blocks_ref(w, quant.block)
-        return q, blocks.repeat_interleave(quant.block[0], 0)[: w.shape[0]].contiguous(), quant.block[1]
+        return *quantize_blocks_on_rows(w, tuple(quant.block)), quant.block[1]
     q, scale = quantize_weight_per_channel(w)
     return q, scale, q.shape[1]
 
