@@ -262,14 +262,17 @@ def _padded_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 
 
 def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                       out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+                       out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0,
+                       fast_accum: bool = False) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales: per token [M, 1] x per channel [1, N]; W^T is column-major
     as a [N, K] row-major weight's transpose already is. rows > M runs the product on that many rows, where
-    cuBLASLt is faster so (_padded_rows); the first M come back."""
+    cuBLASLt is faster so (_padded_rows); the first M come back. fast_accum: the tensor cores' own accumulation
+    over all of K, unpromoted (kernels/fp8_gemm_dispatch.fast_accumulation says where)."""
     m = a.shape[0]
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
-    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype)[:m]
+    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)[:m]
     return out if bias is None else out + bias
 
 
@@ -286,13 +289,14 @@ def block_recipe_runs(device: torch.device) -> bool:
 
 
 def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_blocks: torch.Tensor,
-                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0,
+                             fast_accum: bool = False) -> torch.Tensor:
     """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,
     w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). cuBLASLt takes the activations' scales M-major
     (strides (1, M)), which the quantizers do not write: one small copy here. It refuses a leading dimension that is
     not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on the H200), so the product runs on max(M, rows) rounded up to
     4 rows (the dispatch pads to more where that is faster, as scaled_mm_fp8_gemm). A bf16 output is the one measured
-    (fp8_linear takes Triton for others)."""
+    (fp8_linear takes Triton for others). fast_accum as scaled_mm_fp8_gemm."""
     import torch.nn.functional as F
 
     m = a.shape[0]
@@ -301,7 +305,7 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
     scale_a = a_scale.t().contiguous().t()
     out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(), F.ScalingType.BlockWise128x128,
-                      output_dtype=out_dtype)[:m]
+                      output_dtype=out_dtype, use_fast_accum=fast_accum)[:m]
     return out if bias is None else out + bias
 
 
@@ -347,21 +351,23 @@ def unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def unit_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                            out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+                            out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0,
+                            fast_accum: bool = False) -> torch.Tensor:
     """torch._scaled_mm tensor-wise on unit scales (the unscaled product, in bf16, or fp32 for an fp32 output: fp16
-    could overflow), then scale_product: channel weights only. rows > M as in scaled_mm_fp8_gemm."""
+    could overflow), then scale_product: channel weights only. rows > M and fast_accum as in scaled_mm_fp8_gemm."""
     product_dtype = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
-    return scale_product(unit_scaled_product(a, w, product_dtype, rows), a_scale, w_scale, out_dtype, bias)
+    return scale_product(unit_scaled_product(a, w, product_dtype, rows, fast_accum), a_scale, w_scale, out_dtype, bias)
 
 
-def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.dtype, rows: int = 0) -> torch.Tensor:
+def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.dtype, rows: int = 0,
+                        fast_accum: bool = False) -> torch.Tensor:
     """x_q @ w_q^T, unscaled, in product_dtype: torch._scaled_mm tensor-wise on unit scales, on `rows` rows if more
-    than M (_padded_rows); the first M rows."""
+    than M (_padded_rows); the first M rows. fast_accum as in scaled_mm_fp8_gemm."""
     m = a.shape[0]
     if rows > m:
         a = _padded_rows(a, rows, 0.0)
     one = unit_scale(a.device)
-    return torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype)[:m]
+    return torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype, use_fast_accum=fast_accum)[:m]
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
@@ -373,7 +379,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
     as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's. `block_scales`:
     w's scales as whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), where they are (block_scaled_mm)."""
-    from kernels.fp8_gemm_dispatch import choose_gemm
+    from kernels.fp8_gemm_dispatch import choose_gemm, fast_accumulation
 
     grouped = w_scale.shape[1] > 1
     if isinstance(x, QuantizedActivations):
@@ -385,16 +391,18 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
         out_dtype, lead = x.dtype, x.shape[:-1]
     n, k = w.shape
+    fast = fast_accumulation(a.shape[0])
     backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k,
                                 whole_blocks=block_scales is not None and out_dtype == torch.bfloat16)
     if backend == "block_scaled_mm":
-        out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)
+        out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows, fast_accum=fast)
     elif backend == "scaled_mm":
-        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
+        out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows, fast_accum=fast)
     elif backend == "unit_scaled_mm":
         if unscaled and bias is None and out_dtype == torch.bfloat16 and len(lead) == 1:
-            return UnscaledProduct(unit_scaled_product(a, w, torch.bfloat16, rows), a_scale, w_scale, out_dtype)
-        out = unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows)
+            product = unit_scaled_product(a, w, torch.bfloat16, rows, fast)
+            return UnscaledProduct(product, a_scale, w_scale, out_dtype)
+        out = unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows, fast_accum=fast)
     else:
         out = triton_fp8_gemm(a, a_scale, w, w_scale, group_k, out_dtype, bias,
                               rows_sharing_scales=rows_sharing_scales)

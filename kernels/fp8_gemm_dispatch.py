@@ -24,6 +24,10 @@ bench/studies/fp8_scaling_modes.py on the H200 (2026-12-05, df68ff7): from 132 t
 the Triton kernel on all four Qwen3-8B products (1.1-1.6x at 132-256, gate_up_proj fastest on 256 rows; 1.6-1.7x at
 4,096), at 96-128 on qkv_proj and gate_up_proj, while at 64 Triton wins or ties on all four.
 
+FAST_ACCUM_FROM is the token count from which the cuBLASLt backends accumulate with the tensor cores' own (fast,
+unpromoted) accumulation over all of K, as CUTLASS's and vLLM's FP8 GEMMs do; below it they promote to fp32
+(the Triton kernel always promotes, per K tile).
+
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
 """
@@ -48,6 +52,7 @@ TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one c
     (4096, 12288): [(1, "triton"), (16, "unit_scaled_mm", 32), (256, "unit_scaled_mm"), (4096, "scaled_mm")],
 }
 ANY_M = 1 << 62
+FAST_ACCUM_FROM = ANY_M  # never, until measured in the engine
 BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (ANY_M, "block_scaled_mm")]  # a block shape BLOCK_TABLE lacks
 BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
     (6144, 4096): [(64, "triton"), (ANY_M, "block_scaled_mm")],
@@ -135,6 +140,11 @@ def choose_gemm(scheme: str, m: int, n: int, k: int, whole_blocks: bool = False)
     return _backend_and_rows(row, m)
 
 
+def fast_accumulation(m: int) -> bool:
+    """Whether a cuBLASLt product of m tokens accumulates fast (FAST_ACCUM_FROM)."""
+    return m >= FAST_ACCUM_FROM
+
+
 def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
     """The Triton kernel's tiles the sweep chose for this product, or None (kernels/fp8_gemm's rule)."""
     row = _lookup(TILES.get((scheme, n, k), ()), m)
@@ -144,7 +154,10 @@ def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
 def apply_table(measured: dict) -> None:
     """Replace TABLE's and TILES' rows by the shapes a sweep (bench/fp8_gemm_table.py) measured:
     {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}, and
-    optionally "block_backends" ({"NxK": rows} of BLOCK_TABLE)."""
+    optionally "block_backends" ({"NxK": rows} of BLOCK_TABLE) and "fast_accum_from" (FAST_ACCUM_FROM)."""
+    global FAST_ACCUM_FROM
+    if "fast_accum_from" in measured:
+        FAST_ACCUM_FROM = int(measured["fast_accum_from"])
     for key_name, table, backends in (("backends", TABLE, BACKENDS), ("block_backends", BLOCK_TABLE, BLOCK_BACKENDS)):
         for key, rows in measured.get(key_name, {}).items():
             n, k = map(int, key.split("x"))

@@ -11,9 +11,12 @@ bf16 (F.linear), row-wise at M rows and at 256, tensor-wise at M rows (unit scal
 recipe (cuBLASLt's, and the engine's Triton block GEMM on the same operands); each a CUDA graph of calls over copies
 of W larger than L2 (bench/fp8_gemm_table.cold_graph_us). The
 errors are of max |y| against float64 on the same quantized operands (tensor-wise: its product scaled afterwards in
-fp32). It then names the kernels each path launched at M = 132 (torch.profiler).
+fp32). It then names the kernels each path launched at M = 132 (torch.profiler). `--fast-accum` also times the three
+cuBLASLt recipes with fast (unpromoted) accumulation, which CUTLASS's and vLLM's FP8 GEMMs use: whether it pays at
+prefill's M, and what it costs in error.
 
     python bench/studies/fp8_scaling_modes.py --out fp8_scaling_modes.json
+    python bench/studies/fp8_scaling_modes.py --tokens 512,1024,2048,4096 --fast-accum
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--timing-ms", type=int, default=10)
+    p.add_argument("--fast-accum", action="store_true", help="also time the cuBLASLt recipes with fast accumulation")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -77,32 +81,37 @@ def main() -> None:
             ref_b = (ab.double() * a_blk.double().repeat_interleave(128, 1)) @ (
                 wbq.double() * blocks.double().repeat_interleave(128, 0).repeat_interleave(128, 1)).T
 
-            def rowwise(w, rows=m):
-                return fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16, rows=rows)
+            def rowwise(w, rows=m, fast=False):
+                return fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16, rows=rows, fast_accum=fast)
 
-            def tensorwise(w):
-                return torch._scaled_mm(a16, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            def tensorwise(w, fast=False):
+                return torch._scaled_mm(a16, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
 
-            def block(w):  # scale_b [K / 128, N / 128], K-major in memory (a transposed view), as cuBLASLt wants it
+            def block(w, fast=False):  # scale_b [K / 128, N / 128], K-major (a transposed view), as cuBLASLt wants
                 return F.scaled_mm(ab, w.t(), a_blk_t, F.ScalingType.BlockWise1x128, blocks.t(),
-                                   F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+                                   F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16, use_fast_accum=fast)
 
             def triton_block(w):  # the engine's block GEMM: one weight scale per tile and K group
                 return fp8_gemm.triton_fp8_gemm(ab, a_blk, w, block_rows, 128, torch.bfloat16,
                                                 rows_sharing_scales=128)
 
             row = {"gemm": name, "m": m, "n": n, "k": k, "us": {}, "err": {}}
-            for label, fn, ws_list in (("bf16", lambda w: F.linear(x, w), w16s), ("rowwise", rowwise, wqs),
-                                       ("rowwise_256", lambda w: rowwise(w, 256), wqs),
-                                       ("tensorwise", tensorwise, wqs), ("block", block, wbqs),
-                                       ("triton_block", triton_block, wbqs)):
+            recipes = [("bf16", lambda w: F.linear(x, w), w16s), ("rowwise", rowwise, wqs),
+                       ("rowwise_256", lambda w: rowwise(w, 256), wqs), ("tensorwise", tensorwise, wqs),
+                       ("block", block, wbqs), ("triton_block", triton_block, wbqs)]
+            if args.fast_accum:
+                recipes += [("rowwise_fast", lambda w: rowwise(w, fast=True), wqs),
+                            ("tensorwise_fast", lambda w: tensorwise(w, True), wqs),
+                            ("block_fast", lambda w: block(w, True), wbqs)]
+            for label, fn, ws_list in recipes:
                 try:
                     row["us"][label] = cold_graph_us(fn, ws_list, args.timing_ms)
                     out = fn(ws_list[0])[:m].double()
-                    if label == "tensorwise":
+                    if label.startswith("tensorwise"):
                         out = out * a_s[:m].double() * ws.view(1, -1).double()
                     if label != "bf16":
-                        r = ref_b if label in ("block", "triton_block") else ref
+                        r = ref_b if label.startswith(("block", "triton_block")) else ref
                         row["err"][label] = (out - r).abs().max().item() / scale
                 except Exception as e:  # noqa: BLE001  a recipe this torch cannot run is a result
                     row["us"][label] = None
@@ -118,6 +127,11 @@ def main() -> None:
                              for lb in ("rowwise", "tensorwise", "block", "triton_block"))
             print(f"{name:>12} {m:>4} | {cell('bf16'):>29} {cell('rowwise'):>13} {cell('rowwise_256'):>13} "
                   f"{cell('tensorwise'):>13} {cell('block'):>13} {cell('triton_block'):>13} | {errs}", flush=True)
+            if args.fast_accum:
+                errs = ", ".join(f"{row['err'][lb]:.1e}" if isinstance(row["err"][lb], float) else "fails"
+                                 for lb in ("rowwise_fast", "tensorwise_fast", "block_fast"))
+                print(f"{'fast accumulation':>47} {cell('rowwise_fast'):>13} {'':>13} {cell('tensorwise_fast'):>13} "
+                      f"{cell('block_fast'):>13} {'':>13} | {errs}", flush=True)
             if m == 132 and name == "gate_up_proj":
                 for label, fn, ws_list in (("rowwise", rowwise, wqs), ("rowwise_256", lambda w: rowwise(w, 256), wqs),
                                            ("tensorwise", tensorwise, wqs), ("block", block, wbqs)):

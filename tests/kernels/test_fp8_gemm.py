@@ -39,6 +39,9 @@ def operands(m, n, k, group, *, seed, device="cpu", outliers=True):
     return [t.to(device) for t in (x, a, a_scale, wq, w_scale, bias)]
 
 
+FAST_ACCUM_BOUND = 2e-2  # see test_fast_accumulation_at_prefills_token_counts_matches_float64
+
+
 def assert_close_to_float64(out, ref, rel):
     err = (out.double() - ref).abs().max().item()
     assert err <= rel * ref.abs().max().item(), (err, ref.abs().max().item())
@@ -210,6 +213,23 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
         # fp32 out: the product stays fp32, so cuBLASLt's accumulation alone (bound as Triton's above)
         out = fp8_gemm.unit_scaled_mm_fp8_gemm(a, a_scale, w, w_scale, torch.float32, bias)
         assert_close_to_float64(out, ref, rel=1e-3)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(1024, 4096), (512, 12288)])  # down_proj's K: the longest unpromoted chain
+def test_fast_accumulation_at_prefills_token_counts_matches_float64(monkeypatch, n, k):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    x, a, a_scale, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda")
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
+    promoted = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
+    monkeypatch.setattr(dispatch, "FAST_ACCUM_FROM", 1024)
+    fast = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
+    # the tensor cores' own accumulation over all of K: FAST_ACCUM_BOUND of max |y| (H200), where a wrong scale or
+    # row is off by O(1); and it is a different kernel from the promoted one, or the switch did nothing
+    assert_close_to_float64(fast, ref, rel=FAST_ACCUM_BOUND)
+    assert not torch.equal(fast, promoted)
 
 
 @needs_cuda
@@ -437,6 +457,14 @@ def test_each_swept_m_gets_the_fastest_backend_and_pads_only_to_a_faster_measure
             assert us[rows_run][backend] <= PAD_GAIN * us[m][backend]
         chosen = us[rows_run][backend]
         assert all(chosen <= t for t in us[m].values())  # never slower than any backend on M rows
+
+
+def test_fast_accumulation_starts_at_the_tables_token_count(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "FAST_ACCUM_FROM", dispatch.FAST_ACCUM_FROM)  # restored after the test
+    dispatch.apply_table({"fast_accum_from": 512})
+    assert [dispatch.fast_accumulation(m) for m in (1, 511, 512, 4096)] == [False, False, True, True]
 
 
 def test_a_table_naming_an_unknown_backend_is_refused(monkeypatch):
