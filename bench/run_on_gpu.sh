@@ -7,6 +7,9 @@
 #   tests-par    the same, one pytest per test file, all at once (Triton compiles on many cores), each within 230 s; a test
 #                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
+#   cublaslt     bench/studies/fp8_cublaslt_algos.py (every cuBLASLt candidate against torch's call; CUBLASLT_ARGS adds
+#                flags); the winners go to $OUT/cublaslt_table.json, which NANOSERVE_FP8_GEMM_TABLE then names for a
+#                throughput step of the same call
 #   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
@@ -81,6 +84,10 @@ for step in "$@"; do
     variants)
       python3 bench/studies/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;
+    cublaslt)
+      python3 bench/studies/fp8_cublaslt_algos.py --out "$OUT/fp8_cublaslt_algos.json" \
+        --table-out "$OUT/cublaslt_table.json" ${CUBLASLT_ARGS:-} 2>&1 | grep -v Warning \
+        | tee "$OUT/fp8_cublaslt_algos.log" | tail -n 80 ;;
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
     throughput)

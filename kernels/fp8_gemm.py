@@ -27,21 +27,29 @@ Four GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
   At few tokens the product is a read of W by too few programs for the SMs: split-K gives each output tile
   SPLIT_K programs over slices of K, whose last one adds up the fp32 partials in the same launch.
 
+The three cuBLASLt recipes above (row-wise, tensor-wise, block) run on the algorithm cuBLASLt's heuristic gives torch, unless
+the dispatch's CUBLASLT_ALGOS names another for that shape and token count: then `cublaslt_product` runs that one
+through kernels/cublaslt.py (the same product, on another of cuBLASLt's kernels, split-K ones included).
+
 Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
 the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
 in Triton 3.6's interpreter (TRITON_INTERPRET=1), which dots float8 operands in fp32.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
+from kernels.fp8_gemm_dispatch import cublaslt_algorithm
 from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, UnscaledProduct, empty_quantized, rows_in_place
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
+log = logging.getLogger("nanoserve.kernels")
 
 # ---------------------------------------------------------------------------------------------
 # Activation quantization: a scale per row (token) and group of columns
@@ -271,8 +279,13 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     m = a.shape[0]
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
-    out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
-                           use_fast_accum=fast_accum)[:m]
+    config = cublaslt_algorithm("outer", m, *w.shape)
+    out = None if config is None else cublaslt_product("outer", a, w, a_scale.reshape(-1), w_scale.reshape(-1),
+                                                       out_dtype, config, fast_accum)
+    if out is None:
+        out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
+    out = out[:m]
     return out if bias is None else out + bias
 
 
@@ -304,9 +317,38 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
     scale_a = a_scale.t().contiguous().t()
-    out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(), F.ScalingType.BlockWise128x128,
-                      output_dtype=out_dtype, use_fast_accum=fast_accum)[:m]
+    config = cublaslt_algorithm("block", m, *w.shape)
+    out = None if config is None else cublaslt_product("block", a, w, scale_a.t(), w_blocks, out_dtype, config,
+                                                       fast_accum)
+    if out is None:
+        out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(),
+                          F.ScalingType.BlockWise128x128, output_dtype=out_dtype, use_fast_accum=fast_accum)
+    out = out[:m]
     return out if bias is None else out + bias
+
+
+_cublaslt_plans: dict[tuple, tuple] = {}
+
+
+def cublaslt_product(recipe: str, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                     out_dtype: torch.dtype, config: dict, fast_accum: bool) -> torch.Tensor | None:
+    """a [rows, K] @ w^T on the cuBLASLt algorithm `config` names (kernels/fp8_gemm_dispatch.CUBLASLT_ALGOS), the
+    scales as kernels/cublaslt's `recipe` takes them; None where cuBLASLt refuses that algorithm for this product (the
+    caller then takes torch's call, which a warning says once). A plan per row count and algorithm, made on its
+    first call (host-side only, so also during a CUDA graph's capture: the loader readied the library first)."""
+    from kernels import cublaslt
+
+    key = (a.device, recipe, a.shape[0], *w.shape, a.stride(0), out_dtype, fast_accum, tuple(sorted(config.items())))
+    entry = _cublaslt_plans.get(key)
+    if entry is None:
+        plan = cublaslt.Fp8Matmul(w.shape[0], w.shape[1], a.shape[0], out_dtype, recipe, fast_accum, a.device,
+                                  a.stride(0))
+        entry = _cublaslt_plans[key] = (plan, plan.built(config))
+        if entry[1] is None:
+            log.warning("cuBLASLt refuses algorithm %s for a %s product of %d x %d x %d; torch's call runs it", config,
+                        recipe, a.shape[0], w.shape[0], w.shape[1])
+    plan, algo = entry
+    return None if algo is None else plan(a, w, algo, x_scale=a_scale, w_scale=w_scale)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -367,7 +409,11 @@ def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.d
     if rows > m:
         a = _padded_rows(a, rows, 0.0)
     one = unit_scale(a.device)
-    return torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype, use_fast_accum=fast_accum)[:m]
+    config = cublaslt_algorithm("tensor", m, *w.shape)
+    out = None if config is None else cublaslt_product("tensor", a, w, one, one, product_dtype, config, fast_accum)
+    if out is None:
+        out = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype, use_fast_accum=fast_accum)
+    return out[:m]
 
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,

@@ -28,6 +28,12 @@ FAST_ACCUM_FROM is the token count from which the cuBLASLt backends accumulate w
 unpromoted) accumulation over all of K, as CUTLASS's and vLLM's FP8 GEMMs do; below it they promote to fp32
 (the Triton kernel always promotes, per K tile).
 
+CUBLASLT_ALGOS maps (recipe, N, K) to [(largest M, configuration or None), ...]: for the row-wise product ("outer",
+scaled_mm's), the tensor-wise one ("tensor", unit_scaled_mm's) or the block recipe ("block", block_scaled_mm's), the
+cuBLASLt algorithm (kernels/cublaslt.Algorithm.config) that runs it in place of the one cuBLASLt's heuristic gives
+torch; None, a shape not in it or an M past its last row keeps torch's call. bench/studies/fp8_cublaslt_algos.py --table-out writes them.
+Empty until measured in the engine.
+
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
 """
@@ -61,6 +67,8 @@ BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
                     (ANY_M, "block_scaled_mm")],
     (4096, 12288): [(128, "triton"), (ANY_M, "block_scaled_mm")],
 }
+CUBLASLT_RECIPES = ("outer", "tensor", "block")
+CUBLASLT_ALGOS: dict[tuple[str, int, int], list[tuple[int, dict | None]]] = {}
 TILES: dict[tuple[str, int, int], list[tuple[int, Tiles]]] = {
     ("channel", 6144, 4096): [
         (1, (16, 16, 128, 2, 6)), (16, (16, 16, 128, 2, 6)), (32, (32, 64, 128, 4, 4, 4)),
@@ -145,6 +153,17 @@ def fast_accumulation(m: int) -> bool:
     return m >= FAST_ACCUM_FROM
 
 
+def cublaslt_algorithm(recipe: str, m: int, n: int, k: int) -> dict | None:
+    """The cuBLASLt algorithm's configuration CUBLASLT_ALGOS names for this product, or None (torch's call)."""
+    row = _lookup(CUBLASLT_ALGOS.get((recipe, n, k), ()), m)
+    return None if row is None else row[1]
+
+
+def cublaslt_named() -> bool:
+    """Whether any product may run on an algorithm named here (the loader then readies kernels/cublaslt)."""
+    return any(config is not None for rows in CUBLASLT_ALGOS.values() for _, config in rows)
+
+
 def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
     """The Triton kernel's tiles the sweep chose for this product, or None (kernels/fp8_gemm's rule)."""
     row = _lookup(TILES.get((scheme, n, k), ()), m)
@@ -154,7 +173,8 @@ def measured_tiles(scheme: str, m: int, n: int, k: int) -> Tiles | None:
 def apply_table(measured: dict) -> None:
     """Replace TABLE's and TILES' rows by the shapes a sweep (bench/fp8_gemm_table.py) measured:
     {"backends": {"NxK": [[M, backend[, rows]], ...]}, "tiles": {"scheme NxK": [[M, [tiles]], ...]}}, and
-    optionally "block_backends" ({"NxK": rows} of BLOCK_TABLE) and "fast_accum_from" (FAST_ACCUM_FROM)."""
+    optionally "block_backends" ({"NxK": rows} of BLOCK_TABLE), "fast_accum_from" (FAST_ACCUM_FROM) and
+    "cublaslt_algos" ({"recipe NxK": [[M, configuration or null], ...]} of CUBLASLT_ALGOS)."""
     global FAST_ACCUM_FROM
     if "fast_accum_from" in measured:
         FAST_ACCUM_FROM = int(measured["fast_accum_from"])
@@ -165,6 +185,14 @@ def apply_table(measured: dict) -> None:
             if unknown:
                 raise ValueError(f"FP8 GEMM table row for {key} names {sorted(unknown)}; the backends are {backends}")
             table[(n, k)] = [(int(m), backend, *map(int, pad)) for m, backend, *pad in rows]
+    for key, rows in measured.get("cublaslt_algos", {}).items():
+        recipe, shape = key.split()
+        if recipe not in CUBLASLT_RECIPES or any(c is not None and "id" not in c for _, c in rows):
+            raise ValueError(f"cuBLASLt algorithms for {key!r}: the recipes are {CUBLASLT_RECIPES}, and each "
+                             "configuration names its algorithm's id")
+        n, k = map(int, shape.split("x"))
+        CUBLASLT_ALGOS[(recipe, n, k)] = [(int(m), None if c is None else {name: int(v) for name, v in c.items()})
+                                          for m, c in rows]
     for key, rows in measured.get("tiles", {}).items():
         scheme, shape = key.split()
         n, k = map(int, shape.split("x"))

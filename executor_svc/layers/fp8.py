@@ -250,9 +250,14 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
     if fp8_gemms:
         from kernels.fp8_gemm import split_counters, unit_scale
+        from kernels.fp8_gemm_dispatch import cublaslt_named
 
         split_counters(device)  # before the decode graphs are captured: a split-K GEMM counts its tiles there
         unit_scale(device)  # and the tensor-wise GEMM's scales
+        if cublaslt_named():  # and cuBLASLt's handle and workspace, where the dispatch names its algorithms
+            from kernels import cublaslt
+
+            cublaslt.prepare(device)
         fused = quantize_in_producers(model)
         unscaled = scale_in_readers(model)
         w8a8 = sum(1 for _, experts in expert_layers(model)

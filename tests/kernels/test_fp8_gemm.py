@@ -467,6 +467,83 @@ def test_fast_accumulation_starts_at_the_tables_token_count(monkeypatch):
     assert [dispatch.fast_accumulation(m) for m in (1, 511, 512, 4096)] == [False, False, True, True]
 
 
+def test_cublaslt_algorithms_are_named_per_recipe_shape_and_token_count(monkeypatch):
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "CUBLASLT_ALGOS", {})
+    assert not dispatch.cublaslt_named()  # nothing named: the loader leaves cuBLASLt's C API alone
+    split = {"id": 66, "tile": 20, "split_k": 2, "reduction": 4}
+    dispatch.apply_table({"cublaslt_algos": {"tensor 96x128": [[64, None], [144, split]],
+                                             "block 256x512": [[128, {"id": 7}]]}})
+    assert [dispatch.cublaslt_algorithm("tensor", m, 96, 128) for m in (1, 64, 65, 144, 145)] == [
+        None, None, split, split, None]  # past the last row: torch's call
+    assert dispatch.cublaslt_algorithm("block", 100, 256, 512) == {"id": 7}
+    assert dispatch.cublaslt_algorithm("tensor", 100, 256, 512) is None  # another recipe's row
+    assert dispatch.cublaslt_named()
+    with pytest.raises(ValueError, match="recipes"):
+        dispatch.apply_table({"cublaslt_algos": {"rowwise 96x128": [[64, {"id": 1}]]}})
+    with pytest.raises(ValueError, match="id"):
+        dispatch.apply_table({"cublaslt_algos": {"tensor 96x128": [[64, {"tile": 1}]]}})
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [7, 64, 133])
+def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
+    """The row-wise product, the tensor-wise one (its reader's UnscaledProduct and the scaled output) and the block
+    recipe on every algorithm cuBLASLt offers for them (split-K variants included), named through the dispatch as a
+    table would, and in a CUDA graph replayed on fresh inputs; an algorithm cuBLASLt refuses falls back to torch's."""
+    from kernels import cublaslt
+    from kernels import fp8_gemm_dispatch as dispatch
+    from kernels.fp8_quant import block_scales_of, rows_sharing_scales
+
+    n, k = 384, 1024
+    monkeypatch.setattr(dispatch, "CUBLASLT_ALGOS", {})
+    monkeypatch.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
+    x, a, a_scale, w, w_scale, _ = operands(m, n, k, k, seed=m, device="cuda")
+    ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
+    wb, wb_rows = (t.cuda() for t in quantize_blocks_on_rows(w.float().cpu() * w_scale.cpu()))
+    blocks = block_scales_of(wb_rows, 128, rows_sharing_scales(wb_rows))
+    ab, ab_scale = quantize_rows_ref(x, 128)
+    ref_b = fp8_gemm_ref(ab, ab_scale, wb, wb_rows, 128)
+    cublaslt.prepare(torch.device("cuda"))
+    monkeypatch.setattr(fp8_gemm, "_cublaslt_plans", {})
+    static_x = x.bfloat16().clone()
+
+    def call(recipe, x):
+        if recipe == "block":
+            return fp8_gemm.fp8_linear(x, wb, wb_rows, 128, block_scales=blocks)
+        return fp8_gemm.fp8_linear(x, w, w_scale, k)
+
+    # the rows the engine runs each on (the block recipe's in 4s)
+    for recipe, rows, backend in (("outer", m, "scaled_mm"), ("tensor", m, "unit_scaled_mm"),
+                                  ("block", -(-m // 4) * 4, None)):
+        if backend:
+            monkeypatch.setitem(dispatch.TABLE, (n, k), [(1 << 62, backend)])
+        plan = cublaslt.Fp8Matmul(n, k, rows, torch.bfloat16, recipe, device="cuda")
+        for algo in plan.candidates(count=4, splits=(2, 4)):
+            dispatch.CUBLASLT_ALGOS[(recipe, n, k)] = [(1 << 62, algo.config)]
+            assert_close_to_float64(call(recipe, x.bfloat16()), ref_b if recipe == "block" else ref, rel=1e-2)
+            if recipe == "tensor":
+                product = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k, unscaled=True)
+                assert_close_to_float64(fp8_gemm.scaled(product), ref, rel=1e-2)
+        call(recipe, static_x)  # warm-up (the plan is made) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = call(recipe, static_x)
+        for seed in (1, 2):
+            static_x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda())
+            graph.replay()
+            assert torch.equal(static_out, call(recipe, static_x))
+    plans = fp8_gemm._cublaslt_plans.values()
+    assert {plan.scaling for plan, _ in plans} == {"outer", "tensor", "block"}
+    assert all(algo is not None for _, algo in plans)  # each ran on its algorithm, none fell back
+    dispatch.CUBLASLT_ALGOS[("tensor", n, k)] = [(1 << 62, {"id": 1 << 30})]  # no such algorithm: torch's call
+    assert torch.equal(fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k),
+                       fp8_gemm.unit_scaled_mm_fp8_gemm(*fp8_gemm.quantize_rows(x.bfloat16(), k), w, w_scale,
+                                                        torch.bfloat16))
+
+
 def test_a_table_naming_an_unknown_backend_is_refused(monkeypatch):
     from kernels import fp8_gemm_dispatch as dispatch
 

@@ -1,0 +1,94 @@
+"""kernels/cublaslt.py, cuBLASLt's FP8 matmul through its C API: every candidate algorithm (the heuristic's and the
+split-K variants built from them) in each scaling mode matches float64 on the same quantized operands, fresh random
+inputs with outlier channels; a configuration rebuilt from its description gives the same bytes; a call captured in
+a CUDA graph and replayed on new inputs matches the eager one. On the CPU: the errors a caller meets first."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cublaslt
+from kernels.fp8_quant import dequantize_rows, quantize_blocks_on_rows, quantize_rows_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_a_plan_names_what_it_cannot_do():
+    with pytest.raises(ValueError, match="tensor, outer, block"):
+        cublaslt.Fp8Matmul(128, 128, 16, torch.bfloat16, "rowwise")
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        cublaslt.Fp8Matmul(128, 128, 16, torch.int8)
+
+
+def test_a_missing_library_is_named(monkeypatch):
+    monkeypatch.setattr(cublaslt, "_lib", None)
+    monkeypatch.setattr(cublaslt, "_library_paths", lambda: ["/nonexistent/libcublasLt.so.99"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="libcublasLt.so"):
+        cublaslt.library()
+
+
+def _operands(m, n, k, recipe, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:3]] *= 30
+    w = torch.randn(n, k, generator=gen) * 2.0 ** torch.randint(-4, 4, (n, 1), generator=gen)
+    if recipe == "block":
+        a, a_s = quantize_rows_ref(x, 128)
+        wq, w_rows = quantize_blocks_on_rows(w)
+        ref = dequantize_rows(a, a_s, 128, torch.float64) @ dequantize_rows(wq, w_rows, 128, torch.float64).T
+        blocks = w_rows[::128].contiguous()  # [N / 128, K / 128]
+        return a, wq, a_s.t().contiguous(), blocks, ref  # activations' scales M-major, [K / 128, M]
+    a, a_s = quantize_rows_ref(x, k)
+    wq, w_s = quantize_rows_ref(w, k)
+    ref = dequantize_rows(a, a_s, k, torch.float64) @ dequantize_rows(wq, w_s, k, torch.float64).T
+    if recipe == "outer":
+        return a, wq, a_s.view(-1), w_s.view(-1), ref
+    return a, wq, a_s, w_s, ref  # tensor: the bare product, scaled here afterwards
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensor", "outer", "block"])
+@pytest.mark.parametrize("m", [8, 36, 144])  # the block recipe's rows in 4s (cuBLASLt's scale leading dimension)
+def test_every_candidate_matches_float64(recipe, m):
+    n, k = 384, 1024
+    a, wq, a_s, w_s, ref = _operands(m, n, k, recipe, seed=m)
+    a, wq, a_s, w_s = a.cuda(), wq.cuda(), a_s.cuda(), w_s.cuda()
+    plan = cublaslt.Fp8Matmul(n, k, m, torch.bfloat16, recipe, device="cuda")
+    candidates = plan.candidates(count=8, splits=(2, 4))
+    assert candidates, "cuBLASLt offered no algorithm"
+    one = torch.ones((), device="cuda")
+    scales = (one, one) if recipe == "tensor" else (a_s, w_s)
+    scale = ref.abs().max().item()
+    for algo in candidates:
+        out = plan(a, wq, algo, x_scale=scales[0], w_scale=scales[1]).double().cpu()
+        if recipe == "tensor":
+            out = out * a_s.cpu().double() * w_s.cpu().double().view(1, -1)
+        # bf16's rounding of the output (2^-9 of max |y|) and Hopper's promoted accumulation; a wrong scale, layout or
+        # split is off by O(1)
+        assert (out - ref).abs().max().item() <= 1e-2 * scale, str(algo)
+    rebuilt = plan.built(candidates[-1].config)
+    assert rebuilt is not None and rebuilt.config == candidates[-1].config
+    assert torch.equal(plan(a, wq, rebuilt, x_scale=scales[0], w_scale=scales[1]),
+                       plan(a, wq, candidates[-1], x_scale=scales[0], w_scale=scales[1]))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_a_call_replays_in_a_cuda_graph():
+    m, n, k = 64, 512, 2048
+    a, wq, a_s, w_s, _ = _operands(m, n, k, "outer", seed=1)
+    static_a, wq, static_s, w_s = a.cuda(), wq.cuda(), a_s.cuda(), w_s.cuda()
+    plan = cublaslt.Fp8Matmul(n, k, m, torch.bfloat16, "outer", device="cuda")
+    algo = max(plan.candidates(count=8, splits=(4,)), key=lambda c: c.config["split_k"])  # a split one if offered
+    plan(static_a, wq, algo, x_scale=static_s, w_scale=w_s)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = plan(static_a, wq, algo, x_scale=static_s, w_scale=w_s)
+    for seed in (2, 3):
+        a, _, a_s, _, _ = _operands(m, n, k, "outer", seed=seed)
+        static_a.copy_(a.cuda())
+        static_s.copy_(a_s.cuda())
+        graph.replay()
+        assert torch.equal(static_out, plan(static_a, wq, algo, x_scale=static_s, w_scale=w_s))
