@@ -105,8 +105,14 @@ def library() -> ctypes.CDLL:
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
         _lib = lib
     return _lib
+
+
+def version() -> int:
+    """cuBLASLt's version (e.g. 130100 for 13.1.0)."""
+    return int(library().cublasLtGetVersion())
 
 
 def _check(status: int, what: str) -> None:
@@ -180,6 +186,11 @@ class Algorithm:
     workspace: int
     waves: float
     config: dict = field(hash=False, compare=False)
+
+    def entry(self) -> dict:
+        """What a table keeps of it: its configuration, and its bytes with the cuBLASLt version they belong to (used
+        where the version matches: a configuration may not name all that picks a kernel)."""
+        return {**self.config, "raw": self.raw.hex(), "version": version()}
 
     def __str__(self) -> str:
         c = self.config
@@ -279,8 +290,13 @@ class Fp8Matmul:
         return variants
 
     def built(self, config: dict) -> Algorithm | None:
-        """The algorithm that `config` (an Algorithm's, as a table would keep it) describes, rebuilt for this product
-        (cuBLASLt's algorithm bytes are its own; a configuration is what carries over), or None where refused."""
+        """The algorithm a table's entry (Algorithm.entry, or its configuration alone) names, for this product, or None
+        where cuBLASLt refuses it: its bytes where this is the cuBLASLt version they came from, else rebuilt from its
+        configuration (cuBLASLt's bytes are its own; a configuration carries over)."""
+        if "raw" in config and int(config.get("version", -1)) == version():
+            same = self.checked(_Algo.from_buffer_copy(bytes.fromhex(config["raw"])))
+            if same is not None:
+                return same
         algo = _Algo()
         fp8, out = _DTYPES[torch.float8_e4m3fn], _DTYPES[self.out_dtype]
         if library().cublasLtMatmulAlgoInit(self.handle, _COMPUTE_32F, _DTYPES[torch.float32], fp8, fp8, out, out,

@@ -191,8 +191,8 @@ def apply_table(measured: dict) -> None:
             raise ValueError(f"cuBLASLt algorithms for {key!r}: the recipes are {CUBLASLT_RECIPES}, and each "
                              "configuration names its algorithm's id")
         n, k = map(int, shape.split("x"))
-        CUBLASLT_ALGOS[(recipe, n, k)] = [(int(m), None if c is None else {name: int(v) for name, v in c.items()})
-                                          for m, c in rows]
+        CUBLASLT_ALGOS[(recipe, n, k)] = [(int(m), None if c is None else {
+            name: v if name == "raw" else int(v) for name, v in c.items()}) for m, c in rows]
     for key, rows in measured.get("tiles", {}).items():
         scheme, shape = key.split()
         n, k = map(int, shape.split("x"))

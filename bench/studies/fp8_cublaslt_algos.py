@@ -133,7 +133,8 @@ def main() -> None:
                     print(f"{name:>12} {m:>4} {recipe:>6} | {e}")
                     continue
                 for algo in candidates:  # waves: the heuristic's estimate (0 for a split-K variant built here)
-                    entry = {"config": algo.config, "workspace": algo.workspace, "waves": algo.waves}
+                    entry = {"config": algo.config, "table_entry": algo.entry(), "workspace": algo.workspace,
+                             "waves": algo.waves}
                     try:
                         entry["error"] = error(lt(copies[recipe][0], algo))
                         if entry["error"] <= args.max_error:
@@ -186,7 +187,7 @@ def cublaslt_table(rows: list[dict], margin: float) -> dict:
         best, torch_us = row.get("best"), row.get("torch_us")
         wins = best is not None and torch_us is not None and torch_us >= margin * best["us"]
         table.setdefault(f"{row['recipe']} {row['n']}x{row['k']}", []).append(
-            [row["m"], best["config"] if wins else None])
+            [row["m"], best["table_entry"] if wins else None])
     return table
 
 

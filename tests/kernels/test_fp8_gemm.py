@@ -522,7 +522,7 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
             monkeypatch.setitem(dispatch.TABLE, (n, k), [(1 << 62, backend)])
         plan = cublaslt.Fp8Matmul(n, k, rows, torch.bfloat16, recipe, device="cuda")
         for algo in plan.candidates(count=4, splits=(2, 4)):
-            dispatch.CUBLASLT_ALGOS[(recipe, n, k)] = [(1 << 62, algo.config)]
+            dispatch.CUBLASLT_ALGOS[(recipe, n, k)] = [(1 << 62, algo.entry())]  # as a table names it
             assert_close_to_float64(call(recipe, x.bfloat16()), ref_b if recipe == "block" else ref, rel=1e-2)
             if recipe == "tensor":
                 product = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k, unscaled=True)
