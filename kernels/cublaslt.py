@@ -306,11 +306,14 @@ class Fp8Matmul:
             return None
         return self.checked(algo)
 
-    def candidates(self, count: int = 32, splits: tuple[int, ...] = (2, 3, 4, 6, 8)) -> list[Algorithm]:
-        """The heuristic's candidates and their split-K variants, each configuration once."""
+    def candidates(self, count: int = 32, splits: tuple[int, ...] = (2, 3, 4, 6, 8), split_top: int = 0
+                   ) -> list[Algorithm]:
+        """The heuristic's candidates and the split-K variants of its first split_top (0: all), each configuration
+        once."""
         seen, out = set(), []
-        for base in self.heuristic(count):
-            for algo in [base] + [v for s in splits for v in self.split_k(base, s)]:
+        for rank, base in enumerate(self.heuristic(count)):
+            variants = [v for s in splits for v in self.split_k(base, s)] if not split_top or rank < split_top else []
+            for algo in [base] + variants:
                 key = tuple(sorted(algo.config.items()))
                 if key not in seen:
                     seen.add(key)

@@ -7,11 +7,13 @@ programs at these M; torch asks its heuristic for one algorithm and offers no ot
 lists the heuristic's candidates (up to --count) and their split-K variants (--splits, every reduction scheme an
 algorithm supports); each is timed as decode runs it (a CUDA graph of calls over copies of W larger than L2:
 bench/fp8_gemm_table.cold_graph_us), first briefly, then the best few again at full length, beside torch's call of
-the same recipe: tensor-wise on unit scales (the bare product, the engine's decode GEMM), row-wise ("outer": per token
-x per channel) and the block recipe (1 x 128 activations, 128 x 128 weights). Every candidate's output is checked
-against float64 on the same quantized operands; one off by more than --max-error of max |y| is reported and not
-ranked. The table gives, per product, M and recipe: torch's time, the heuristic's first through this binding (which
-should match torch's), the best candidate, its speed-up over torch and what it is (tile, stages, split-K).
+the same recipe and the engine's Triton kernel: tensor-wise on unit scales (the bare product, the engine's decode
+GEMM), row-wise ("outer": per token x per channel) and the block recipe (1 x 128 activations, 128 x 128 weights).
+Every candidate's output is checked against float64 on the same quantized operands; one off by more than --max-error
+of max |y| is reported and not ranked. The table gives, per product, M and recipe: Triton's and torch's times, the heuristic's first through this
+binding (which should match torch's), the best candidate, its speed-up over torch and what it is (tile, stages,
+split-K). --table-out writes the winners as the dispatch's CUBLASLT_ALGOS, and the block products' choice between
+cuBLASLt and Triton as its BLOCK_TABLE rows (block_backends), for NANOSERVE_FP8_GEMM_TABLE.
 
     python bench/studies/fp8_cublaslt_algos.py --out fp8_cublaslt_algos.json
     python bench/studies/fp8_cublaslt_algos.py --tokens 128,144 --recipes tensor --count 64
@@ -27,17 +29,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.fp8_gemm_table import QWEN3_8B_GEMMS  # noqa: E402
 
-TOKENS = [64, 128, 144, 192, 256]
+TOKENS = [16, 32, 64, 96, 128, 144, 160, 192, 224, 256]
 RECIPES = ("tensor", "outer", "block")
+TABLE_RECIPES = ("tensor", "block")  # the engine's decode products (row-wise runs prefill's)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--recipes", default=",".join(TABLE_RECIPES), help=f"of {', '.join(RECIPES)}")
     p.add_argument("--gemms", default=",".join(name for name, _, _ in QWEN3_8B_GEMMS))
-    p.add_argument("--count", type=int, default=32, help="heuristic candidates asked for")
-    p.add_argument("--splits", default="2,3,4,6,8", help="split-K counts tried on each candidate ('' for none)")
+    p.add_argument("--count", type=int, default=16, help="heuristic candidates asked for")
+    p.add_argument("--splits", default="2,4,8", help="split-K counts tried ('' for none)")
+    p.add_argument("--split-top", type=int, default=4, help="on the heuristic's first this many candidates (0: all)")
     p.add_argument("--screen-ms", type=int, default=3, help="each candidate's first timing")
     p.add_argument("--timing-ms", type=int, default=10, help="the best few's (and torch's) timing")
     p.add_argument("--finalists", type=int, default=4)
@@ -64,8 +68,8 @@ def main() -> None:
     splits = tuple(int(s) for s in args.splits.split(",") if s)
     recipes = args.recipes.split(",")
     rows = []
-    print(f"{'gemm':>12} {'M':>4} {'recipe':>6} | us: {'torch':>6} {'lt first':>8} {'lt best':>7} {'x torch':>7} "
-          f"{'TB/s':>5} | {'tried':>5} {'bad':>3} | best")
+    print(f"{'gemm':>12} {'M':>4} {'recipe':>6} | us: {'triton':>6} {'torch':>6} {'lt first':>8} {'lt best':>7} "
+          f"{'x torch':>7} {'TB/s':>5} | {'tried':>5} {'bad':>3} | best")
     for name, n, k in QWEN3_8B_GEMMS:
         if name not in args.gemms.split(","):
             continue
@@ -78,6 +82,7 @@ def main() -> None:
         blocks = wf.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
         wbq = (wf / blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
         wb64 = wbq.double() * blocks.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        block_rows = blocks.repeat_interleave(128, 0).contiguous()  # the loader's layout: a block's scale on its rows
         copies = {"tensor": weight_copies(wq)}
         copies["outer"] = copies["tensor"]
         if "block" in recipes:
@@ -98,11 +103,18 @@ def main() -> None:
             ref_b = (ab[:m].double() * a_blk.double().repeat_interleave(128, 1)) @ wb64.T
             a_rows = a_s.view(-1)[:m].contiguous()
             torch_calls = {
-                "tensor": lambda w: fp8_gemm.unit_scaled_product(a, w, torch.bfloat16, -(-m // 16) * 16),
+                "tensor": lambda w: fp8_gemm.unit_scaled_product(a, w, torch.bfloat16),  # on M rows, as the engine
                 "outer": lambda w: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16),
                 "block": lambda w: F.scaled_mm(ab, w.t(), a_blk_mmajor.t(), F.ScalingType.BlockWise1x128, blocks.t(),
                                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
             }
+            # the engine's Triton kernel on the same operands (its measured tiles), which the dispatch weighs them against
+            triton_calls = {
+                "tensor": lambda w: fp8_gemm.triton_fp8_gemm(a, a_s, w, ws, k, torch.bfloat16),
+                "block": lambda w: fp8_gemm.triton_fp8_gemm(ab[:m], a_blk, w, block_rows, 128, torch.bfloat16,
+                                                            rows_sharing_scales=128),
+            }
+            triton_calls["outer"] = triton_calls["tensor"]
             for recipe in recipes:
                 rows_run = m4 if recipe == "block" else m
                 plan = Fp8Matmul(n, k, rows_run, torch.bfloat16, recipe, device=device, x_stride=k)
@@ -119,14 +131,15 @@ def main() -> None:
                     r = ref_b if recipe == "block" else ref
                     return (out - r).abs().max().item() / r.abs().max().item()
 
-                row = {"gemm": name, "n": n, "k": k, "m": m, "recipe": recipe, "candidates": []}
+                row = {"gemm": name, "n": n, "k": k, "m": m, "recipe": recipe, "candidates": [],
+                       "triton_us": cold_graph_us(triton_calls[recipe], copies[recipe], args.timing_ms)}
                 try:
                     row["torch_us"] = cold_graph_us(torch_calls[recipe], copies[recipe], args.timing_ms)
                     row["torch_error"] = error(torch_calls[recipe](copies[recipe][0]))
                 except Exception as e:  # noqa: BLE001  a recipe this torch cannot run is a result
                     row["torch_us"], row["torch_error"] = None, f"{type(e).__name__}: {str(e)[:160]}"
                 try:
-                    candidates = plan.candidates(args.count, splits)
+                    candidates = plan.candidates(args.count, splits, args.split_top)
                 except RuntimeError as e:
                     row["error"] = str(e)
                     rows.append(row)
@@ -159,7 +172,8 @@ def main() -> None:
                 first_us = first[1].get("us") if first is not None else None
                 best_us = best[1]["us"] if best else None
                 row["best"] = best[1] if best else None
-                print(f"{name:>12} {m:>4} {recipe:>6} | {_us(torch_us):>10} {_us(first_us):>8} {_us(best_us):>7} "
+                print(f"{name:>12} {m:>4} {recipe:>6} | {_us(row['triton_us']):>10} {_us(torch_us):>6} "
+                      f"{_us(first_us):>8} {_us(best_us):>7} "
                       f"{(torch_us / best_us if torch_us and best_us else 0):>7.2f} "
                       f"{(n * k / best_us / 1e6 if best_us else 0):>5.2f} | {len(candidates):>5} {bad:>3} | "
                       f"{best[0] if best else '-'}", flush=True)
@@ -168,7 +182,7 @@ def main() -> None:
     if args.table_out:
         table = cublaslt_table(rows, args.margin)
         with open(args.table_out, "w") as f:
-            json.dump({"cublaslt_algos": table}, f, indent=1)
+            json.dump({"cublaslt_algos": table, "block_backends": block_backends(rows, args.margin)}, f, indent=1)
         print(f"wrote {args.table_out}: {sum(c is not None for r in table.values() for _, c in r)} products "
               f"on another algorithm")
     if args.out:
@@ -184,10 +198,32 @@ def cublaslt_table(rows: list[dict], margin: float) -> dict:
     call by `margin`, else None (torch's)."""
     table: dict[str, list] = {}
     for row in sorted(rows, key=lambda r: r["m"]):
-        best, torch_us = row.get("best"), row.get("torch_us")
-        wins = best is not None and torch_us is not None and torch_us >= margin * best["us"]
+        winner = _winner(row, margin)
         table.setdefault(f"{row['recipe']} {row['n']}x{row['k']}", []).append(
-            [row["m"], best["table_entry"] if wins else None])
+            [row["m"], winner["table_entry"] if winner else None])
+    return table
+
+
+def _winner(row: dict, margin: float) -> dict | None:
+    """The best candidate where it beat torch's call by `margin` (the table names it), else None."""
+    best, torch_us = row.get("best"), row.get("torch_us")
+    return best if best is not None and (torch_us is None or torch_us >= margin * best["us"]) else None
+
+
+def block_backends(rows: list[dict], margin: float) -> dict:
+    """BLOCK_TABLE's rows for the measured block products: at each measured M the block recipe on cuBLASLt (on the
+    algorithm cublaslt_table names, else torch's) where it beat the Triton kernel, else Triton; past the last,
+    cuBLASLt (prefill's M, where it won by 1.6-1.7x: bench/RESULTS.md, 2026-12-05)."""
+    from kernels.fp8_gemm_dispatch import ANY_M
+
+    table: dict[str, list] = {}
+    for row in sorted((r for r in rows if r["recipe"] == "block"), key=lambda r: r["m"]):
+        winner = _winner(row, margin)
+        us = winner["us"] if winner else row.get("torch_us")
+        cublaslt = us is not None and us < row["triton_us"]
+        table.setdefault(f"{row['n']}x{row['k']}", []).append([row["m"], "block_scaled_mm" if cublaslt else "triton"])
+    for shape_rows in table.values():
+        shape_rows.append([ANY_M, "block_scaled_mm"])
     return table
 
 
