@@ -10,10 +10,10 @@ bench/fp8_gemm_table.cold_graph_us), first briefly, then the best few again at f
 the same recipe and the engine's Triton kernel: tensor-wise on unit scales (the bare product, the engine's decode
 GEMM), row-wise ("outer": per token x per channel) and the block recipe (1 x 128 activations, 128 x 128 weights).
 Every candidate's output is checked against float64 on the same quantized operands; one off by more than --max-error
-of max |y| is reported and not ranked. The table gives, per product, M and recipe: Triton's and torch's times, the heuristic's first through this
-binding (which should match torch's), the best candidate, its speed-up over torch and what it is (tile, stages,
-split-K). --table-out writes the winners as the dispatch's CUBLASLT_ALGOS, and the block products' choice between
-cuBLASLt and Triton as its BLOCK_TABLE rows (block_backends), for NANOSERVE_FP8_GEMM_TABLE.
+of max |y| is reported and not ranked. The table gives, per product, M and recipe: Triton's and torch's times, the
+heuristic's first through this binding (which should match torch's), the best candidate, its speed-up over torch and
+what it is (tile, stages, split-K). --table-out writes the winners as the dispatch's CUBLASLT_ALGOS, and the block
+products' choice between cuBLASLt and Triton as its BLOCK_TABLE rows (block_backends), for NANOSERVE_FP8_GEMM_TABLE.
 
     python bench/studies/fp8_cublaslt_algos.py --out fp8_cublaslt_algos.json
     python bench/studies/fp8_cublaslt_algos.py --tokens 128,144 --recipes tensor --count 64
@@ -108,7 +108,7 @@ def main() -> None:
                 "block": lambda w: F.scaled_mm(ab, w.t(), a_blk_mmajor.t(), F.ScalingType.BlockWise1x128, blocks.t(),
                                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
             }
-            # the engine's Triton kernel on the same operands (its measured tiles), which the dispatch weighs them against
+            # the engine's Triton kernel on the same operands (its tiles), which the dispatch weighs them against
             triton_calls = {
                 "tensor": lambda w: fp8_gemm.triton_fp8_gemm(a, a_s, w, ws, k, torch.bfloat16),
                 "block": lambda w: fp8_gemm.triton_fp8_gemm(ab[:m], a_blk, w, block_rows, 128, torch.bfloat16,
