@@ -90,7 +90,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, unused=quant.unused if quant is not None else ())
     model.requires_grad_(False)
     facts.weight_format = str(dtype).removeprefix("torch.")
     if quant is not None:
@@ -115,8 +115,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.copy_(noise / param.shape[-1] ** 0.5)
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Stream every *.safetensors tensor into its parameter; fail if any parameter stays unloaded."""
+def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ()) -> None:
+    """Stream every *.safetensors tensor into its parameter; fail if any parameter stays unloaded. Tensors whose last
+    name is in `unused` (an FP8 checkpoint's static activation scales) are skipped."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -128,6 +129,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed from the config
+                if ckpt_name.rpartition(".")[2] in unused:
+                    continue
                 if ckpt_name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # the LM head is embed_tokens' weight
                 name, shard_id = model.checkpoint_param(ckpt_name) or _our_name(ckpt_name, packed)

@@ -7,8 +7,14 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
 - block: the fine-grained FP8 of DeepSeek and Qwen3-*-FP8, `{"quant_method": "fp8", "weight_block_size":
   [128, 128]}`. Each Linear weight is float8_e4m3fn with a float32 `weight_scale_inv` per block of
   128 output rows x 128 input columns (ceil at the edges); W = weight * weight_scale_inv.
-- channel: compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC): float8_e4m3fn weights with a float32
-  `weight_scale` per output row (or one per tensor), activations quantized per token at run time.
+- channel: float8_e4m3fn weights with a float32 `weight_scale` per output row or one per tensor (each served
+  as a scale per row), activations quantized per token at run time. The checkpoints written so:
+  compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC, per row; its FP8 scheme, per tensor with static
+  activation scales); `{"quant_method": "fp8"}` without weight_block_size (AutoFP8's and vLLM's per-tensor
+  export, activation_scheme dynamic or static); `{"quant_method": "fbgemm_fp8"}` (Meta's Llama 3.1 FP8: per
+  row, dynamic per-token activations; its activation_scale_ub clamp is not applied).
+  A checkpoint's static activation scales (`input_scale`, one per tensor) are read and not used: each
+  token's activations are quantized with their own max, at least as fine as one calibrated scale.
 - online: `--quantization fp8` on a bf16/fp32 checkpoint: each Linear weight quantized per output row at
   load, the same arithmetic as channel.
 
@@ -23,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 
 QUANTIZATION_CHOICES = ("fp8",)  # --quantization
+STATIC_SCALES = ("input_scale",)  # a static activation scale per converted module, not used (module docstring)
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class WeightQuantization:
     block: tuple[int, int] = (128, 128)  # block: (output rows, input columns) per scale
     scale_name: str = "weight_scale_inv"  # the checkpoint tensor beside each weight
     not_converted: tuple[str, ...] = field(default_factory=tuple)  # module names or "re:" patterns
+    unused: tuple[str, ...] = ()  # checkpoint tensors (their last name) read and not used: static activation scales
 
     def converts(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. model.layers.0.mlp.up_proj) holds FP8 weights."""
@@ -74,17 +82,26 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
 
     def refuse(why: str) -> ValueError:
         return ValueError(f"{model_dir}: quantization_config quant_method {method!r}: {why}. nanoserve loads "
-                          "FP8 checkpoints only: quant_method 'fp8' with weight_block_size, or "
-                          "'compressed-tensors' FP8 with channel or tensor weight scales and dynamic activations")
+                          "FP8 checkpoints only: quant_method 'fp8' (with or without weight_block_size), "
+                          "'fbgemm_fp8', or 'compressed-tensors' FP8 with channel or tensor weight scales")
 
     if method == "fp8":
-        block = raw.get("weight_block_size")
-        if not block or len(block) != 2:
-            raise refuse("per-tensor FP8 (no weight_block_size) is not supported")
-        if raw.get("activation_scheme", "dynamic") != "dynamic":
-            raise refuse(f"activation_scheme {raw.get('activation_scheme')!r} is not supported, only 'dynamic'")
+        block, activations = raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic")
+        not_converted = tuple(raw.get("modules_to_not_convert") or ())
+        if activations not in ("dynamic", "static"):
+            raise refuse(f"activation_scheme {activations!r} is not supported, only 'dynamic' or 'static'")
+        if block is None:  # a float32 weight_scale per tensor (AutoFP8, vLLM's export)
+            return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
+                                      not_converted=not_converted,
+                                      unused=STATIC_SCALES if activations == "static" else ())
+        if len(block) != 2:
+            raise refuse(f"weight_block_size {block!r} is not [rows, columns]")
+        if activations != "dynamic":
+            raise refuse("activation_scheme 'static' with weight_block_size is not supported, only 'dynamic'")
         return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
-                                  scale_name="weight_scale_inv",
+                                  scale_name="weight_scale_inv", not_converted=not_converted)
+    if method == "fbgemm_fp8":  # a float32 weight_scale [N, 1] per row; activations per token at run time
+        return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
                                   not_converted=tuple(raw.get("modules_to_not_convert") or ()))
     if method == "compressed-tensors":
         groups = list((raw.get("config_groups") or {}).values())
@@ -96,8 +113,9 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
                          "only 8-bit float")
         if weights.get("strategy") not in ("channel", "tensor"):
             raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel or tensor")
-        if acts is not None and not acts.get("dynamic", False):
-            raise refuse("static activation scales are not supported, only dynamic ones")
+        static = acts is not None and not acts.get("dynamic", False)
+        if static and acts.get("strategy") != "tensor":
+            raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                  not_converted=tuple(raw.get("ignore") or ()))
+                                  not_converted=tuple(raw.get("ignore") or ()), unused=STATIC_SCALES if static else ())
     raise refuse("this quantization method is not supported")

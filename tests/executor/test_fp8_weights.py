@@ -38,15 +38,19 @@ def load(path: str, **kwargs):
     return load_model(path, torch.float32, CPU, TorchAttentionBackend(), **kwargs)
 
 
-@pytest.mark.parametrize("scheme", ["block", "channel"])
-def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme):
-    model, facts = load(os.path.join(checkpoints, scheme))
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm"])
+def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme, caplog):
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, facts = load(os.path.join(checkpoints, scheme))
     reference, _ = load(os.path.join(checkpoints, f"{scheme}_dequantized"))
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
-    assert facts.weight_format == {"block": "fp8_e4m3fn, 128x128 block scales",
-                                   "channel": "fp8_e4m3fn, per-channel scales"}[scheme]
+    assert facts.weight_format == ("fp8_e4m3fn, 128x128 block scales" if scheme == "block" else
+                                   "fp8_e4m3fn, per-channel scales")  # a scale per tensor is served per row
+    # the per-tensor checkpoint's static input_scale tensors are skipped, and the log says so
+    said = "static activation scales (input_scale) are not used" in caplog.text
+    assert said is (scheme == "tensor")
 
 
 def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
@@ -61,8 +65,12 @@ def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkp
     ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq'"),
     ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor FP8"),
+    ({"quant_method": "fp8", "activation_scheme": "calibrated"}, "'calibrated'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "'static'"),
+    ({"quant_method": "fp8", "weight_block_size": [128], "activation_scheme": "dynamic"}, r"\[128\]"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}}}}, "'token'"),
 ])
 def test_an_unsupported_quantization_config_is_refused_at_start_up_naming_it(checkpoints, tmp_path, config, named):
     with open(os.path.join(checkpoints, "plain", "config.json")) as f:

@@ -3,7 +3,10 @@ weights (what HF transformers runs as the reference).
 
 - block: the fine-grained format of Qwen3-*-FP8 and DeepSeek (quant_method "fp8", 128 x 128 blocks of
   float32 `weight_scale_inv`), with `modules_to_not_convert` naming one layer's MLP;
-- channel: compressed-tensors FP8_DYNAMIC (a `weight_scale` per output row, dynamic per-token activations).
+- channel: compressed-tensors FP8_DYNAMIC (a `weight_scale` per output row, dynamic per-token activations);
+- tensor: AutoFP8's per-tensor format (quant_method "fp8" without weight_block_size: a scalar `weight_scale` per
+  module, and a static `input_scale` per module, activation_scheme "static");
+- fbgemm: Meta's fbgemm_fp8 (a `weight_scale` [N, 1] per output row, activation_scale_ub).
 
 Before quantizing, every weight block is multiplied by its own factor in [0.5, 2], so the scales differ
 block to block and a scale applied to the wrong block changes the output.
@@ -22,6 +25,7 @@ from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_r
 
 BLOCK = (128, 128)
 NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
+SCHEMES = ("block", "channel", "tensor", "fbgemm")
 
 
 def _converted(name: str, not_converted: tuple[str, ...]) -> bool:
@@ -52,6 +56,12 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
             q, scale = quantize_blocks_ref(w, BLOCK)
             fp8[module + ".weight_scale_inv"] = scale
             plain[name] = dequantize_blocks(q, scale, BLOCK)
+        elif scheme == "tensor":
+            q, scale = quantize_rows_ref(w.reshape(1, -1), w.numel())
+            q, scale = q.reshape(w.shape), scale.reshape(())  # AutoFP8 writes 0-dim scales
+            fp8[module + ".weight_scale"] = scale
+            fp8[module + ".input_scale"] = torch.rand((), generator=gen) + 0.01  # static: read, not used
+            plain[name] = q.float() * scale
         else:
             q, scale = quantize_rows_ref(w, w.shape[1])
             fp8[module + ".weight_scale"] = scale
@@ -69,13 +79,13 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
 
 def tiny_fp8_checkpoints(root: str) -> str:
     """Under root: a tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v
-    96 rows) in `plain`, its FP8 versions in `block` and `channel`, and their dequantized twins in
-    `block_dequantized` and `channel_dequantized`. Returns root."""
+    96 rows) in `plain`, its FP8 versions in `block`, `channel`, `tensor` and `fbgemm`, and their dequantized twins
+    in `<scheme>_dequantized`. Returns root."""
     from support.tiny_checkpoints import make_tiny_llama
 
     make_tiny_llama(os.path.join(root, "plain"), hidden_size=192, intermediate_size=320, num_attention_heads=4,
                     num_key_value_heads=2)
-    return _both_schemes(root)
+    return _write_schemes(root, SCHEMES)
 
 
 def tiny_fp8_moe_checkpoints(root: str) -> str:
@@ -86,12 +96,13 @@ def tiny_fp8_moe_checkpoints(root: str) -> str:
     from support.tiny_checkpoints import make_tiny_qwen3_moe
 
     make_tiny_qwen3_moe(os.path.join(root, "plain"), hidden_size=192, moe_intermediate_size=160)
-    return _both_schemes(root)
+    return _write_schemes(root)
 
 
-def _both_schemes(root: str) -> str:
-    """root/plain's FP8 versions in root/block and root/channel, with their dequantized twins. Returns root."""
-    for scheme in ("block", "channel"):
+def _write_schemes(root: str, schemes: tuple[str, ...] = ("block", "channel")) -> str:
+    """root/plain's FP8 versions in root/<scheme> for each of `schemes`, with their dequantized twins. Returns
+    root."""
+    for scheme in schemes:
         write_fp8_checkpoints(os.path.join(root, "plain"), os.path.join(root, scheme),
                               os.path.join(root, f"{scheme}_dequantized"), scheme)
     return root
@@ -101,6 +112,12 @@ def _quantization_config(scheme: str, not_converted: tuple[str, ...]) -> dict:
     if scheme == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", *not_converted]}
+    if scheme == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": "static", "modules_to_not_convert": ["lm_head",
+                                                                                              *not_converted]}
+    if scheme == "fbgemm":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                "modules_to_not_convert": ["lm_head", *not_converted]}
     fp8_group = {"targets": ["Linear"],
                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
                              "dynamic": False},
