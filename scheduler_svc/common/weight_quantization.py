@@ -14,7 +14,9 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
   export, activation_scheme dynamic or static); `{"quant_method": "fbgemm_fp8"}` (Meta's Llama 3.1 FP8: per
   row, dynamic per-token activations; its activation_scale_ub clamp is not applied).
   A checkpoint's static activation scales (`input_scale`, one per tensor) are read and not used: each
-  token's activations are quantized with their own max, at least as fine as one calibrated scale.
+  token's activations are quantized with their own max, at least as fine as one calibrated scale. Nor are
+  compressed-tensors' KV cache scales (`k_scale`, `v_scale`): an fp8 KV pool calibrates its own
+  (executor_svc/kv_calibration.py).
 - online: `--quantization fp8` on a bf16/fp32 checkpoint: each Linear weight quantized per output row at
   load, the same arithmetic as channel.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 QUANTIZATION_CHOICES = ("fp8",)  # --quantization
 STATIC_SCALES = ("input_scale",)  # a static activation scale per converted module, not used (module docstring)
+KV_SCALES = ("k_scale", "v_scale")  # compressed-tensors' kv_cache_scheme: the KV pool calibrates its own scales
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         static = acts is not None and not acts.get("dynamic", False)
         if static and acts.get("strategy") != "tensor":
             raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
+        unused = (STATIC_SCALES if static else ()) + (KV_SCALES if raw.get("kv_cache_scheme") else ())
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                  not_converted=tuple(raw.get("ignore") or ()), unused=STATIC_SCALES if static else ())
+                                  not_converted=tuple(raw.get("ignore") or ()), unused=unused)
     raise refuse("this quantization method is not supported")

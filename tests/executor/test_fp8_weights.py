@@ -49,8 +49,26 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
     assert facts.weight_format == ("fp8_e4m3fn, 128x128 block scales" if scheme == "block" else
                                    "fp8_e4m3fn, per-channel scales")  # a scale per tensor is served per row
     # the per-tensor checkpoint's static input_scale tensors are skipped, and the log says so
-    said = "static activation scales (input_scale) are not used" in caplog.text
+    said = "static scales (input_scale) are not used" in caplog.text
     assert said is (scheme == "tensor")
+
+
+def test_a_checkpoints_static_and_kv_cache_scales_are_named_as_unused(tmp_path):
+    def unused(config: dict) -> tuple[str, ...]:
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump({"quantization_config": config}, f)
+        return weight_quantization(str(tmp_path), None).unused
+
+    fp8 = {"num_bits": 8, "type": "float"}
+    groups = {"g": {"weights": {**fp8, "strategy": "tensor"},
+                    "input_activations": {**fp8, "strategy": "tensor", "dynamic": False}}}
+    assert unused({"quant_method": "compressed-tensors", "config_groups": groups}) == ("input_scale",)
+    assert unused({"quant_method": "compressed-tensors", "config_groups": groups,
+                   "kv_cache_scheme": {**fp8, "strategy": "tensor", "dynamic": False}}) == (
+        "input_scale", "k_scale", "v_scale")
+    assert unused({"quant_method": "fp8", "activation_scheme": "static"}) == ("input_scale",)
+    assert unused({"quant_method": "fp8", "activation_scheme": "dynamic"}) == ()
+    assert unused({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}) == ()
 
 
 def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
