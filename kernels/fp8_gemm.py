@@ -27,9 +27,11 @@ Four GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
   At few tokens the product is a read of W by too few programs for the SMs: split-K gives each output tile
   SPLIT_K programs over slices of K, whose last one adds up the fp32 partials in the same launch.
 
-The three cuBLASLt recipes above (row-wise, tensor-wise, block) run on the algorithm cuBLASLt's heuristic gives torch, unless
-the dispatch's CUBLASLT_ALGOS names another for that shape and token count: then `cublaslt_product` runs that one
-through kernels/cublaslt.py (the same product, on another of cuBLASLt's kernels, split-K ones included).
+The three cuBLASLt recipes above (row-wise, tensor-wise, block) run on the algorithm cuBLASLt's heuristic gives
+torch, unless the dispatch's CUBLASLT_ALGOS names another for that shape and token count: then `cublaslt_product`
+runs that one through kernels/cublaslt.py (the same product, on another of cuBLASLt's kernels, split-K ones included).
+The row-wise and tensor-wise ones accumulate fast (unpromoted) from the dispatch's FAST_ACCUM_FROM tokens; torch
+refuses fast accumulation with block scales.
 
 Nothing syncs with the host or sizes by data, so all of it captures in the decode CUDA graphs. On the CPU
 the engine never calls this (fp8 weights are dequantized at load); the Triton kernels still run, unchanged,
@@ -302,14 +304,13 @@ def block_recipe_runs(device: torch.device) -> bool:
 
 
 def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_blocks: torch.Tensor,
-                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0,
-                             fast_accum: bool = False) -> torch.Tensor:
+                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,
     w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). cuBLASLt takes the activations' scales M-major
     (strides (1, M)), which the quantizers do not write: one small copy here. It refuses a leading dimension that is
     not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on the H200), so the product runs on max(M, rows) rounded up to
     4 rows (the dispatch pads to more where that is faster, as scaled_mm_fp8_gemm). A bf16 output is the one measured
-    (fp8_linear takes Triton for others). fast_accum as scaled_mm_fp8_gemm."""
+    (fp8_linear takes Triton for others). Always promoted: torch refuses fast accumulation with block scales."""
     import torch.nn.functional as F
 
     m = a.shape[0]
@@ -319,10 +320,10 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
     scale_a = a_scale.t().contiguous().t()
     config = cublaslt_algorithm("block", m, *w.shape)
     out = None if config is None else cublaslt_product("block", a, w, scale_a.t(), w_blocks, out_dtype, config,
-                                                       fast_accum)
+                                                       False)
     if out is None:
         out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(),
-                          F.ScalingType.BlockWise128x128, output_dtype=out_dtype, use_fast_accum=fast_accum)
+                          F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     out = out[:m]
     return out if bias is None else out + bias
 
@@ -441,7 +442,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k,
                                 whole_blocks=block_scales is not None and out_dtype == torch.bfloat16)
     if backend == "block_scaled_mm":
-        out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows, fast_accum=fast)
+        out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)
     elif backend == "scaled_mm":
         out = scaled_mm_fp8_gemm(a, a_scale, w, w_scale, out_dtype, bias, rows=rows, fast_accum=fast)
     elif backend == "unit_scaled_mm":

@@ -3,16 +3,16 @@ engine.
 
 The engine runs its channel-scaled FP8 products as `torch._scaled_mm` with row-wise scales (per token x per output
 channel, applied in the GEMM's epilogue). torch serves each scaling recipe with a different kernel: row-wise with
-its own CUTLASS kernel or cuBLASLt's outer-vector scaling, tensor-wise (one float per operand) with cuBLASLt's
-plain FP8 GEMM, the 1 x 128 / 128 x 128 block recipe with cuBLASLt's block scaling. If the tensor-wise GEMM were
-much faster, the engine could run it with unit scales and leave the per-token and per-channel factors to the kernel
-that reads the product next (exact: only where bf16's rounding happens moves). Timed per Qwen3-8B product and M:
-bf16 (F.linear), row-wise at M rows and at 256, tensor-wise at M rows (unit scales, bf16 product), and the block
-recipe (cuBLASLt's, and the engine's Triton block GEMM on the same operands); each a CUDA graph of calls over copies
-of W larger than L2 (bench/fp8_gemm_table.cold_graph_us). The
-errors are of max |y| against float64 on the same quantized operands (tensor-wise: its product scaled afterwards in
-fp32). It then names the kernels each path launched at M = 132 (torch.profiler). `--fast-accum` also times the three
-cuBLASLt recipes with fast (unpromoted) accumulation, which CUTLASS's and vLLM's FP8 GEMMs use: whether it pays at
+its own CUTLASS kernel or cuBLASLt's outer-vector scaling, tensor-wise (one float per operand) with cuBLASLt's plain
+FP8 GEMM, the 1 x 128 / 128 x 128 block recipe with cuBLASLt's block scaling. If the tensor-wise GEMM were much
+faster, the engine could run it with unit scales and leave the per-token and per-channel factors to the kernel that
+reads the product next (exact: only where bf16's rounding happens moves). Timed per Qwen3-8B product and M: bf16
+(F.linear), row-wise at M rows and at 256, tensor-wise at M rows (unit scales, bf16 product), and the block recipe
+(cuBLASLt's, and the engine's Triton block GEMM on the same operands); each a CUDA graph of calls over copies of W
+larger than L2 (bench/fp8_gemm_table.cold_graph_us). The errors are of max |y| against float64 on the same quantized
+operands (tensor-wise: its product scaled afterwards in fp32). It then names the kernels each path launched at M =
+132 (torch.profiler). `--fast-accum` also times the row-wise and tensor-wise recipes with fast (unpromoted)
+accumulation (torch refuses it with block scales), which CUTLASS's and vLLM's FP8 GEMMs use: whether it pays at
 prefill's M, and what it costs in error.
 
     python bench/studies/fp8_scaling_modes.py --out fp8_scaling_modes.json
@@ -88,9 +88,9 @@ def main() -> None:
                 return torch._scaled_mm(a16, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                         use_fast_accum=fast)
 
-            def block(w, fast=False):  # scale_b [K / 128, N / 128], K-major (a transposed view), as cuBLASLt wants
+            def block(w):  # scale_b [K / 128, N / 128], K-major (a transposed view), as cuBLASLt wants
                 return F.scaled_mm(ab, w.t(), a_blk_t, F.ScalingType.BlockWise1x128, blocks.t(),
-                                   F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16, use_fast_accum=fast)
+                                   F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
             def triton_block(w):  # the engine's block GEMM: one weight scale per tile and K group
                 return fp8_gemm.triton_fp8_gemm(ab, a_blk, w, block_rows, 128, torch.bfloat16,
@@ -102,8 +102,7 @@ def main() -> None:
                        ("block", block, wbqs), ("triton_block", triton_block, wbqs)]
             if args.fast_accum:
                 recipes += [("rowwise_fast", lambda w: rowwise(w, fast=True), wqs),
-                            ("tensorwise_fast", lambda w: tensorwise(w, True), wqs),
-                            ("block_fast", lambda w: block(w, True), wbqs)]
+                            ("tensorwise_fast", lambda w: tensorwise(w, True), wqs)]
             for label, fn, ws_list in recipes:
                 try:
                     row["us"][label] = cold_graph_us(fn, ws_list, args.timing_ms)
@@ -129,9 +128,9 @@ def main() -> None:
                   f"{cell('tensorwise'):>13} {cell('block'):>13} {cell('triton_block'):>13} | {errs}", flush=True)
             if args.fast_accum:
                 errs = ", ".join(f"{row['err'][lb]:.1e}" if isinstance(row["err"][lb], float) else "fails"
-                                 for lb in ("rowwise_fast", "tensorwise_fast", "block_fast"))
+                                 for lb in ("rowwise_fast", "tensorwise_fast"))
                 print(f"{'fast accumulation':>47} {cell('rowwise_fast'):>13} {'':>13} {cell('tensorwise_fast'):>13} "
-                      f"{cell('block_fast'):>13} {'':>13} | {errs}", flush=True)
+                      f"{'':>13} {'':>13} | {errs}", flush=True)
             if m == 132 and name == "gate_up_proj":
                 for label, fn, ws_list in (("rowwise", rowwise, wqs), ("rowwise_256", lambda w: rowwise(w, 256), wqs),
                                            ("tensorwise", tensorwise, wqs), ("block", block, wbqs)):

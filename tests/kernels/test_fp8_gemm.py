@@ -230,6 +230,14 @@ def test_fast_accumulation_at_prefills_token_counts_matches_float64(monkeypatch,
     # row is off by O(1); and it is a different kernel from the promoted one, or the switch did nothing
     assert_close_to_float64(fast, ref, rel=FAST_ACCUM_BOUND)
     assert not torch.equal(fast, promoted)
+    # block weights stay promoted there (torch refuses fast accumulation with block scales)
+    from kernels.fp8_quant import block_scales_of, rows_sharing_scales
+
+    wb, wb_rows = quantize_blocks_on_rows(w.float() * w_scale)
+    blocks = block_scales_of(wb_rows, 128, rows_sharing_scales(wb_rows))
+    ab, ab_scale = quantize_rows_ref(x, 128)
+    out = fp8_gemm.fp8_linear(x.bfloat16(), wb, wb_rows, 128, block_scales=blocks)
+    assert_close_to_float64(out, fp8_gemm_ref(ab, ab_scale, wb, wb_rows, 128), rel=1e-2)
 
 
 @needs_cuda
