@@ -173,7 +173,10 @@ def _algo_attribute(getter, algo: _Algo, attr: int) -> int:
 def _set_config(algo: _Algo, name: str, value: int) -> bool:
     """Sets one of CONFIG's values on algo, at the width cuBLASLt keeps it; False where it refuses."""
     lib = library()
-    size = _attribute_size(lib.cublasLtMatmulAlgoConfigGetAttribute, algo, CONFIG[name])
+    try:
+        size = _attribute_size(lib.cublasLtMatmulAlgoConfigGetAttribute, algo, CONFIG[name])
+    except RuntimeError:
+        return False
     buf = (ctypes.c_uint8 * size).from_buffer_copy(value.to_bytes(size, "little", signed=value < 0))
     return lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), CONFIG[name], buf, size) == _SUCCESS
 
@@ -193,9 +196,7 @@ class Algorithm:
         return {**self.config, "raw": self.raw.hex(), "version": version()}
 
     def __str__(self) -> str:
-        c = self.config
-        return (f"algo {c['id']} tile {c['tile']} stages {c['stages']} split-K {c['split_k']} (reduction "
-                f"{c['reduction']}) swizzle {c['swizzle']} custom {c['custom']} cluster {c['cluster_shape']}")
+        return " ".join(f"{name} {value}" for name, value in self.config.items())
 
 
 class Fp8Matmul:
@@ -209,6 +210,7 @@ class Fp8Matmul:
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"an FP8 matmul writes bf16, fp16 or fp32, not {out_dtype}")
         self.n, self.k, self.m, self.out_dtype, self.scaling = n, k, m, out_dtype, scaling
+        self.x_stride = x_stride or k
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -226,7 +228,7 @@ class Fp8Matmul:
             _set(set_desc, self.desc, _B_SCALE_MODE, ctypes.c_int32(b_mode), f"{scaling} scales (activations)")
         fp8, out = _DTYPES[torch.float8_e4m3fn], _DTYPES[out_dtype]
         self.layouts = []
-        for dtype, rows, cols, ld in ((fp8, k, n, k), (fp8, k, m, x_stride or k), (out, n, m, n), (out, n, m, n)):
+        for dtype, rows, cols, ld in ((fp8, k, n, k), (fp8, k, m, self.x_stride), (out, n, m, n), (out, n, m, n)):
             layout = ctypes.c_void_p()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
             self.layouts.append(layout)
@@ -242,9 +244,13 @@ class Fp8Matmul:
             lib.cublasLtMatmulDescDestroy(self.desc)
 
     def _described(self, algo: _Algo, workspace_size: int, waves: float) -> Algorithm:
-        get = library().cublasLtMatmulAlgoConfigGetAttribute
-        return Algorithm(bytes(algo), workspace_size, waves,
-                         {name: _algo_attribute(get, algo, attr) for name, attr in CONFIG.items()})
+        get, config = library().cublasLtMatmulAlgoConfigGetAttribute, {}
+        for name, attr in CONFIG.items():
+            try:
+                config[name] = _algo_attribute(get, algo, attr)
+            except RuntimeError:  # an attribute this cuBLASLt does not keep
+                continue
+        return Algorithm(bytes(algo), workspace_size, waves, config)
 
     def heuristic(self, count: int = 32) -> list[Algorithm]:
         """The heuristic's candidates, best first as it ranks them (torch runs the first)."""
@@ -325,9 +331,11 @@ class Fp8Matmul:
         """y [m, n] on the current stream. x [m, k] (its row stride the x_stride given), w [n, k] row-major, both e4m3;
         the scales per `scaling` (tensor: 0-dim floats or None; outer: w's [n], x's [m]; block: w's [n / 128, k / 128]
         and x's [k / 128, m], M-major), all float32 on the device."""
-        if x.shape[0] != self.m or w.shape != (self.n, self.k) or not w.is_contiguous():
-            raise ValueError(f"operands {tuple(x.shape)} and {tuple(w.shape)} for a plan of m={self.m}, "
-                             f"n={self.n}, k={self.k} (w contiguous)")
+        if (x.shape != (self.m, self.k) or x.stride() != (self.x_stride, 1) or w.shape != (self.n, self.k)
+                or not w.is_contiguous() or {x.dtype, w.dtype} != {torch.float8_e4m3fn}):
+            raise ValueError(f"operands {tuple(x.shape)} (strides {x.stride()}, {x.dtype}) and {tuple(w.shape)} "
+                             f"({w.dtype}) for a plan of m={self.m}, n={self.n}, k={self.k}, x's rows "
+                             f"{self.x_stride} apart, both e4m3, w contiguous")
         lib = library()
         set_desc = lib.cublasLtMatmulDescSetAttribute
         for attr, scale in ((_A_SCALE_POINTER, w_scale), (_B_SCALE_POINTER, x_scale)):
