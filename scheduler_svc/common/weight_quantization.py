@@ -7,6 +7,7 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
 - block: the fine-grained FP8 of DeepSeek and Qwen3-*-FP8, `{"quant_method": "fp8", "weight_block_size":
   [128, 128]}`. Each Linear weight is float8_e4m3fn with a float32 `weight_scale_inv` per block of
   128 output rows x 128 input columns (ceil at the edges); W = weight * weight_scale_inv.
+  compressed-tensors' FP8_BLOCK (llm-compressor) is the same with the scales named `weight_scale`.
 - channel: float8_e4m3fn weights with a float32 `weight_scale` per output row or one per tensor (each served
   as a scale per row), activations quantized per token at run time. The checkpoints written so:
   compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC, per row; its FP8 scheme, per tensor with static
@@ -86,7 +87,7 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
     def refuse(why: str) -> ValueError:
         return ValueError(f"{model_dir}: quantization_config quant_method {method!r}: {why}. nanoserve loads "
                           "FP8 checkpoints only: quant_method 'fp8' (with or without weight_block_size), "
-                          "'fbgemm_fp8', or 'compressed-tensors' FP8 with channel or tensor weight scales")
+                          "'fbgemm_fp8', or 'compressed-tensors' FP8 with channel, tensor or block weight scales")
 
     if method == "fp8":
         block, activations = raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic")
@@ -114,9 +115,18 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise refuse(f"weights of type {weights.get('type')!r} with {weights.get('num_bits')} bits; "
                          "only 8-bit float")
-        if weights.get("strategy") not in ("channel", "tensor"):
-            raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel or tensor")
+        if weights.get("strategy") not in ("channel", "tensor", "block"):
+            raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel, tensor or block")
         static = acts is not None and not acts.get("dynamic", False)
+        if weights.get("strategy") == "block":  # llm-compressor's FP8_BLOCK: a weight_scale per block
+            block = weights.get("block_structure") or []
+            if len(block) != 2:
+                raise refuse(f"block_structure {block!r} is not [rows, columns]")
+            if static:
+                raise refuse("static activation scales with block weights; only dynamic ones")
+            return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
+                                      scale_name="weight_scale", not_converted=tuple(raw.get("ignore") or ()),
+                                      unused=KV_SCALES if raw.get("kv_cache_scheme") else ())
         if static and acts.get("strategy") != "tensor":
             raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
         unused = (STATIC_SCALES if static else ()) + (KV_SCALES if raw.get("kv_cache_scheme") else ())

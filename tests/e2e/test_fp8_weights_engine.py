@@ -1,8 +1,8 @@
 """FP8 weights through the whole engine on the CPU (real scheduler and executor processes): an FP8
 checkpoint serves the greedy tokens of HF transformers (fp32) on its dequantized weights, with the near-tie
 rule: the fine-grained 128 x 128 block format through gRPC on two tensor-parallel ranks (gloo; GetModelInfo
-names the format), compressed-tensors' per-channel format, AutoFP8's per-tensor one (with static activation scales)
-and fbgemm_fp8's through the offline API. The tiny Llama's
+names the format), compressed-tensors' per-channel format, AutoFP8's per-tensor one (with static activation scales),
+fbgemm_fp8's and compressed-tensors' FP8_BLOCK through the offline API. The tiny Llama's
 dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows), so every weight has ragged
 blocks, and one layer's MLP is listed as not converted. At -tp 2 the shard boundaries fall inside blocks:
 q's rows split at 96, gate's and up's at 160, and down_proj's columns at 160 (K groups of 32 there). A tiny
@@ -71,9 +71,10 @@ def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_it
     ("llama", "channel"), ("qwen3_moe", "channel"),  # compressed-tensors, a scale per row
     ("llama", "tensor"),  # AutoFP8: a scale per tensor, static activation scales (not used)
     ("llama", "fbgemm"),  # fbgemm_fp8: a scale per row
+    ("llama", "compressed_block"),  # compressed-tensors FP8_BLOCK: 128 x 128 blocks named weight_scale
 ])
-def test_a_per_row_or_per_tensor_fp8_checkpoint_equals_transformers_on_its_dequantized_weights(checkpoints, prompts,
-                                                                                              model, scheme):
+def test_the_other_fp8_checkpoint_formats_equal_transformers_on_their_dequantized_weights(checkpoints, prompts,
+                                                                                            model, scheme):
     root = checkpoints[model]
     ref = hf_greedy(os.path.join(root, f"{scheme}_dequantized"), prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)

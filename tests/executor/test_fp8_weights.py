@@ -38,7 +38,7 @@ def load(path: str, **kwargs):
     return load_model(path, torch.float32, CPU, TorchAttentionBackend(), **kwargs)
 
 
-@pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm"])
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm", "compressed_block"])
 def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme, caplog):
     with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
         model, facts = load(os.path.join(checkpoints, scheme))
@@ -46,7 +46,7 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
-    assert facts.weight_format == ("fp8_e4m3fn, 128x128 block scales" if scheme == "block" else
+    assert facts.weight_format == ("fp8_e4m3fn, 128x128 block scales" if "block" in scheme else
                                    "fp8_e4m3fn, per-channel scales")  # a scale per tensor is served per row
     # the per-tensor checkpoint's static input_scale tensors are skipped, and the log says so
     said = "static scales (input_scale) are not used" in caplog.text

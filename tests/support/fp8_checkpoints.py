@@ -6,7 +6,9 @@ weights (what HF transformers runs as the reference).
 - channel: compressed-tensors FP8_DYNAMIC (a `weight_scale` per output row, dynamic per-token activations);
 - tensor: AutoFP8's per-tensor format (quant_method "fp8" without weight_block_size: a scalar `weight_scale` per
   module, and a static `input_scale` per module, activation_scheme "static");
-- fbgemm: Meta's fbgemm_fp8 (a `weight_scale` [N, 1] per output row, activation_scale_ub).
+- fbgemm: Meta's fbgemm_fp8 (a `weight_scale` [N, 1] per output row, activation_scale_ub);
+- compressed_block: compressed-tensors FP8_BLOCK (128 x 128 blocks of `weight_scale`, activations per token and
+  128 columns).
 
 Before quantizing, every weight block is multiplied by its own factor in [0.5, 2], so the scales differ
 block to block and a scale applied to the wrong block changes the output.
@@ -25,7 +27,7 @@ from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_r
 
 BLOCK = (128, 128)
 NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
-SCHEMES = ("block", "channel", "tensor", "fbgemm")
+SCHEMES = ("block", "channel", "tensor", "fbgemm", "compressed_block")
 
 
 def _converted(name: str, not_converted: tuple[str, ...]) -> bool:
@@ -52,9 +54,9 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
             continue
         w = w * _block_factors(w, gen)
         module = name.removesuffix(".weight")
-        if scheme == "block":
+        if scheme in ("block", "compressed_block"):
             q, scale = quantize_blocks_ref(w, BLOCK)
-            fp8[module + ".weight_scale_inv"] = scale
+            fp8[module + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
             plain[name] = dequantize_blocks(q, scale, BLOCK)
         elif scheme == "tensor":
             q, scale = quantize_rows_ref(w.reshape(1, -1), w.numel())
@@ -123,6 +125,9 @@ def _quantization_config(scheme: str, not_converted: tuple[str, ...]) -> dict:
                              "dynamic": False},
                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                                        "dynamic": True}}
+    if scheme == "compressed_block":
+        fp8_group["weights"].update(strategy="block", block_structure=list(BLOCK))
+        fp8_group["input_activations"].update(strategy="group", group_size=BLOCK[1])
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": fp8_group},
             "ignore": ["lm_head", *(f"re:(.*\\.)?{m}\\..*" for m in not_converted)]}
