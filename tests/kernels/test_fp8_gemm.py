@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support.interpreter_child import (INTERPRETING, KERNELS_RUN_HERE, assert_module_passes_under_interpreter,
                                        interpreter, needs_cuda)
@@ -443,6 +443,38 @@ def test_the_sweep_chooses_block_weights_backends_from_their_own_rows():
     merged = merge_tables({"block_backends": {"96x128": [[64, "triton"], [128, "triton"]]}},
                           {"block_backends": {"96x128": [[128, "block_scaled_mm"]]}})
     assert merged["block_backends"] == {"96x128": [[64, "triton"], [128, "block_scaled_mm"]]}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(1, 100), st.floats(1, 100), st.floats(1, 100) | st.none()), min_size=1,
+                max_size=6), st.lists(st.integers(1, 4096), min_size=6, max_size=6, unique=True))
+@example([(10.0, 10.2, 9.95)], [64, 1, 2, 3, 4, 5])  # the candidate within the margin: torch's call, slower than Triton
+def test_the_cublaslt_study_names_an_algorithm_only_where_it_beat_torch_and_cublaslt_only_where_it_beat_triton(
+        times, tokens):
+    """bench/studies/fp8_cublaslt_algos.py's table, read back through the dispatch as the engine reads it."""
+    from bench.studies.fp8_cublaslt_algos import block_backends, cublaslt_table
+    from kernels import fp8_gemm_dispatch as dispatch
+
+    margin, ms = 1.03, sorted(tokens[:len(times)])
+    rows = []
+    for m, (triton, torch_us, best_us) in zip(ms, times):
+        best = None if best_us is None else {"us": best_us, "table_entry": {"id": m, "raw": "00" * 64, "version": 1}}
+        rows += [{"recipe": recipe, "n": 256, "k": 512, "m": m, "triton_us": triton, "torch_us": torch_us,
+                  "best": best} for recipe in ("tensor", "block")]
+    table = {"cublaslt_algos": cublaslt_table(rows, margin), "block_backends": block_backends(rows, margin)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch, "CUBLASLT_ALGOS", {})
+        mp.setattr(dispatch, "BLOCK_TABLE", {})
+        dispatch.apply_table(table)
+        for m, (triton, torch_us, best_us) in zip(ms, times):
+            wins = best_us is not None and torch_us >= margin * best_us
+            for recipe in ("tensor", "block"):
+                named = dispatch.cublaslt_algorithm(recipe, m, 256, 512)
+                assert (named is not None) is wins and (not wins or named["id"] == m)
+            backend, _ = dispatch.choose_gemm("block", m, 256, 512, whole_blocks=True)
+            assert (backend == "block_scaled_mm") is ((best_us if wins else torch_us) < triton)
+        assert dispatch.cublaslt_algorithm("tensor", ms[-1] + 1, 256, 512) is None  # past the last row: torch's
+        assert dispatch.choose_gemm("block", 1 << 20, 256, 512, whole_blocks=True)[0] == "block_scaled_mm"
 
 
 @settings(max_examples=200, deadline=None)
