@@ -30,9 +30,9 @@ unpromoted) accumulation over all of K, as CUTLASS's and vLLM's FP8 GEMMs do; be
 
 CUBLASLT_ALGOS maps (recipe, N, K) to [(largest M, configuration or None), ...]: for the row-wise product ("outer",
 scaled_mm's), the tensor-wise one ("tensor", unit_scaled_mm's) or the block recipe ("block", block_scaled_mm's), the
-cuBLASLt algorithm (kernels/cublaslt.Algorithm.config) that runs it in place of the one cuBLASLt's heuristic gives
-torch; None, a shape not in it or an M past its last row keeps torch's call. bench/studies/fp8_cublaslt_algos.py --table-out writes them.
-Empty until measured in the engine.
+cuBLASLt algorithm (kernels/cublaslt.Algorithm.entry) that runs it in place of the one cuBLASLt's heuristic gives
+torch; None, a shape not in it or an M past its last row keeps torch's call. bench/studies/fp8_cublaslt_algos.py
+--table-out writes them. Empty until measured in the engine.
 
 NANOSERVE_FP8_GEMM_TABLE names a JSON file that the sweep wrote (`--fp8-gemm-table-out`); its rows then replace
 these, so that a sweep's choice can be measured in the engine before it is copied here.
