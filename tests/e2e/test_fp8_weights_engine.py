@@ -69,7 +69,7 @@ def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_it
 
 @pytest.mark.parametrize("model, scheme", [
     ("llama", "channel"), ("qwen3_moe", "channel"),  # compressed-tensors, a scale per row
-    ("llama", "tensor"),  # AutoFP8: a scale per tensor, static activation scales (not used)
+    ("llama", "tensor"), ("qwen3_moe", "tensor"),  # AutoFP8: a scale per tensor, static input_scale (not used)
     ("llama", "fbgemm"),  # fbgemm_fp8: a scale per row
     ("llama", "compressed_block"),  # compressed-tensors FP8_BLOCK: 128 x 128 blocks named weight_scale
 ])

@@ -93,12 +93,13 @@ def tiny_fp8_checkpoints(root: str) -> str:
 def tiny_fp8_moe_checkpoints(root: str) -> str:
     """Under root: a tiny Qwen3-MoE (8 experts top-3; hidden 192 and moe_intermediate 160, so each expert's
     projections have ragged blocks; layer 1 dense and not converted) in `plain`, its FP8 versions with per-expert
-    FP8 tensors and scales (as Qwen3-30B-A3B-FP8 stores them) in `block` and `channel`, and their dequantized twins.
+    FP8 tensors and scales (as Qwen3-30B-A3B-FP8 stores them) in `block`, `channel` and `tensor` (a scale per expert
+    projection, as AutoFP8's Mixtral-FP8 stores them), and their dequantized twins.
     Returns root."""
     from support.tiny_checkpoints import make_tiny_qwen3_moe
 
     make_tiny_qwen3_moe(os.path.join(root, "plain"), hidden_size=192, moe_intermediate_size=160)
-    return _write_schemes(root)
+    return _write_schemes(root, ("block", "channel", "tensor"))
 
 
 def _write_schemes(root: str, schemes: tuple[str, ...] = ("block", "channel")) -> str:
