@@ -1,6 +1,6 @@
 """FP8 weights through the whole engine on the CPU (real scheduler and executor processes): an FP8
 checkpoint serves the greedy tokens of HF transformers (fp32) on its dequantized weights, with the near-tie
-rule: the fine-grained 128 x 128 block format through gRPC on two tensor-parallel ranks (gloo; GetModelInfo
+rule: the fine-grained 128 x 128 block format and a per-tensor one through gRPC on two tensor-parallel ranks (gloo; GetModelInfo
 names the format), compressed-tensors' per-channel format, AutoFP8's per-tensor one (with static activation scales),
 fbgemm_fp8's and compressed-tensors' FP8_BLOCK through the offline API. The tiny Llama's
 dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v 96 rows), so every weight has ragged
@@ -45,26 +45,28 @@ def as_outputs(completions) -> list[SimpleNamespace]:
                                       for lp in c.logprobs]) for c in completions]
 
 
-@pytest.mark.parametrize("model, converted", [
-    ("llama", "6 linear layers"),  # q/k/v, o, gate/up, down in layer 0; q/k/v and o in layer 1
-    ("qwen3_moe", "6 linear layers and 2 expert blocks"),  # q/k/v and o in 3 layers; the experts of layers 0, 2
+@pytest.mark.parametrize("model, scheme, converted", [
+    ("llama", "block", "6 linear layers"),  # q/k/v, o, gate/up, down in layer 0; q/k/v and o in layer 1
+    ("qwen3_moe", "block", "6 linear layers and 2 expert blocks"),  # q/k/v and o in 3 layers; the experts of 0, 2
+    ("llama", "tensor", "6 linear layers"),  # a scale per tensor: q, k and v each their own, on both ranks' rows
 ])
-def test_a_block_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
-        checkpoints, prompts, tmp_path, model, converted):
+def test_an_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_dequantized_weights(
+        checkpoints, prompts, tmp_path, model, scheme, converted):
     root = checkpoints[model]
-    ref = hf_greedy(os.path.join(root, "block_dequantized"), prompts, NEW_TOKENS)
-    server = start_server(tmp_path, "--model", os.path.join(root, "block"), "--max-model-len", "128",
+    ref = hf_greedy(os.path.join(root, f"{scheme}_dequantized"), prompts, NEW_TOKENS)
+    server = start_server(tmp_path, "--model", os.path.join(root, scheme), "--max-model-len", "128",
                           "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
+    weight_format = "fp8_e4m3fn, 128x128 block scales" if scheme == "block" else "fp8_e4m3fn, per-channel scales"
     try:
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        assert info.weight_format == "fp8_e4m3fn, 128x128 block scales" and info.tensor_parallel_size == 2
+        assert info.weight_format == weight_format and info.tensor_parallel_size == 2
         sampling = pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
         outs = [server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p), sampling=sampling),
                                      timeout=120).outputs[0] for p in prompts]
     finally:
         server.stop()
     assert_greedy_matches(as_outputs(outs), ref)
-    assert f"fp8 weights (fp8_e4m3fn, 128x128 block scales): {converted}, dequantized" in server.log()
+    assert f"fp8 weights ({weight_format}): {converted}, dequantized" in server.log()
 
 
 @pytest.mark.parametrize("model, scheme", [
