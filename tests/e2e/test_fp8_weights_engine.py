@@ -5,9 +5,9 @@ format), compressed-tensors' per-channel format, AutoFP8's per-tensor one (with 
 fbgemm_fp8's and compressed-tensors' FP8_BLOCK through the offline API. The tiny Llama's dimensions are not
 multiples of 128 (hidden 192, intermediate 320, k/v 96 rows), so every weight has ragged blocks, and one layer's MLP
 is listed as not converted. At -tp 2 the shard boundaries fall inside blocks: q's rows split at 96, gate's and up's
-at 160, and down_proj's columns at 160 (K groups of 32 there). A tiny Qwen3-MoE stored as Qwen3-30B-A3B-FP8 is (per-
-expert FP8 tensors and scales; hidden 192, moe_intermediate 160) does the same: each expert's rows split at 80 on
-two ranks, down_proj's K groups of 16."""
+at 160, and down_proj's columns at 160 (K groups of 32 there). A tiny Qwen3-MoE stored as Qwen3-30B-A3B-FP8 is
+(per-expert FP8 tensors and scales; hidden 192, moe_intermediate 160) does the same: each expert's rows split at 80
+on two ranks, down_proj's K groups of 16."""
 from __future__ import annotations
 
 import os
