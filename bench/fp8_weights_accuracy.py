@@ -12,6 +12,8 @@ greedy exact-match length. Variants:
   per token to e4m3 and back before the product;
 - 128x128 blocks (CPU): the weights quantized per 128 x 128 block as an FP8 checkpoint ships them,
   activations per token and 128 columns, emulated;
+- per-tensor (CPU): the weights quantized with one scale per checkpoint tensor (AutoFP8's format; the pieces of a
+  fused q/k/v or gate/up layer each their own), activations per token, emulated;
 - each of those with --kv-cache-dtype fp8 as well (where marked);
 - --study (CPU): weights rounded through other formats (bf16, int8 per channel, e4m3 per 1 x 32 group) and
   e4m3 per channel on one layer kind at a time, activations untouched: what limits FP8 weights here.
@@ -71,6 +73,24 @@ def quantize_weights_in_blocks(runner: ModelRunner, block=(128, 128)) -> None:
         layer.weight.data.copy_(dequantize_blocks(q, scale, block))
 
 
+def checkpoint_pieces(layer) -> list[int]:
+    """The row counts of the checkpoint tensors a (fused) layer holds, in order: q, k, v; gate, up; or one."""
+    if hasattr(layer, "num_kv_heads"):
+        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        return [q, kv, kv]
+    return list(getattr(layer, "output_sizes", [layer.weight.shape[0]]))
+
+
+@torch.no_grad()
+def quantize_weights_per_tensor(runner: ModelRunner) -> None:
+    """The weights as a per-tensor checkpoint (AutoFP8, compressed-tensors' FP8 scheme) ships them: e4m3 with one
+    scale per checkpoint tensor (each piece of a fused layer its own)."""
+    for _, layer in linear_layers(runner.model):
+        for piece in layer.weight.data.split(checkpoint_pieces(layer)):
+            q, scale = quantize_rows_ref(piece.float().reshape(1, -1), piece.numel())
+            piece.copy_((q.float() * scale).view(piece.shape).to(piece.dtype))
+
+
 @torch.no_grad()
 def round_weights(runner: ModelRunner, fmt: str, only: str = "") -> None:
     """Emulated weight formats for the study (--study): each Linear weight (or only those whose name has
@@ -110,6 +130,8 @@ VARIANTS = {  # name -> (--quantization, --kv-cache-dtype, emulation applied to 
     "fp8 weights + acts + fp8 KV": ("fp8", "fp8", lambda r: quantize_activations(r, None), True),
     "128x128 blocks + 1x128 acts": (None, "auto", lambda r: (quantize_weights_in_blocks(r),
                                                              quantize_activations(r, 128)), True),
+    "per-tensor + per-token acts": (None, "auto", lambda r: (quantize_weights_per_tensor(r),
+                                                             quantize_activations(r, None)), True),
 }
 VARIANTS |= {name: (None, "auto", lambda r, f=fmt, o=only: round_weights(r, f, o), True)
              for name, (fmt, only) in STUDY.items()}
