@@ -75,7 +75,7 @@ def load_model(
     quant = weight_quantization(model_dir, quantization)  # refuses an unsupported quant_method first
     if quant is not None and quant.from_checkpoint and load_format == "dummy":
         # random weights, quantized at load in the checkpoint's format (a block checkpoint's square blocks, or per row)
-        quant = replace(quant, from_checkpoint=False, not_converted=())
+        quant = replace(quant, from_checkpoint=False, not_converted=(), unused=())
     config = AutoConfig.from_pretrained(model_dir)
     facts = _facts(model_dir, config)
     model_cls = MODEL_REGISTRY.get(facts.architecture)
