@@ -44,6 +44,7 @@ class WeightQuantization:
     scale_name: str = "weight_scale_inv"  # the checkpoint tensor beside each weight
     not_converted: tuple[str, ...] = field(default_factory=tuple)  # module names or "re:" patterns
     unused: tuple[str, ...] = ()  # checkpoint tensors (their last name) read and not used: static activation scales
+    per_tensor: bool = False  # channel: the checkpoint has one scale per tensor (served on each of its rows)
 
     def converts(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. model.layers.0.mlp.up_proj) holds FP8 weights."""
@@ -60,7 +61,7 @@ class WeightQuantization:
         at_load = "" if self.from_checkpoint else ", quantized at load"
         if self.scheme == "block":
             return f"fp8_e4m3fn, {self.block[0]}x{self.block[1]} block scales{at_load}"
-        return f"fp8_e4m3fn, per-channel scales{at_load}"
+        return f"fp8_e4m3fn, {'per-tensor' if self.per_tensor else 'per-channel'} scales{at_load}"
 
 
 def weight_quantization(model_dir: str, quantization: str | None) -> WeightQuantization | None:
@@ -96,7 +97,7 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
             raise refuse(f"activation_scheme {activations!r} is not supported, only 'dynamic' or 'static'")
         if block is None:  # a float32 weight_scale per tensor (AutoFP8, vLLM's export)
             return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                      not_converted=not_converted,
+                                      not_converted=not_converted, per_tensor=True,
                                       unused=STATIC_SCALES if activations == "static" else ())
         if len(block) != 2:
             raise refuse(f"weight_block_size {block!r} is not [rows, columns]")
@@ -131,5 +132,6 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
             raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
         unused = (STATIC_SCALES if static else ()) + (KV_SCALES if raw.get("kv_cache_scheme") else ())
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                  not_converted=tuple(raw.get("ignore") or ()), unused=unused)
+                                  not_converted=tuple(raw.get("ignore") or ()), unused=unused,
+                                  per_tensor=weights.get("strategy") == "tensor")
     raise refuse("this quantization method is not supported")

@@ -56,7 +56,7 @@ def test_an_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_deq
     ref = hf_greedy(os.path.join(root, f"{scheme}_dequantized"), prompts, NEW_TOKENS)
     server = start_server(tmp_path, "--model", os.path.join(root, scheme), "--max-model-len", "128",
                           "--num-gpu-blocks", "64", "--tensor-parallel-size", "2")
-    weight_format = "fp8_e4m3fn, 128x128 block scales" if scheme == "block" else "fp8_e4m3fn, per-channel scales"
+    weight_format = "fp8_e4m3fn, 128x128 block scales" if scheme == "block" else "fp8_e4m3fn, per-tensor scales"
     try:
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert info.weight_format == weight_format and info.tensor_parallel_size == 2

@@ -46,8 +46,8 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
-    assert facts.weight_format == ("fp8_e4m3fn, 128x128 block scales" if "block" in scheme else
-                                   "fp8_e4m3fn, per-channel scales")  # a scale per tensor is served per row
+    assert facts.weight_format == {"tensor": "fp8_e4m3fn, per-tensor scales"}.get(
+        scheme, "fp8_e4m3fn, 128x128 block scales" if "block" in scheme else "fp8_e4m3fn, per-channel scales")
     # the per-tensor checkpoint's static input_scale tensors are skipped, and the log says so
     said = "static scales (input_scale) are not used" in caplog.text
     assert said is (scheme == "tensor")
