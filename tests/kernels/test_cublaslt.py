@@ -1,7 +1,8 @@
 """kernels/cublaslt.py, cuBLASLt's FP8 matmul through its C API: every candidate algorithm (the heuristic's and the
 split-K variants built from them) in each scaling mode matches float64 on the same quantized operands, fresh random
 inputs with outlier channels; a configuration rebuilt from its description gives the same bytes; a call captured in
-a CUDA graph and replayed on new inputs matches the eager one. On the CPU: the errors a caller meets first."""
+a CUDA graph and replayed on new inputs matches the eager one. On the CPU: the errors a caller meets first, and what
+the binding hands cuBLASLt's C API, read back from a stand-in library."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,64 @@ def test_a_missing_library_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="libcublasLt.so"):
         cublaslt.library()
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch):
+    """kernels/cublaslt bound to tests/support/cublaslt_stub.c (compiled here) in place of libcublasLt: what the
+    binding hands the C API (descriptor attributes and their widths, layouts, pointers, the stream) is read back."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in library")
+    lib = tmp_path / "libcublaslt_stub.so"
+    source = Path(__file__).resolve().parent.parent / "support" / "cublaslt_stub.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(source)], check=True)
+    monkeypatch.setattr(cublaslt, "_lib", None)
+    monkeypatch.setattr(cublaslt, "_library_paths", lambda: [str(lib)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no cuBLAS to bring up first
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0xABC})())
+    monkeypatch.setattr(cublaslt, "_per_device", {("handle", 0): ctypes.c_void_p(0x1234),
+                                                  ("workspace", 0): torch.empty(64, dtype=torch.uint8)})
+    c = cublaslt.library()
+    return c, (ctypes.c_int64 * 32).in_dll(c, "seen"), (ctypes.c_int64 * 64).in_dll(c, "desc_attr")
+
+
+def test_the_binding_hands_cublaslt_what_its_c_api_expects(stub):
+    _, seen, desc = stub
+    m, n, k = 36, 384, 1024
+    plan = cublaslt.Fp8Matmul(n, k, m, torch.bfloat16, "outer", fast_accum=True, device=torch.device("cuda", 0),
+                              x_stride=2048)
+    assert (seen[0], seen[1]) == (68, 0)  # fp32 compute and scales
+    assert (desc[3], desc[4], desc[25], desc[31], desc[32]) == (1, 0, 1, 3, 3)  # TN, fast, outer-vector scales
+    algos = plan.heuristic(8)
+    # A = w as K x N (ld K), B = x as K x M (ld: its row stride), C = y as N x M; e4m3, bf16; the workspace limit
+    assert list(seen[2:14]) == [28, k, n, k, 28, k, m, 2048, 14, n, m, n] and seen[14] == cublaslt.WORKSPACE_BYTES
+    assert [a.config["id"] for a in algos] == [66, 67, 68] and [a.waves for a in algos] == [0.5, 1.0, 1.5]
+    assert algos[0].config == {"id": 66, "tile": 20, "split_k": 1, "reduction": 0, "swizzle": 0, "custom": 0,
+                               "stages": 0, "inner_shape": 3}  # the cluster shape this cuBLASLt does not keep
+    # split-K variants: each supported reduction scheme (compute and output type here), 3 splits refused
+    variants = plan.candidates(8, splits=(2, 3), split_top=1)
+    assert [(a.config["id"], a.config["split_k"], a.config["reduction"]) for a in variants] == [
+        (66, 1, 0), (66, 2, 2), (66, 2, 4), (67, 1, 0), (68, 1, 0)]
+    assert variants[1].workspace == 4096
+    # a table's entry: the same bytes where the version matches, else rebuilt from the configuration
+    assert plan.built(variants[1].entry()).raw == variants[1].raw
+    assert plan.built({**variants[1].entry(), "version": 1}).config == variants[1].config
+    assert plan.built({"id": 5000}) is None  # an id cuBLASLt does not have
+    x = torch.zeros(m, 2048, dtype=torch.uint8).view(torch.float8_e4m3fn)[:, :k]
+    w = torch.zeros(n, k, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    x_scale, w_scale, out = torch.ones(m), torch.ones(n), torch.empty(m, n, dtype=torch.bfloat16)
+    plan(x, w, variants[1], x_scale=x_scale, w_scale=w_scale, out=out)
+    assert list(seen[16:20]) == [w.data_ptr(), x.data_ptr(), out.data_ptr(), out.data_ptr()]  # A = w, B = x, C = D
+    assert list(seen[20:26]) == [cublaslt._per_device[("workspace", 0)].data_ptr(), 4096, 0xABC, 66, 10, 0]
+    assert (desc[17], desc[18]) == (w_scale.data_ptr(), x_scale.data_ptr())  # A's scale the weight's
+    with pytest.raises(ValueError, match="row"):
+        plan(x.contiguous(), w, variants[1], out=out)  # rows k apart, not the plan's 2048
 
 
 def _operands(m, n, k, recipe, seed):
