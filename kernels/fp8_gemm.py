@@ -281,9 +281,7 @@ def scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, 
     m = a.shape[0]
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
-    config = cublaslt_algorithm("outer", m, *w.shape)
-    out = None if config is None else cublaslt_product("outer", a, w, a_scale.reshape(-1), w_scale.reshape(-1),
-                                                       out_dtype, config, fast_accum)
+    out = cublaslt_product("outer", m, a, w, a_scale.reshape(-1), w_scale.reshape(-1), out_dtype, fast_accum)
     if out is None:
         out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
                                use_fast_accum=fast_accum)
@@ -318,9 +316,7 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
     if rows > m:
         a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
     scale_a = a_scale.t().contiguous().t()
-    config = cublaslt_algorithm("block", m, *w.shape)
-    out = None if config is None else cublaslt_product("block", a, w, scale_a.t(), w_blocks, out_dtype, config,
-                                                       False)
+    out = cublaslt_product("block", m, a, w, scale_a.t(), w_blocks, out_dtype, False)
     if out is None:
         out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(),
                           F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
@@ -331,12 +327,16 @@ def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Te
 _cublaslt_plans: dict[tuple, tuple] = {}
 
 
-def cublaslt_product(recipe: str, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
-                     out_dtype: torch.dtype, config: dict, fast_accum: bool) -> torch.Tensor | None:
-    """a [rows, K] @ w^T on the cuBLASLt algorithm `config` names (kernels/fp8_gemm_dispatch.CUBLASLT_ALGOS), the
-    scales as kernels/cublaslt's `recipe` takes them; None where cuBLASLt refuses that algorithm for this product (the
-    caller then takes torch's call, which a warning says once). A plan per row count and algorithm, made on its
-    first call (host-side only, so also during a CUDA graph's capture: the loader readied the library first)."""
+def cublaslt_product(recipe: str, m: int, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor | None:
+    """a [rows, K] @ w^T (its first m rows the tokens) on the cuBLASLt algorithm kernels/fp8_gemm_dispatch.CUBLASLT_ALGOS
+    names for `recipe` at m tokens, the scales as kernels/cublaslt's `recipe` takes them; None where it names none, or
+    cuBLASLt refuses it for this product (a warning says so once): the caller then takes torch's call. A plan per row
+    count and algorithm, made on its first call (host-side only, so also during a CUDA graph's capture: the loader
+    readied the library first)."""
+    config = cublaslt_algorithm(recipe, m, *w.shape)
+    if config is None:
+        return None
     from kernels import cublaslt
 
     key = (a.device, recipe, a.shape[0], *w.shape, a.stride(0), out_dtype, fast_accum, tuple(sorted(config.items())))
@@ -410,8 +410,7 @@ def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.d
     if rows > m:
         a = _padded_rows(a, rows, 0.0)
     one = unit_scale(a.device)
-    config = cublaslt_algorithm("tensor", m, *w.shape)
-    out = None if config is None else cublaslt_product("tensor", a, w, one, one, product_dtype, config, fast_accum)
+    out = cublaslt_product("tensor", m, a, w, one, one, product_dtype, fast_accum)
     if out is None:
         out = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=product_dtype, use_fast_accum=fast_accum)
     return out[:m]

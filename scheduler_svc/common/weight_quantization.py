@@ -119,6 +119,7 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         if weights.get("strategy") not in ("channel", "tensor", "block"):
             raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel, tensor or block")
         static = acts is not None and not acts.get("dynamic", False)
+        kv_scales = KV_SCALES if raw.get("kv_cache_scheme") else ()
         if weights.get("strategy") == "block":  # llm-compressor's FP8_BLOCK: a weight_scale per block
             block = weights.get("block_structure") or []
             if len(block) != 2:
@@ -127,11 +128,11 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
                 raise refuse("static activation scales with block weights; only dynamic ones")
             return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
                                       scale_name="weight_scale", not_converted=tuple(raw.get("ignore") or ()),
-                                      unused=KV_SCALES if raw.get("kv_cache_scheme") else ())
+                                      unused=kv_scales)
         if static and acts.get("strategy") != "tensor":
             raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
-        unused = (STATIC_SCALES if static else ()) + (KV_SCALES if raw.get("kv_cache_scheme") else ())
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                  not_converted=tuple(raw.get("ignore") or ()), unused=unused,
+                                  not_converted=tuple(raw.get("ignore") or ()),
+                                  unused=(STATIC_SCALES if static else ()) + kv_scales,
                                   per_tensor=weights.get("strategy") == "tensor")
     raise refuse("this quantization method is not supported")
