@@ -196,8 +196,8 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
             wq, ws, shared = block_checkpoint_weight(w) if scheme == "block" else (*quantize_rows_ref(w, k), 1)
             wqs = weight_copies(wq)
             for m in tokens or SWEEP_TOKENS:
-                a, a_s = fp8_gemm.quantize_rows(torch.randn(m, k, generator=gen, device=device,
-                                                            dtype=torch.bfloat16), group)
+                x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+                a, a_s = fp8_gemm.quantize_rows(x, group)
                 ref = None
                 timed = {}
                 for cfg in _sweep_tiles(scheme, m):
@@ -215,10 +215,11 @@ def fp8_gemm_sweep(device, tokens: list[int] | None = None) -> dict:
                        "us": {",".join(map(str, c)): t for c, t in timed.items()}, "best": list(best),
                        "best_us": timed[best], "default_us": timed.get(_sweep_tiles(scheme, m)[0])}
                 tiles.setdefault(f"{scheme} {n}x{k}", []).append([m, list(best)])
-                if scheme == "block":  # torch's block recipe on the checkpoint's whole blocks
-                    blocks = block_scales_of(ws, 128, shared)
+                if scheme == "block":  # torch's block recipe on the checkpoint's whole blocks, its activations'
+                    blocks = block_scales_of(ws, 128, shared)  # scales M-major as the engine's producers write them
+                    a_mm, as_mm = fp8_gemm.quantize_rows(x, 128, m_major=True)
                     row["block_scaled_mm_us"] = cold_graph_us(
-                        lambda w: fp8_gemm.block_scaled_mm_fp8_gemm(a, a_s, w, blocks, torch.bfloat16), wqs)
+                        lambda w: fp8_gemm.block_scaled_mm_fp8_gemm(a_mm, as_mm, w, blocks, torch.bfloat16), wqs)
                 if scheme == "channel":
                     row["scaled_mm_us"] = cold_graph_us(
                         lambda w: fp8_gemm.scaled_mm_fp8_gemm(a, a_s, w, ws, torch.bfloat16), wqs)

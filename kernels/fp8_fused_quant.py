@@ -69,7 +69,7 @@ def _group_scales(v, PER_ROW: tl.constexpr):
 @triton.jit
 def _rms_norm_quant_kernel(
     x_ptr, residual_ptr, weight_ptr, q_ptr, scale_ptr, residual_out_ptr, row_scale_ptr, col_scale_ptr, plain_ptr,
-    dim, eps, num_groups, x_stride, r_stride,
+    dim, eps, num_groups, x_stride, r_stride, stride_sm, stride_sg,
     HAS_RESIDUAL: tl.constexpr, HAS_SCALES: tl.constexpr, PER_ROW: tl.constexpr, NUM_TILES: tl.constexpr,
     TILE: tl.constexpr, KEEP_PLAIN: tl.constexpr,
 ):
@@ -94,23 +94,25 @@ def _rms_norm_quant_kernel(
         tl.store(plain_ptr + row * dim + cols, y.to(dtype), mask=mask)
     scale = _group_scales(y, PER_ROW)
     tl.store(q_ptr + row * dim + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * num_groups + tiles, scale, mask=tiles < num_groups)
+    tl.store(scale_ptr + row * stride_sm + tiles * stride_sg, scale, mask=tiles < num_groups)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
                    residual: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   keep_plain: bool = False) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
+                   keep_plain: bool = False, m_major: bool = False
+                   ) -> QuantizedActivations | tuple[QuantizedActivations, torch.Tensor]:
     """RMSNorm over x [T, hidden] (with `residual`: of x + residual, returned too, as fused_ops.rms_norm),
     written as FP8 with a scale per token and `group` columns (group >= hidden: per token). `scales` (per token
     [T, 1], per column [hidden, 1]): x is an unscaled product, which kernels/fp8_gemm.scale_product would have scaled
-    first. keep_plain: the output in x's dtype too (`plain`: fused_ops.rms_norm's bytes), in the same pass."""
+    first. keep_plain: the output in x's dtype too (`plain`: fused_ops.rms_norm's bytes), in the same pass. m_major:
+    the scales laid out for the block recipe (kernels/fp8_quant.empty_quantized)."""
     num_rows, dim = x.shape
     assert weight.dtype == x.dtype, "the norm's weight must be in the activation dtype"
     if x.stride(1) != 1:
         x = x.contiguous()
     num_tiles, tile, per_row = _tiles(dim, group, max_cols=1 << 30)  # the whole row: the norm needs all of it
     num_groups = 1 if per_row else triton.cdiv(dim, group)
-    q, scale = empty_quantized(num_rows, dim, num_groups, x.device)
+    q, scale = empty_quantized(num_rows, dim, num_groups, x.device, m_major)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
@@ -122,7 +124,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int
         row_scale, col_scale = scales if scales is not None else (x, x)
         _rms_norm_quant_kernel[(num_rows,)](
             x, residual, weight, q, scale, residual_out, row_scale, col_scale, plain if keep_plain else x,
-            dim, eps, num_groups, x.stride(0), residual.stride(0),
+            dim, eps, num_groups, x.stride(0), residual.stride(0), *scale.stride(),
             HAS_RESIDUAL=residual_out is not x, HAS_SCALES=scales is not None, PER_ROW=per_row, NUM_TILES=num_tiles,
             TILE=tile, KEEP_PLAIN=keep_plain, num_warps=_num_warps(num_tiles * tile),
         )
@@ -167,7 +169,7 @@ def _silu_and_mul_tile(x_ptr, row_offset, inter, cols, mask, row_scale, col_scal
 
 @triton.jit
 def _silu_and_mul_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, inter, num_groups, x_stride,
+    x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, inter, num_groups, x_stride, stride_sm, stride_sg,
     HAS_SCALES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
 ):
     # scales per group: program (t, j) takes groups [j * NUM_TILES, (j + 1) * NUM_TILES) of token t, in one pass
@@ -179,7 +181,7 @@ def _silu_and_mul_quant_kernel(
     y = _silu_and_mul_tile(x_ptr, row * x_stride, inter, cols, cols < inter, row_scale, col_scale_ptr, HAS_SCALES)
     scale = _group_scales(y, False)
     tl.store(q_ptr + row * inter + cols, quantize_fp8(y, scale[:, None]).to(q_ptr.dtype.element_ty), mask=cols < inter)
-    tl.store(scale_ptr + row * num_groups + first + tiles, scale, mask=first + tiles < num_groups)
+    tl.store(scale_ptr + row * stride_sm + (first + tiles) * stride_sg, scale, mask=first + tiles < num_groups)
 
 
 @triton.jit
@@ -216,11 +218,13 @@ def _quantize_by_chunk_maxes_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, inter, nu
 
 
 def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedActivations:
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None, m_major: bool = False
+                       ) -> QuantizedActivations:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as FP8 [T, I] with a scale per token and `group` columns
     (group >= I: per token). `scales` (per token [T, 1], per column [2I, 1]): x is an unscaled product, which
     kernels/fp8_gemm.scale_product would have scaled first. A program holds at most max_cols columns (at least one
-    group; by default MAX_ROW_TILE).
+    group; by default MAX_ROW_TILE). m_major: the scales laid out for the block recipe
+    (kernels/fp8_quant.empty_quantized).
 
     Per group, one kernel: each program quantizes whole groups. Per token, two: a token's max needs its whole row,
     and one program a row would leave most SMs idle at decode's batch (and hold 12,288 columns in registers), so
@@ -234,12 +238,12 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
     max_cols = max_cols or MAX_ROW_TILE
     num_tiles, tile, per_row = _tiles(inter, group, max_cols)
     num_groups = 1 if per_row else triton.cdiv(inter, group)
-    q, scale = empty_quantized(num_rows, inter, num_groups, x.device)
+    q, scale = empty_quantized(num_rows, inter, num_groups, x.device, m_major)
     if num_rows == 0 or inter == 0:
         return QuantizedActivations(q, scale, x.dtype)
     if not per_row:
         _silu_and_mul_quant_kernel[(num_rows, triton.cdiv(num_groups, num_tiles))](
-            x, q, scale, row_scale, col_scale, inter, num_groups, x.stride(0),
+            x, q, scale, row_scale, col_scale, inter, num_groups, x.stride(0), *scale.stride(),
             HAS_SCALES=has_scales, NUM_TILES=num_tiles, TILE=tile, num_warps=_num_warps(num_tiles * tile))
         return QuantizedActivations(q, scale, x.dtype)
     chunk = min(num_tiles * tile, PER_TOKEN_CHUNK)

@@ -47,7 +47,8 @@ import triton.language as tl
 
 from kernels.attention.triton_kv_store import fp8_scale, quantize_fp8
 from kernels.fp8_gemm_dispatch import cublaslt_algorithm
-from kernels.fp8_quant import MIN_SCALE, QuantizedActivations, UnscaledProduct, empty_quantized, rows_in_place
+from kernels.fp8_quant import (MIN_SCALE, QuantizedActivations, UnscaledProduct, block_recipe_rows, empty_quantized,
+                               m_major_in_place, rows_in_place)
 from kernels.triton_runtime import INTERPRET
 
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
@@ -59,7 +60,8 @@ log = logging.getLogger("nanoserve.kernels")
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_groups, x_stride, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, x_stride, stride_sm, stride_sg,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * group
@@ -70,7 +72,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_group
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = fp8_scale(tl.max(amax, axis=0), _MIN_SCALE)
-    tl.store(scale_ptr + row * num_groups + g, scale)
+    tl.store(scale_ptr + row * stride_sm + g * stride_sg, scale)
     for off in range(0, group, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
         mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
@@ -78,16 +80,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, num_group
         tl.store(q_ptr + row * k + cols, quantize_fp8(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/fp8_quant.quantize_rows_ref in one kernel: x [M, K] (unit stride in K)."""
+def quantize_rows(x: torch.Tensor, group: int, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/fp8_quant.quantize_rows_ref in one kernel: x [M, K] (unit stride in K); m_major: the scales laid out
+    for the block recipe (kernels/fp8_quant.empty_quantized)."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     groups = -(-k // group)
-    q, scale = empty_quantized(m, k, groups, x.device)
+    q, scale = empty_quantized(m, k, groups, x.device, m_major)
     if m > 0:
         block = min(1024, triton.next_power_of_2(group))
-        _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, groups, x.stride(0), BLOCK=block,
+        _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, x.stride(0), *scale.stride(), BLOCK=block,
                                            num_warps=1 if INTERPRET else max(1, min(8, block // 256)))
     return q, scale
 
@@ -99,9 +102,9 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, stride_cm,
-                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       stride_asm, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
     if not GROUPED:  # channel scales apply once, to the whole accumulator
-        a_s = tl.load(a_scale_ptr + rows64, mask=row_mask, other=0.0)
+        a_s = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
         w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
         acc = acc * (a_s[:, None] * w_s[None, :])
     if HAS_BIAS:
@@ -113,7 +116,7 @@ def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_s
 @triton.jit(do_not_specialize=["m"])
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, c_ptr, partial_ptr, counter_ptr,
-    m, n, k, num_groups, stride_am, stride_wn, stride_cm,
+    m, n, k, num_groups, stride_am, stride_wn, stride_cm, stride_asm, stride_asg,
     GROUPED: tl.constexpr, W_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -150,7 +153,7 @@ def _fp8_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if GROUPED:  # one K tile is one scale group
-            a_s = tl.load(a_scale_ptr + rows64 * num_groups + kt, mask=row_mask, other=0.0)
+            a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)
             if W_PER_TILE:  # the tile's rows of W share their scale: one scalar
                 w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
                 acc += tl.dot(a, w) * (a_s * w_s)[:, None]
@@ -163,7 +166,7 @@ def _fp8_gemm_kernel(
         w_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
-                           stride_cm, GROUPED, HAS_BIAS)
+                           stride_cm, stride_asm, GROUPED, HAS_BIAS)
     else:
         # Each split leaves its fp32 partial in the workspace [SPLIT_K, m, n] and counts itself in its tile's
         # counter; the split that counts last adds the others' partials to its own, writes the output and sets
@@ -181,7 +184,7 @@ def _fp8_gemm_kernel(
                 acc += tl.load(partial_ptr + other * m * n + part, mask=tile_mask & (other != split), other=0.0,
                                cache_modifier=".cg")
             _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
-                               stride_cm, GROUPED, HAS_BIAS)
+                               stride_cm, stride_asm, GROUPED, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + pid, 0)
 
 
@@ -230,7 +233,7 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ..
 def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                     tiles: tuple[int, ...] | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
-    """a [M, K] fp8 with scales [M, G], w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
+    """a [M, K] fp8 with scales [M, G] (row-major or M-major), w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
     G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU).
     `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py); a sixth entry, SPLIT_K > 1, splits
     K over that many programs per output tile (more programs for a weight-bound product of few rows).
@@ -255,7 +258,7 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
         split_k, partial, counters = 1, out, out
     _fp8_gemm_kernel[(num_tiles, split_k)](
         a, a_scale, w, w_scale, bias if bias is not None else out, out, partial, counters,
-        m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0),
+        m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0), *a_scale.stride(),
         GROUPED=grouped, W_PER_TILE=grouped and rows_sharing_scales % block_n == 0, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, PROMOTE_K),
         SPLIT_K=split_k, num_warps=warps, num_stages=stages,
@@ -304,18 +307,21 @@ def block_recipe_runs(device: torch.device) -> bool:
 def block_scaled_mm_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_blocks: torch.Tensor,
                              out_dtype: torch.dtype, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
     """torch's block recipe: a [M, K] with scales [M, K / 128] (1 x 128), w [N, K] with one scale per 128 x 128 block,
-    w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). cuBLASLt takes the activations' scales M-major
-    (strides (1, M)), which the quantizers do not write: one small copy here. It refuses a leading dimension that is
-    not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on the H200), so the product runs on max(M, rows) rounded up to
-    4 rows (the dispatch pads to more where that is faster, as scaled_mm_fp8_gemm). A bf16 output is the one measured
-    (fp8_linear takes Triton for others). Always promoted: torch refuses fast accumulation with block scales."""
+    w_blocks [N / 128, K / 128] (kernels/fp8_quant.block_scales_of). The product runs on max(M, rows) rounded up to
+    kernels/fp8_quant.BLOCK_RECIPE_ROWS: never slower on the H200, and a multiple of 4 (cuBLASLt refused other
+    leading dimensions: CUBLAS_STATUS_NOT_SUPPORTED). cuBLASLt takes the activations' scales M-major, strides (1,
+    rows): where their producer wrote them so (empty_quantized's m_major) they are read in place, else copied here
+    (one small kernel). A bf16 output is the one measured (fp8_linear takes Triton for others). Always promoted:
+    torch refuses fast accumulation with block scales."""
     import torch.nn.functional as F
 
     m = a.shape[0]
-    rows = -(-max(rows, m) // 4) * 4
+    rows = block_recipe_rows(max(rows, m))
+    scale_a = m_major_in_place(a_scale, rows)
     if rows > m:
-        a, a_scale = _padded_rows(a, rows, 0.0), _padded_rows(a_scale, rows, 1.0)
-    scale_a = a_scale.t().contiguous().t()
+        a = _padded_rows(a, rows, 0.0)
+    if scale_a is None:
+        scale_a = (_padded_rows(a_scale, rows, 1.0) if rows > m else a_scale).t().contiguous().t()
     out = cublaslt_product("block", m, a, w, scale_a.t(), w_blocks, out_dtype, False)
     if out is None:
         out = F.scaled_mm(a, w.t(), scale_a, F.ScalingType.BlockWise1x128, w_blocks.t(),
@@ -428,18 +434,20 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     from kernels.fp8_gemm_dispatch import choose_gemm, fast_accumulation
 
     grouped = w_scale.shape[1] > 1
-    if isinstance(x, QuantizedActivations):
-        a, a_scale, out_dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+    quantized = isinstance(x, QuantizedActivations)
+    out_dtype, lead = (x.dtype, x.q.shape[:-1]) if quantized else (x.dtype, x.shape[:-1])
+    n, k = w.shape
+    m = lead.numel()
+    backend, rows = choose_gemm("block" if grouped else "channel", m, n, k,
+                                whole_blocks=block_scales is not None and out_dtype == torch.bfloat16)
+    if quantized:
+        a, a_scale = x.q, x.scale
         if a_scale.shape[1] != w_scale.shape[1]:
             raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
-    else:
-        rows = x.reshape(-1, x.shape[-1])
-        a, a_scale = quantize_rows(rows, group_k if grouped else rows.shape[1])
-        out_dtype, lead = x.dtype, x.shape[:-1]
-    n, k = w.shape
-    fast = fast_accumulation(a.shape[0])
-    backend, rows = choose_gemm("block" if grouped else "channel", a.shape[0], n, k,
-                                whole_blocks=block_scales is not None and out_dtype == torch.bfloat16)
+    else:  # the block recipe's scales written M-major, as it reads them
+        a, a_scale = quantize_rows(x.reshape(-1, x.shape[-1]), group_k if grouped else k,
+                                   m_major=backend == "block_scaled_mm")
+    fast = fast_accumulation(m)
     if backend == "block_scaled_mm":
         out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)
     elif backend == "scaled_mm":

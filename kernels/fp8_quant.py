@@ -55,13 +55,42 @@ def group_scales(amax: torch.Tensor) -> torch.Tensor:
 ROW_CAPACITY = 256
 
 
-def empty_quantized(m: int, k: int, groups: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised fp8 values [m, k] and float32 scales [m, groups], each the first m rows of a buffer whose rows
-    are m rounded up to ROW_CAPACITY."""
+# torch's block recipe (cuBLASLt's block-scaled kernels: kernels/fp8_gemm.block_scaled_mm_fp8_gemm) runs on M rounded up
+# to this many rows, its activations' scales M-major with that leading dimension: on the H200 each Qwen3-8B product
+# took the same time or less on 128 or 256 rows as on any M below (bench/RESULTS.md, 2026-12-05, item 5).
+BLOCK_RECIPE_ROWS = 128
+
+
+def block_recipe_rows(m: int) -> int:
+    """The rows the block recipe runs a product of m tokens on: the leading dimension of M-major scales."""
+    return -(-m // BLOCK_RECIPE_ROWS) * BLOCK_RECIPE_ROWS
+
+
+def empty_quantized(m: int, k: int, groups: int, device, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised fp8 values [m, k], the first m rows of a buffer whose rows are m rounded up to ROW_CAPACITY,
+    and float32 scales [m, groups]: the first m rows of a row-major buffer as large, or (m_major: the block recipe's
+    layout) of a [groups, block_recipe_rows(m)] buffer seen transposed, strides (1, block_recipe_rows(m)), which
+    the block recipe reads as it is (the writers take both strides)."""
     rows = -(-m // ROW_CAPACITY) * ROW_CAPACITY
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=device)[:m]
-    scale = torch.empty(rows, groups, dtype=torch.float32, device=device)[:m]
+    if m_major:
+        scale = torch.empty(groups, block_recipe_rows(m), dtype=torch.float32, device=device).t()[:m]
+    else:
+        scale = torch.empty(rows, groups, dtype=torch.float32, device=device)[:m]
     return q, scale
+
+
+def m_major_in_place(scale: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """scale [M, G] seen as `rows` rows M-major (strides (1, rows)), those past M from its buffer's spare columns, as
+    the block recipe takes them; None where its buffer is not laid out so (empty_quantized's m_major) for that many
+    rows."""
+    m, groups = scale.shape
+    laid_out = scale.stride() == (1, rows) or (groups == 1 and scale.stride(0) == 1)  # one group: either layout
+    if rows < m or not laid_out:
+        return None
+    if (scale.storage_offset() + rows * groups) * scale.element_size() > scale.untyped_storage().nbytes():
+        return None
+    return scale.as_strided((rows, groups), (1, rows))
 
 
 def rows_in_place(t: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -80,7 +109,9 @@ class QuantizedActivations(NamedTuple):
     (kernels/fp8_fused_quant.py) hands to the Linear layer after it instead of a tensor."""
 
     q: torch.Tensor  # float8_e4m3fn [M, K]
-    scale: torch.Tensor  # float32 [M, G]: a scale per token (G = 1) or per token and group of K's columns
+    # float32 [M, G]: a scale per token (G = 1) or per token and group of K's columns; row-major, or M-major for a
+    # weight whose GEMM is the block recipe (empty_quantized's m_major)
+    scale: torch.Tensor
     dtype: torch.dtype  # the activations' own dtype: the GEMM's output dtype
     # the values before quantization [M, K], in dtype, where another reader needs them too (a MoE router beside its
     # FP8 experts); None otherwise

@@ -58,7 +58,7 @@ def main() -> None:
     from bench.fp8_gemm_table import cold_graph_us, weight_copies
     from kernels import fp8_gemm
     from kernels.cublaslt import Fp8Matmul
-    from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
+    from kernels.fp8_quant import block_recipe_rows, dequantize_rows, quantize_rows_ref
 
     if not torch.cuda.is_available():
         sys.exit("the study needs a CUDA GPU")
@@ -92,7 +92,7 @@ def main() -> None:
             x *= torch.rand(m, 1, generator=gen, device=device, dtype=torch.bfloat16) + 0.1
             a, a_s = fp8_gemm.quantize_rows(x, k)  # a 256-row buffer, as the engine's activations
             ref = dequantize_rows(a, a_s, k, torch.float64) @ w64.T
-            m4 = -(-m // 4) * 4  # the block recipe's rows (cuBLASLt refuses other scale leading dimensions)
+            m4 = block_recipe_rows(m)  # the rows the engine runs the block recipe on
             xb = dequantize_rows(a, a_s, k, torch.float32)
             a_blk = xb.reshape(m, k // 128, 128).abs().amax(-1).clamp(min=1e-12) / 448.0
             ab = torch.zeros(m4, k, dtype=torch.float8_e4m3fn, device=device)

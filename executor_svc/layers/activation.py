@@ -21,14 +21,17 @@ class SiluAndMul(nn.Module):
     def __init__(self):
         super().__init__()
         self.fp8_group: int | None = None  # set: the output goes out in FP8, a scale per token and this many columns
+        # set with fp8_group where that reader's GEMM is the block recipe: the scales go out M-major, as it reads them
+        self.fp8_m_major = False
 
     def forward(self, x: torch.Tensor | UnscaledProduct) -> torch.Tensor | QuantizedActivations:
         if isinstance(x, UnscaledProduct):  # an FP8 gate_up_proj's product, its scales left to this kernel
             if self.fp8_group is not None:
-                return fp8_fused_quant.silu_and_mul_quant(x.product, self.fp8_group, scales=(x.row_scale, x.col_scale))
+                return fp8_fused_quant.silu_and_mul_quant(x.product, self.fp8_group, scales=(x.row_scale, x.col_scale),
+                                                          m_major=self.fp8_m_major)
             x = fp8_gemm.scaled(x)
         if self.fp8_group is not None:
-            return fp8_fused_quant.silu_and_mul_quant(x, self.fp8_group)
+            return fp8_fused_quant.silu_and_mul_quant(x, self.fp8_group, m_major=self.fp8_m_major)
         if fused_ops is not None and x.is_cuda:
             return fused_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

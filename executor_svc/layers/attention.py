@@ -42,6 +42,8 @@ class Attention(nn.Module):
         # set (CUDA, an FP8 o_proj: executor_svc/layers/fp8.quantize_in_producers): a decode step's output goes to
         # o_proj in FP8, a scale per token and this many columns, where the backend writes it so (decode_fp8)
         self.fp8_group: int | None = None
+        # set with fp8_group where that reader's GEMM is the block recipe: the scales go out M-major, as it reads them
+        self.fp8_m_major = False
         # set while the forward is captured in pieces (executor_svc/piecewise_graphs.py): called with q after the
         # K/V store in place of attention, it returns the buffer the rest of the forward reads the output from
         self.cut = None
@@ -101,7 +103,7 @@ class Attention(nn.Module):
             return self.cut(self, q)
         if self.fp8_group is not None and meta.is_decode and self.backend.capabilities.fp8_decode_output:
             quantized = self.backend.decode_fp8(q, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
-                                                self.fp8_group)
+                                                self.fp8_group, self.fp8_m_major)
             if quantized is not None:
                 return quantized
         return self.attend(q, meta)

@@ -296,6 +296,8 @@ def quantize_in_producers(model: nn.Module) -> int:
             group = layer.fp8_group_k if layer.weight_scale.shape[1] > 1 else k
             if can_quantize_in_groups(group, k):
                 producer.fp8_group = group
+                # the block recipe reads its activations' scales M-major (kernels/fp8_gemm.block_scaled_mm_fp8_gemm)
+                producer.fp8_m_major = getattr(layer, "fp8_block_scales", None) is not None
                 fed += 1
     return fed
 

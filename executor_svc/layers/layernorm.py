@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.fp8_group: int | None = None  # set: the output goes out in FP8, a scale per token and this many columns
         # and in the activation dtype too (QuantizedActivations.plain): a MoE router reads it beside the FP8 experts
         self.fp8_keeps_plain = False
+        # set with fp8_group where that reader's GEMM is the block recipe: the scales go out M-major, as it reads them
+        self.fp8_m_major = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32 and the scale applied after casting back, as HF does.
@@ -44,11 +46,11 @@ class RMSNorm(nn.Module):
             if self.fp8_group is not None:
                 return fp8_fused_quant.rms_norm_quant(x.product, self.weight, self.eps, self.fp8_group, residual,
                                                       scales=(x.row_scale, x.col_scale),
-                                                      keep_plain=self.fp8_keeps_plain)
+                                                      keep_plain=self.fp8_keeps_plain, m_major=self.fp8_m_major)
             x = fp8_gemm.scaled(x)
         if self.fp8_group is not None:
             return fp8_fused_quant.rms_norm_quant(x, self.weight, self.eps, self.fp8_group, residual,
-                                                  keep_plain=self.fp8_keeps_plain)
+                                                  keep_plain=self.fp8_keeps_plain, m_major=self.fp8_m_major)
         if fused_ops is not None and x.is_cuda and (residual is None or residual.dtype == x.dtype):
             return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -147,7 +147,8 @@ class Fp8DecodeOutput(Protocol):
     """What a backend whose capabilities say fp8_decode_output has besides AttentionBackend."""
 
     def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, kv_scales: KVScales | None, fp8_group: int) -> QuantizedActivations | None:
+                   scale: float, kv_scales: KVScales | None, fp8_group: int,
+                   m_major: bool = False) -> QuantizedActivations | None:
         """A decode step's output [T, H*D] as FP8 with a scale per token and fp8_group columns, the bytes
-        kernels/fp8_gemm.quantize_rows gives for forward's output; None where it cannot (the caller attends
-        with forward)."""
+        kernels/fp8_gemm.quantize_rows gives for forward's output (m_major: its scales laid out for the block
+        recipe, kernels/fp8_quant.empty_quantized); None where it cannot (the caller attends with forward)."""

@@ -35,11 +35,12 @@ class Fp8Output(NamedTuple):
 
 
 @triton.jit
-def fp8_output(y, mask, o_row_ptr, q_row_ptr, scale_row_ptr, part_amax_row_ptr, counter_ptr, part, first_head,
-               MODE: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK_PARTS: tl.constexpr, HEADS: tl.constexpr,
+def fp8_output(y, mask, o_row_ptr, q_row_ptr, scale_row_ptr, stride_qg, part_amax_row_ptr, counter_ptr, part,
+               first_head, MODE: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK_PARTS: tl.constexpr, HEADS: tl.constexpr,
                D: tl.constexpr, BLOCK_D: tl.constexpr, ROW: tl.constexpr):
     """After a program stored heads [first_head, first_head + HEADS) of one token's output row (ROW = H * D columns,
-    contiguous heads; y [rows, BLOCK_D] those values in fp32, rounded to the output's dtype, `mask` the real ones):
+    contiguous heads; y [rows, BLOCK_D] those values in fp32, rounded to the output's dtype, `mask` the real ones;
+    the token's scales stride_qg apart: 1, or M-major for the block recipe):
     MODE per head, quantize each of them with its own scale, read back from the row (in registers beside the
     output, the per-head scales took the decode kernel from 128 sm_90 registers to 162, 4 programs an SM to 3);
     MODE per token, leave this part's max |y|, count the part in the token's counter, and, if it is the last of
@@ -54,7 +55,7 @@ def fp8_output(y, mask, o_row_ptr, q_row_ptr, scale_row_ptr, part_amax_row_ptr, 
             x = tl.load(o_row_ptr + cols, mask=offs < D, other=0.0).to(tl.float32)
             scale = fp8_scale(tl.max(tl.abs(x), axis=0), _MIN_SCALE)
             tl.store(q_row_ptr + cols, quantize_fp8(x, scale).to(q_row_ptr.dtype.element_ty), mask=offs < D)
-            tl.store(scale_row_ptr + first_head + h, scale)
+            tl.store(scale_row_ptr + (first_head + h) * stride_qg, scale)
     else:
         y = tl.where(mask, y, 0.0)
         tl.store(part_amax_row_ptr + part, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
@@ -91,7 +92,7 @@ INT8_TO_FP16_PTX = tl.constexpr("""{
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
-    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs,
+    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs, stride_qg,
     NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     FP8_OUT: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr,
 ):
@@ -118,8 +119,8 @@ def _merge_splits_kernel(
         row = seq.to(tl.int64)
         y = out.to(o_ptr.dtype.element_ty).to(tl.float32)[None, :]
         fp8_output(y, (offs_d < D)[None, :], o_ptr + row * stride_ot, q_out_ptr + row * (NUM_Q_HEADS * D),
-                   q_scale_ptr + row * stride_qs, part_amax_ptr + row * NUM_Q_HEADS, counters_ptr + row, head, head,
-                   FP8_OUT, NUM_Q_HEADS, BLOCK_Q_HEADS, 1, D, BLOCK_D, NUM_Q_HEADS * D)
+                   q_scale_ptr + row * stride_qs, stride_qg, part_amax_ptr + row * NUM_Q_HEADS, counters_ptr + row,
+                   head, head, FP8_OUT, NUM_Q_HEADS, BLOCK_Q_HEADS, 1, D, BLOCK_D, NUM_Q_HEADS * D)
 
 
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,11 +137,11 @@ def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, to
 
 
 def fp8_output_args(fp8_out: Fp8Output | None, like: torch.Tensor) -> tuple:
-    """The kernels' (q, scales, parts' maxes, counters, scales' row stride, FP8_OUT) for fp8_out; with none,
-    pointers they never read."""
+    """The kernels' (q, scales, parts' maxes, counters, scales' row and group strides, FP8_OUT) for fp8_out; with
+    none, pointers they never read."""
     if fp8_out is None:
-        return like, like, like, like, 0, FP8_OUT_NONE
-    return fp8_out.q, fp8_out.scale, fp8_out.part_amax, fp8_out.counters, fp8_out.scale.stride(0), fp8_out.mode
+        return like, like, like, like, 0, 0, FP8_OUT_NONE
+    return fp8_out.q, fp8_out.scale, fp8_out.part_amax, fp8_out.counters, *fp8_out.scale.stride(), fp8_out.mode
 
 
 def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: torch.Tensor, num_splits: int,
@@ -170,10 +171,12 @@ class Fp8Decode(NamedTuple):
     quantized: QuantizedActivations  # what o_proj takes
 
 
-def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8_group: int) -> Fp8Decode:
+def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8_group: int,
+                      m_major: bool = False) -> Fp8Decode:
     """The FP8 output's buffers for out [T, H_q, D]: values [T, H_q * D] and scales (kernels/fp8_quant.empty_quantized,
-    rows rounded up as o_proj's padded GEMMs read them); with a scale per token, the parts that write a token's
-    heads (its H_kv programs, or its H_q merge programs after a split) count in the device's zeroed counters."""
+    rows rounded up as o_proj's padded GEMMs read them; m_major: laid out for the block recipe); with a scale per
+    token, the parts that write a token's heads (its H_kv programs, or its H_q merge programs after a split) count in
+    the device's zeroed counters."""
     from kernels.fp8_gemm import split_counters
 
     num_seqs, num_q_heads, head_dim = out.shape
@@ -182,7 +185,7 @@ def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8
         raise ValueError(f"the decode kernels write FP8 a scale per token or per head ({head_dim} columns), "
                          f"not per {fp8_group}")
     per_token = fp8_group >= num_q_heads * head_dim
-    q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device)
+    q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device, m_major)
     parts = num_kv_heads if num_splits == 1 else num_q_heads
     part_amax = torch.empty(num_seqs, parts, dtype=torch.float32, device=out.device) if per_token else scale
     counters = split_counters(out.device)

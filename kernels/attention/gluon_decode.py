@@ -238,11 +238,12 @@ def gluon_decode_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                  kv_scales, num_splits: int | None = None, out: torch.Tensor | None = None,
-                 fp8_group: int | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations | None]:
+                 fp8_group: int | None = None, fp8_m_major: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations | None]:
     """Attention of one query token per sequence over its paged context in an fp8 or int8 pool, dequantized by
     kv_scales, where gluon_decode_fits; num_splits only changes speed (None: gluon_num_splits). fp8_group: also the
-    output in FP8 for an FP8 o_proj (decode_common.fp8_output), written by the split merge: returns (out, that), that
-    None when the context is not split."""
+    output in FP8 for an FP8 o_proj (decode_common.fp8_output), written by the split merge (fp8_m_major: its scales
+    laid out for the block recipe): returns (out, that), that None when the context is not split."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -253,7 +254,8 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
-    fp8 = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group) if fp8_group and num_splits > 1 else None
+    fp8 = (fp8_decode_output(out, num_kv_heads, num_splits, fp8_group, fp8_m_major) if fp8_group and num_splits > 1
+           else None)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     order = meta.decode_order

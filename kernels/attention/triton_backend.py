@@ -236,7 +236,7 @@ def _decode_kernel(
     block_tables_ptr, seqlens_k_ptr, order_ptr, qk_scale, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs,
+    q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs, stride_qg,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -300,7 +300,7 @@ def _decode_kernel(
         if FP8_OUT != 0:  # o_proj's FP8 input too (decode_common.fp8_output): this program is one of H_kv parts
             row = seq.to(tl.int64)
             fp8_output(out.to(o_ptr.dtype.element_ty).to(tl.float32), out_mask, o_ptr + row * stride_ot,
-                       q_out_ptr + row * (NUM_Q_HEADS * D), q_scale_ptr + row * stride_qs,
+                       q_out_ptr + row * (NUM_Q_HEADS * D), q_scale_ptr + row * stride_qs, stride_qg,
                        part_amax_ptr + row * (NUM_Q_HEADS // GROUP), counters_ptr + row, kv_head, kv_head * GROUP,
                        FP8_OUT, NUM_Q_HEADS // GROUP, BLOCK_KV_HEADS, GROUP, D, BLOCK_D, NUM_Q_HEADS * D)
 
@@ -372,10 +372,11 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                             num_splits: int | None = None, config: DecodeConfig | None = None,
                             kv_scales: KVScales | None = None, fp8_group: int | None = None,
-                            ) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations]:
+                            fp8_m_major: bool = False) -> torch.Tensor | tuple[torch.Tensor, QuantizedActivations]:
     """paged_decode_attention by the split-K Triton kernel: any head size, block size and pool; config
     overrides the tiles. fp8_group (fp8_output_supported): also the output in FP8 for an FP8 o_proj, a scale per
-    token and `fp8_group` columns, as kernels/fp8_gemm.quantize_rows would make it: returns (out, that)."""
+    token and `fp8_group` columns, as kernels/fp8_gemm.quantize_rows would make it (fp8_m_major: its scales laid out
+    for the block recipe): returns (out, that)."""
     num_seqs = meta.num_seqs
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -384,7 +385,8 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     fp8_out = None
     if num_seqs == 0:
-        return out if fp8_group is None else (out, fp8_decode_output(out, num_kv_heads, 1, fp8_group).quantized)
+        return out if fp8_group is None else (out, fp8_decode_output(out, num_kv_heads, 1, fp8_group,
+                                                                         fp8_m_major).quantized)
     check_last_dim_contiguous(q, k_cache, v_cache, out)
     block_d = _block_d(head_dim)
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, meta.seqlens_k)
@@ -392,7 +394,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
     if fp8_group is not None:
-        fp8_out = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group)
+        fp8_out = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group, fp8_m_major)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     *fp8_args, fp8_mode = fp8_output_args(None if num_splits > 1 else fp8_out and fp8_out.output, out)
@@ -432,7 +434,8 @@ class TritonAttentionBackend:
                                             q_norm_weight, k_norm_weight, eps, kv_scales, product_scales)
 
     def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, kv_scales: KVScales | None, fp8_group: int) -> QuantizedActivations | None:
+                   scale: float, kv_scales: KVScales | None, fp8_group: int,
+                   m_major: bool = False) -> QuantizedActivations | None:
         """Fp8DecodeOutput: a decode step, its output in FP8 for an FP8 o_proj, written by the decode kernels (the
         Gluon kernel's through its split merge; unsplit, quantize_rows quantizes its output); None where the groups
         are neither a token's nor a head's."""
@@ -440,14 +443,15 @@ class TritonAttentionBackend:
             return None
         if meta.num_seqs and gluon_decode is not None and gluon_decode.gluon_decode_fits(q, k_cache):
             out, quantized = gluon_decode.gluon_decode(q, k_cache, v_cache, meta, scale, kv_scales,
-                                                       fp8_group=fp8_group)
+                                                       fp8_group=fp8_group, fp8_m_major=m_major)
         else:
             out, quantized = triton_decode_attention(q, k_cache, v_cache, meta, scale, kv_scales=kv_scales,
-                                                     fp8_group=fp8_group)
+                                                     fp8_group=fp8_group, fp8_m_major=m_major)
         if quantized is None:
             from kernels.fp8_gemm import quantize_rows
 
-            quantized = QuantizedActivations(*quantize_rows(out.reshape(out.shape[0], -1), fp8_group), out.dtype)
+            quantized = QuantizedActivations(*quantize_rows(out.reshape(out.shape[0], -1), fp8_group, m_major),
+                                             out.dtype)
         return quantized
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -142,6 +142,30 @@ def test_fused_silu_and_mul_writes_the_unfused_chains_fp8_and_matches_float64(dt
 
 
 @interpreter
+@pytest.mark.parametrize("rows", [5, 130])
+@pytest.mark.parametrize("producer", ["norm", "silu_and_mul"])
+def test_producers_write_the_same_scales_m_major_for_the_block_recipe(producer, rows):
+    """m_major (a reader whose GEMM is torch's block recipe): the same bytes and scales, the scales laid out
+    [groups, M rounded up to 128] and seen transposed, as cuBLASLt reads them, so no copy runs before the GEMM."""
+    from kernels.fp8_quant import block_recipe_rows, m_major_in_place
+
+    x = activations(rows, 512, seed=rows, dtype=torch.float32)
+    if producer == "norm":
+        weight = randn(512, gen=torch.Generator().manual_seed(1), dtype=torch.float32)
+        residual = activations(rows, 512, seed=rows + 1, dtype=torch.float32)
+        (row_major, summed), (m_major, summed_too) = (fq.rms_norm_quant(x, weight, EPS, 128, residual, m_major=m)
+                                                      for m in (False, True))
+        assert torch.equal(summed, summed_too)
+    else:
+        row_major, m_major = (fq.silu_and_mul_quant(x, 128, max_cols=128, m_major=m) for m in (False, True))
+    leading = block_recipe_rows(rows)
+    assert m_major.scale.stride() == (1, leading) and row_major.scale.stride() == (row_major.scale.shape[1], 1)
+    assert torch.equal(m_major.scale, row_major.scale)
+    assert torch.equal(m_major.q.view(torch.uint8), row_major.q.view(torch.uint8))
+    assert m_major_in_place(m_major.scale, leading).data_ptr() == m_major.scale.data_ptr()
+
+
+@interpreter
 @pytest.mark.parametrize("inter, group, max_cols", [(576, 576, None), (576, 576, 128), (192, 128, None)])
 def test_silu_and_mul_applies_an_unscaled_products_scales_as_scale_product_then_the_plain_kernels_would(
         inter, group, max_cols):
@@ -246,6 +270,8 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
         to_fp8(layer, 128)  # block weights
     to_fp8(first.mlp.down_proj, 320)  # a channel weight: one scale per token
     to_fp8(second.self_attn.qkv_proj, 192)  # the second block's MLP stays plain, as a checkpoint may leave it
+    for layer in (first.self_attn.qkv_proj, first.self_attn.o_proj):  # whole 128 x 128 blocks, as the loader finds
+        layer.fp8_block_scales = layer.weight_scale[::128].contiguous()  # them (block_scales_of) for the block recipe
 
     monkeypatch.setenv(fp8.FUSED_QUANT_ENV, "0")
     assert fp8.quantize_in_producers(model) == 0 and first.input_layernorm.fp8_group is None
@@ -258,6 +284,9 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
     assert first.self_attn.attn.fp8_group == 128 and second.self_attn.attn.fp8_group is None
     assert second.post_attention_layernorm.fp8_group is None and second.mlp.act_fn.fp8_group is None
     assert model.model.norm.fp8_group is None, "the final norm feeds the LM head"
+    # the block recipe's readers get their scales M-major (here fp32 runs the Triton GEMM, which reads either layout)
+    assert (first.input_layernorm.fp8_m_major, first.self_attn.attn.fp8_m_major) == (True, True)
+    assert not any(p.fp8_m_major for p in (first.post_attention_layernorm, first.mlp.act_fn, second.input_layernorm))
 
     gen = torch.Generator().manual_seed(3)
     hidden, residual = randn(6, 192, gen=gen, dtype=dtype), randn(6, 192, gen=gen, dtype=dtype)
@@ -270,6 +299,7 @@ def test_a_llama_blocks_fp8_gemms_are_fed_by_their_producers_with_the_unfused_pr
 
     fused = [block_products(b) for b in (first, second)]
     assert isinstance(first.mlp.act_fn(torch.ones(6, 640, dtype=dtype)), QuantizedActivations)
+    assert first.input_layernorm(hidden, residual)[0].scale.stride() == (1, 128)
     for producer in (first.input_layernorm, first.post_attention_layernorm, first.mlp.act_fn, second.input_layernorm,
                      first.self_attn.attn):
         producer.fp8_group = None

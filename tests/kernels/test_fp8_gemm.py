@@ -166,6 +166,60 @@ def test_unit_scaled_mm_then_its_scales_matches_float64(m, rows, out_dtype):
     assert_close_to_float64(scaled, y.double() * a_scale.double() * w_scale.double().view(1, -1), rel=1e-6)
 
 
+@interpreter
+@pytest.mark.parametrize("m", [3, 130])
+def test_scales_written_m_major_are_the_row_major_ones_and_the_triton_gemm_reads_them(m):
+    """The block recipe's layout (kernels/fp8_quant.empty_quantized's m_major: scales [M, G], strides (1, M rounded up
+    to 128)): quantize_rows writes the same scales and bytes there, m_major_in_place hands them to the block recipe
+    without a copy, and the Triton GEMM (the block dispatch's backend at few tokens) reads them to the same product,
+    split-K too."""
+    from kernels.fp8_quant import block_recipe_rows, m_major_in_place
+
+    x, _, _, w, w_scale, bias = operands(m, 40, 80, 16, seed=m)
+    q, scale = fp8_gemm.quantize_rows(x, 16)
+    q_mm, scale_mm = fp8_gemm.quantize_rows(x, 16, m_major=True)
+    leading = block_recipe_rows(m)
+    assert scale_mm.stride() == (1, leading) and torch.equal(scale_mm, scale)
+    assert torch.equal(q_mm.view(torch.uint8), q.view(torch.uint8))
+    assert m_major_in_place(scale_mm, leading).data_ptr() == scale_mm.data_ptr()
+    ref = fp8_gemm_ref(q, scale, w, w_scale, 16, bias)
+    for tiles in ((16, 16, 16, 1, 1), (16, 16, 16, 1, 1, 2)):
+        out = fp8_gemm.triton_fp8_gemm(q_mm, scale_mm, w, w_scale, 16, torch.float32, bias, tiles=tiles)
+        assert_close_to_float64(out, ref, rel=1e-5)
+
+
+def test_m_major_scales_are_laid_out_as_the_block_recipe_reads_them():
+    from kernels.fp8_quant import block_recipe_rows, empty_quantized, m_major_in_place
+
+    assert [block_recipe_rows(m) for m in (0, 1, 128, 129, 256, 4000)] == [0, 128, 128, 256, 256, 4096]
+    _, scale = empty_quantized(130, 512, 4, "cpu", m_major=True)
+    assert scale.shape == (130, 4) and scale.stride() == (1, 256)
+    full = m_major_in_place(scale, 256)
+    assert full.shape == (256, 4) and full.stride() == (1, 256) and full.data_ptr() == scale.data_ptr()
+    assert m_major_in_place(scale, 132) is None  # the block recipe reads a leading dimension of its rows
+    assert m_major_in_place(scale, 100) is None  # fewer rows than the tokens
+    assert m_major_in_place(empty_quantized(130, 512, 4, "cpu")[1], 256) is None  # row-major
+    one_group = empty_quantized(5, 128, 1, "cpu")[1]  # one group: a column either way
+    assert m_major_in_place(one_group, 8).stride() == (1, 8)
+    assert m_major_in_place(torch.zeros(5, 1), 8) is None  # no spare rows to read
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 600), groups=st.integers(1, 9))
+def test_m_major_scales_read_in_place_are_the_tokens_scales(m, groups):
+    """Whatever M and group count, the [rows, G] tensor the block recipe is handed begins with the tokens' scales
+    as written through the [M, G] view, and is one contiguous [G, rows] buffer (what cuBLASLt reads)."""
+    from kernels.fp8_quant import block_recipe_rows, empty_quantized, m_major_in_place
+
+    _, scale = empty_quantized(m, 128 * groups, groups, "cpu", m_major=True)
+    values = torch.rand(m, groups)
+    scale.copy_(values)
+    rows = block_recipe_rows(m)
+    full = m_major_in_place(scale, rows)
+    assert full.shape == (rows, groups) and full.t().is_contiguous()
+    assert torch.equal(full[:m], values)
+
+
 def test_quantized_activations_have_spare_rows_that_a_gemm_can_read_in_place():
     from kernels.fp8_quant import ROW_CAPACITY, empty_quantized, rows_in_place
 
@@ -294,11 +348,16 @@ def test_torchs_block_recipe_on_whole_block_scales_matches_float64(m, n, k):
     bias = torch.randn(n, generator=gen)
     ref = fp8_gemm_ref(a, a_scale, wq, w_scale, 128, bias)
     wq, w_scale, blocks = wq.cuda(), w_scale.cuda(), blocks.cuda()
-    for rows in (0, m + 57, 256):  # M rows (rounded up to 4), a count cuBLASLt refuses as it is, the engine's pad
+    for rows in (0, m + 57, 256):  # M rows (rounded up to 128), more, the table's pad
         out = fp8_gemm.block_scaled_mm_fp8_gemm(a.cuda(), a_scale.cuda(), wq, blocks, torch.bfloat16,
                                                 bias.bfloat16().cuda(), rows=rows)
         assert out.shape == (m, n)
         assert_close_to_float64(out.cpu(), ref, rel=1e-2)
+    # the activations as the engine's producers write them for it: their scales M-major, read in place
+    a_mm, scale_mm = fp8_gemm.quantize_rows(x.bfloat16().cuda(), 128, m_major=True)
+    out = fp8_gemm.block_scaled_mm_fp8_gemm(a_mm, scale_mm, wq, blocks, torch.bfloat16)
+    a, a_scale = quantize_rows_ref(x.bfloat16(), 128)
+    assert_close_to_float64(out.cpu(), fp8_gemm_ref(a, a_scale, wq.cpu(), w_scale.cpu(), 128), rel=1e-2)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
         static_x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
