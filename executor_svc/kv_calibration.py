@@ -6,6 +6,9 @@
   (kernels/kv_quant.scales_from_amax); beyond that values are clamped.
 - calibrated-per-head: the same per KV head (fp8's default).
 - calibrated-per-channel: the same per KV head and channel (int8's default).
+- checkpoint (fp8 only): the checkpoint's own calibrated k_scale and v_scale per layer (one per tensor, repeated over
+  the KV heads, or one per KV head, this rank's taken), as its exporter computed them (max |x| / 448, no headroom:
+  larger values clamp); scheduler_svc/common/checkpoint_kv_scales.py names them.
 An fp8 pool keeps a scale per head ([2, L, H_kv]; per channel takes each head's largest); an int8 pool a
 scale per head and channel ([2, L, H_kv, D]; per head or per layer repeats the one over the others).
 
@@ -71,6 +74,34 @@ def kv_cache_scales(method: str, layout: KVLayout, amax: torch.Tensor | None) ->
     log.info("KV cache %s, %s scales (per layer, largest over heads): K [%s] V [%s]",
              str(layout.dtype).removeprefix("torch."), method, _per_layer(scales[0]), _per_layer(scales[1]))
     log.debug("KV cache scales per layer and KV head: %s", scales.tolist())
+    return scales
+
+
+def checkpoint_kv_scales(model_dir: str, layout: KVLayout, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """The fp8 pool's scales [2, L, H_kv] (this rank's KV heads) from the checkpoint's k_scale and v_scale tensors,
+    logged as kv_cache_scales logs its own. A tensor holds one scale, or one per KV head of the whole model."""
+    from safetensors import safe_open
+
+    from scheduler_svc.common.checkpoint_kv_scales import checkpoint_kv_scale_names
+
+    names = checkpoint_kv_scale_names(model_dir)
+    heads = layout.num_kv_heads
+    scales = torch.empty(2, layout.num_layers, heads)
+    for layer in range(layout.num_layers):
+        for i, part in enumerate("kv"):
+            path, name = names[layer][part]
+            with safe_open(path, framework="pt", device="cpu") as f:
+                value = f.get_tensor(name).float().flatten()
+            if value.numel() == heads * world_size:
+                value = value[rank * heads:(rank + 1) * heads]
+            elif value.numel() != 1:
+                raise ValueError(f"KV cache scale {name} in {path} holds {value.numel()} values: one, or one per KV "
+                                 f"head ({heads * world_size}), was expected")
+            if not bool(torch.isfinite(value).all() and (value > 0).all()):
+                raise ValueError(f"KV cache scale {name} in {path} is not a positive finite number: {value.tolist()}")
+            scales[i, layer] = value
+    log.info("KV cache %s, checkpoint scales (per layer, largest over heads): K [%s] V [%s]",
+             str(layout.dtype).removeprefix("torch."), _per_layer(scales[0]), _per_layer(scales[1]))
     return scales
 
 

@@ -6,6 +6,7 @@ fuse (q/k/v -> qkv_proj, gate/up -> gate_up_proj) go to the fused parameter with
 import contextlib
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -18,7 +19,10 @@ from executor_svc.layers import fp8
 from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
+from scheduler_svc.common.checkpoint_kv_scales import is_kv_scale
 from scheduler_svc.common.weight_quantization import weight_quantization
+
+log = logging.getLogger("nanoserve.executor")
 
 
 @dataclass
@@ -117,19 +121,24 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ()) -> None:
     """Stream every *.safetensors tensor into its parameter; fail if any parameter stays unloaded. Tensors whose last
-    name is in `unused` (an FP8 checkpoint's static activation scales) are skipped."""
+    name is in `unused` (an FP8 checkpoint's static activation scales) are skipped, and so are KV cache scales
+    (scheduler_svc/common/checkpoint_kv_scales.py: an fp8 pool reads them itself under --kv-cache-scales checkpoint)."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())
     packed = model.packed_modules_mapping
     loaded: dict[str, set] = {name: set() for name in params}
+    kv_scales = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed from the config
                 if ckpt_name.rpartition(".")[2] in unused:
+                    continue
+                if is_kv_scale(ckpt_name):
+                    kv_scales += 1
                     continue
                 if ckpt_name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # the LM head is embed_tokens' weight
@@ -144,6 +153,9 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
                     param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
                 loaded[name].add(shard_id)
 
+    if kv_scales:
+        log.info("the checkpoint's %d KV cache scales (k_scale, v_scale) are read by an fp8 KV pool under "
+                 "--kv-cache-scales checkpoint, and not otherwise", kv_scales)
     expected_shards = {}
     for fused, shard_id in packed.values():
         expected_shards.setdefault(fused, set()).add(shard_id)

@@ -16,8 +16,8 @@ from executor_svc.draft_model import DraftModel
 from executor_svc.input_batch import (StepInputs, decode_graph_inputs, device_inputs, host_inputs,
                                       one_token_chunks_first, profiling_chunks, verification_rows)
 from executor_svc.kv_cache import KVLayout, KVPool, num_host_blocks, num_kv_blocks
-from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source, kv_cache_scales,
-                                         pool_amax)
+from executor_svc.kv_calibration import (CALIBRATION_TOKENS, calibration_chunks, calibration_source,
+                                         checkpoint_kv_scales, kv_cache_scales, pool_amax)
 from executor_svc.model_loader import load_model
 from executor_svc.piecewise_graphs import PiecewiseGraphs, capture_or_fall_back
 from executor_svc.pinned_staging import PinnedStaging
@@ -130,8 +130,11 @@ class ModelRunner:
             if config.kv_cache_rotation == "hadamard":  # before calibrating: the scales are of the rotated K
                 self.kv_pool.set_rotation(hadamard_matrix(layout.head_dim, self.dtype, self.device))
             method = config.kv_scales_method()
-            amax = None if method == "static" else self.calibration_amax()
-            self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
+            if method == "checkpoint":
+                self.kv_pool.set_scales(checkpoint_kv_scales(config.model, layout, rank, world_size))
+            else:
+                amax = None if method == "static" else self.calibration_amax()
+                self.kv_pool.set_scales(kv_cache_scales(method, layout, amax))
         self.kv_pool.allocate(num_kv_blocks(config, layout, self._peak_forward,
                                             self.draft.bytes_per_block if self.draft is not None else 0))
         if self.draft is not None:

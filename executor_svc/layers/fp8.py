@@ -249,8 +249,8 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     log.info("fp8 weights (%s): %d linear layers%s, %s", quant.describe(), count,
              f" and {expert_blocks} expert blocks" if expert_blocks else "", where)
     if quant.unused:
-        log.info("the checkpoint's static scales (%s) are not used: activations are quantized per token at run time, "
-                 "an fp8 KV pool calibrates its own", ", ".join(quant.unused))
+        log.info("the checkpoint's static scales (%s) are not used: activations are quantized per token at run time",
+                 ", ".join(quant.unused))
     if fp8_gemms:
         from kernels.fp8_gemm import split_counters, unit_scale
         from kernels.fp8_gemm_dispatch import cublaslt_named

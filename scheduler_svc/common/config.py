@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass
 
 from kernels.attention.names import ATTENTION_BACKEND_CHOICES  # torch-free (invariant 3)
+from scheduler_svc.common.checkpoint_kv_scales import checkpoint_kv_scale_names
 from scheduler_svc.common.draft_model import check_draft_model
 from scheduler_svc.common.model_paths import default_model_dir
 from scheduler_svc.common.weight_quantization import QUANTIZATION_CHOICES, weight_quantization
@@ -20,7 +21,7 @@ LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # how a quantized pool's scales are chosen: 1.0 everywhere (fp8), or calibrated at start-up per layer, per KV
 # head or per KV head and channel; auto: per KV head for fp8, per channel for int8
-KV_CACHE_SCALES = ("auto", "calibrated", "calibrated-per-channel", "calibrated-per-head", "static")
+KV_CACHE_SCALES = ("auto", "calibrated", "calibrated-per-channel", "calibrated-per-head", "checkpoint", "static")
 # how an fp8 pool's K is transformed before it is quantized (kernels/kv_rotation.py): a Hadamard rotation
 # of K and q over head_dim, which attention does not see, or none
 KV_CACHE_ROTATIONS = ("hadamard", "none")
@@ -115,6 +116,13 @@ class EngineConfig:
              "--kv-cache-scales static is for fp8: a scale of 1.0 would round int8's K and V to integers")
         need(self.kv_cache_rotation in KV_CACHE_ROTATIONS,
              f"--kv-cache-rotation must be one of {KV_CACHE_ROTATIONS}, got {self.kv_cache_rotation!r}")
+        if self.kv_cache_scales == "checkpoint":  # the checkpoint's calibrated scales (common/checkpoint_kv_scales.py)
+            need(self.kv_cache_dtype == "fp8", "--kv-cache-scales checkpoint is for --kv-cache-dtype fp8: a "
+                 "checkpoint's KV scales are e4m3's, one per tensor or per KV head")
+            need(self.kv_cache_rotation == "none", "--kv-cache-scales checkpoint with --kv-cache-rotation hadamard: "
+                 "the checkpoint's scales are of K unrotated")
+            need(self.load_format != "dummy", "--kv-cache-scales checkpoint needs the checkpoint (--load-format auto)")
+            checkpoint_kv_scale_names(self.model)  # a checkpoint without them fails here, naming what it lacks
         weight_quantization(self.model, self.quantization)  # an unsupported checkpoint format fails here
         need(self.max_steps_in_flight >= 1, f"--max-steps-in-flight must be >= 1, got {self.max_steps_in_flight}")
         need(self.frontend_timeout_s > 0 and self.beam_group_timeout_s > 0 and self.executor_timeout_s > 0,
@@ -249,7 +257,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "scales and about twice the blocks per byte of bf16")
     g.add_argument("--kv-cache-scales", choices=KV_CACHE_SCALES, default=d["kv_cache_scales"].default,
                    help="quantized KV scales: from a calibration forward at start-up, per layer, per KV head or "
-                        "per KV head and channel, or 1.0 (fp8); auto: per head for fp8, per channel for int8")
+                        "per KV head and channel, 1.0 (fp8), or the checkpoint's calibrated k_scale and v_scale "
+                        "(fp8); auto: per head for fp8, per channel for int8")
     g.add_argument("--kv-cache-rotation", choices=KV_CACHE_ROTATIONS, default=d["kv_cache_rotation"].default,
                    help="fp8 or int8: rotate K and q by a Hadamard matrix over head_dim before K is quantized "
                         "(attention is unchanged; the quantization error averages over q.k)")

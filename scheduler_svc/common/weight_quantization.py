@@ -15,9 +15,9 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
   export, activation_scheme dynamic or static); `{"quant_method": "fbgemm_fp8"}` (Meta's Llama 3.1 FP8: per
   row, dynamic per-token activations; its activation_scale_ub clamp is not applied).
   A checkpoint's static activation scales (`input_scale`, one per tensor) are read and not used: each
-  token's activations are quantized with their own max, at least as fine as one calibrated scale. Nor are
-  compressed-tensors' KV cache scales (`k_scale`, `v_scale`): an fp8 KV pool calibrates its own
-  (executor_svc/kv_calibration.py).
+  token's activations are quantized with their own max, at least as fine as one calibrated scale. A checkpoint's
+  KV cache scales (`k_scale`, `v_scale`) are an fp8 KV pool's under --kv-cache-scales checkpoint
+  (scheduler_svc/common/checkpoint_kv_scales.py); the weight loader skips them.
 - online: `--quantization fp8` on a bf16/fp32 checkpoint: each Linear weight quantized per output row at
   load, the same arithmetic as channel.
 
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 QUANTIZATION_CHOICES = ("fp8",)  # --quantization
 STATIC_SCALES = ("input_scale",)  # a static activation scale per converted module, not used (module docstring)
-KV_SCALES = ("k_scale", "v_scale")  # compressed-tensors' kv_cache_scheme: the KV pool calibrates its own scales
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,6 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         if weights.get("strategy") not in ("channel", "tensor", "block"):
             raise refuse(f"weight strategy {weights.get('strategy')!r}; only channel, tensor or block")
         static = acts is not None and not acts.get("dynamic", False)
-        kv_scales = KV_SCALES if raw.get("kv_cache_scheme") else ()
         if weights.get("strategy") == "block":  # llm-compressor's FP8_BLOCK: a weight_scale per block
             block = weights.get("block_structure") or []
             if len(block) != 2:
@@ -127,12 +125,11 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
             if static:
                 raise refuse("static activation scales with block weights; only dynamic ones")
             return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
-                                      scale_name="weight_scale", not_converted=tuple(raw.get("ignore") or ()),
-                                      unused=kv_scales)
+                                      scale_name="weight_scale", not_converted=tuple(raw.get("ignore") or ()))
         if static and acts.get("strategy") != "tensor":
             raise refuse(f"static activation scales per {acts.get('strategy')!r}; only per tensor (or dynamic)")
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
                                   not_converted=tuple(raw.get("ignore") or ()),
-                                  unused=(STATIC_SCALES if static else ()) + kv_scales,
+                                  unused=STATIC_SCALES if static else (),
                                   per_tensor=weights.get("strategy") == "tensor")
     raise refuse("this quantization method is not supported")

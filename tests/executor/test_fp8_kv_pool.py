@@ -173,3 +173,108 @@ def test_the_rotation_flag_reaches_another_process_role_and_an_unknown_rotation_
     assert EngineConfig(model=tiny_llama).kv_cache_rotation == "none"
     with pytest.raises(ValueError, match="--kv-cache-rotation"):
         EngineConfig(model=tiny_llama, kv_cache_rotation="random")
+
+
+# ---------------------------------------------------------------------------------------------
+# --kv-cache-scales checkpoint: the checkpoint's own calibrated k_scale and v_scale
+# ---------------------------------------------------------------------------------------------
+
+
+def with_kv_scales(model_dir: str, out_dir, tensors: dict[str, torch.Tensor]) -> str:
+    """A copy of the checkpoint in model_dir with KV cache scale tensors beside its weights, in a file of their own as
+    an exporter may shard them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out_dir)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(out_dir / "kv_scales.safetensors"))
+    return str(out_dir)
+
+
+# every exporter's names for layer 0's and layer 1's scales (scheduler_svc/common/checkpoint_kv_scales.py)
+NAMINGS = {
+    "compressed-tensors": ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale"),
+    "modelopt": ("model.layers.{}.self_attn.k_proj.k_scale", "model.layers.{}.self_attn.v_proj.v_scale"),
+    "output_scale": ("model.layers.{}.self_attn.k_proj.output_scale", "model.layers.{}.self_attn.v_proj.output_scale"),
+}
+
+
+@pytest.mark.parametrize("naming", sorted(NAMINGS))
+def test_checkpoint_scales_are_the_pools_each_layers_own_per_tensor_or_per_head(tiny_llama, tmp_path, naming, caplog):
+    """A scale per tensor is repeated over the layer's KV heads; one per KV head keeps each head's. Every layer reads
+    its own row, and the log says where the scales came from."""
+    k_name, v_name = NAMINGS[naming]
+    per_head = naming == "modelopt"
+    values = {}
+    for layer in range(2):
+        k = torch.tensor([0.03 + layer, 0.05 + layer]) if per_head else torch.tensor(0.02 + layer)
+        values[k_name.format(layer)], values[v_name.format(layer)] = k, k * 7
+    model = with_kv_scales(tiny_llama, tmp_path / "ckpt", values)
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        runner = make_runner(model, kv_cache_scales="checkpoint")
+    want = torch.stack([torch.stack([values[name.format(layer)].expand(2) for layer in range(2)])
+                        for name in (k_name, v_name)])
+    torch.testing.assert_close(runner.kv_pool.scales, want, rtol=0, atol=0)
+    for i, attn in enumerate(runner.kv_pool.layers):
+        assert attn.kv_scales.k.data_ptr() == runner.kv_pool.scales[0, i].data_ptr()
+    assert "checkpoint scales" in caplog.text and "read by an fp8 KV pool" in caplog.text
+    # under any other method the same checkpoint loads, its scales skipped
+    assert not torch.equal(make_runner(model, kv_cache_scales="static").kv_pool.scales, want)
+
+
+def test_one_kv_scale_serves_k_and_v_and_each_rank_takes_its_own_heads(tiny_llama, tmp_path):
+    from executor_svc.kv_cache import KVLayout
+    from executor_svc.kv_calibration import checkpoint_kv_scales
+
+    model = with_kv_scales(tiny_llama, tmp_path / "ckpt", {
+        "model.layers.0.self_attn.kv_scale": torch.tensor([0.5]),  # an older export's one scale for K and V
+        "model.layers.1.self_attn.k_scale": torch.tensor([1.0, 2.0]),  # per KV head
+        "model.layers.1.self_attn.v_scale": torch.tensor([3.0, 4.0]),
+    })
+    layout = KVLayout(2, BLOCK_SIZE, 1, 16, FP8_DTYPE, torch.device("cpu"))  # one KV head a rank, two ranks
+    rank0, rank1 = (checkpoint_kv_scales(model, layout, rank, 2) for rank in (0, 1))
+    assert rank0.tolist() == [[[0.5], [1.0]], [[0.5], [3.0]]] and rank1.tolist() == [[[0.5], [2.0]], [[0.5], [4.0]]]
+
+
+def test_a_checkpoint_scale_of_the_wrong_size_or_value_is_refused_by_name(tiny_llama, tmp_path):
+    names = [NAMINGS["compressed-tensors"][i].format(layer) for layer in range(2) for i in range(2)]
+    for case, bad in (("size", torch.ones(3)), ("value", torch.tensor(0.0)), ("nan", torch.tensor(float("nan")))):
+        model = with_kv_scales(tiny_llama, tmp_path / case, {**{n: torch.tensor(1.0) for n in names},
+                                                             names[2]: bad})
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_scale"):
+            make_runner(model, kv_cache_scales="checkpoint")
+
+
+def test_checkpoint_scales_are_refused_at_start_up_where_they_cannot_serve(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"lacks KV cache scales for 4 of 4 .*calibrated-per-head"):
+        EngineConfig(model=tiny_llama, kv_cache_dtype="fp8", kv_cache_scales="checkpoint")
+    half = with_kv_scales(tiny_llama, tmp_path / "half", {"model.layers.0.self_attn.k_scale": torch.tensor(1.0),
+                                                          "model.layers.0.self_attn.v_scale": torch.tensor(1.0),
+                                                          "model.layers.1.self_attn.k_scale": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match=r"for 1 of 4 layer K/V pairs \(layer.k or .v: 1.v\)"):
+        EngineConfig(model=half, kv_cache_dtype="fp8", kv_cache_scales="checkpoint")
+    with pytest.raises(ValueError, match="is for --kv-cache-dtype fp8"):
+        EngineConfig(model=half, kv_cache_dtype="int8", kv_cache_scales="checkpoint")
+    with pytest.raises(ValueError, match="of K unrotated"):
+        EngineConfig(model=half, kv_cache_dtype="fp8", kv_cache_scales="checkpoint", kv_cache_rotation="hadamard")
+    with pytest.raises(ValueError, match="needs the checkpoint"):
+        EngineConfig(model=half, kv_cache_dtype="fp8", kv_cache_scales="checkpoint", load_format="dummy")
+    full = with_kv_scales(tiny_llama, tmp_path / "full", {name.format(layer): torch.tensor(1.0) for layer in range(2)
+                                                          for name in NAMINGS["compressed-tensors"]})
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--model", full, "--kv-cache-dtype", "fp8",
+                                                        "--kv-cache-scales", "checkpoint"]))
+    assert config.kv_scales_method() == "checkpoint"
+
+
+def test_kv_scale_names_are_told_apart_from_weight_and_activation_scales():
+    from scheduler_svc.common.checkpoint_kv_scales import is_kv_scale
+
+    assert all(is_kv_scale(name.format(3)) for pair in NAMINGS.values() for name in pair)
+    assert is_kv_scale("model.layers.3.self_attn.kv_scale") and is_kv_scale("layers.0.self_attn.k_scale")
+    assert not any(is_kv_scale(name) for name in (
+        "model.layers.3.self_attn.k_proj.weight_scale", "model.layers.3.self_attn.k_proj.input_scale",
+        "model.layers.3.self_attn.q_proj.output_scale", "model.layers.3.mlp.k_scale",
+        "model.layers.3.self_attn.k_norm.weight", "model.layers.3.self_attn.k_scale.extra"))
