@@ -1,0 +1,88 @@
+"""The FP8 path's Triton kernels compile for sm_90 (the H100/H200) on any host: Triton's compiler runs without a GPU
+(to PTX, then ptxas to a cubin), so what the CPU interpreter accepts and the GPU compiler refuses (a plain Python
+float global, a dot under 16, a scalar/tensor mix-up) fails here, in CI, before a GPU is lent. Each kernel is compiled
+at the configurations the engine launches it with on the Qwen3-8B shape: block (128-column groups) and channel weights,
+split-K, the decode kernels' FP8 output per token and per head (with the scale strides of either layout)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+FP8 = "*fp8e4nv"
+
+
+def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
+                     num_warps: int = 4, num_stages: int = 3):
+    """fn compiled for sm_90: `pointers` types the pointer arguments (others *fp32), `floats` the fp32 scalars, every
+    other argument i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = pointers.get(arg, "*fp32")
+        else:
+            signature[arg] = "fp32" if arg in floats else "i32"
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def assert_compiles(fn, pointers, constexprs, **kwargs):
+    compiled = compile_for_sm90(fn, pointers, constexprs, **kwargs)
+    assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
+
+
+# (grouped, rows of W sharing their scales, split-K, tiles): block weights (one scalar a tile, or a vector), channel
+# weights promoted every 128 of K, split and unsplit
+GEMMS = [(True, True, 1, (64, 128, 128)), (True, False, 2, (16, 64, 128)), (False, False, 1, (128, 128, 256)),
+         (False, False, 4, (16, 32, 128))]
+
+
+@pytest.mark.parametrize("grouped, per_tile, split_k, tiles", GEMMS)
+def test_the_fp8_gemm_compiles_for_sm90(grouped, per_tile, split_k, tiles):
+    from kernels import fp8_gemm
+
+    block_m, block_n, block_k = tiles
+    assert_compiles(fp8_gemm._fp8_gemm_kernel,
+                    {"a_ptr": FP8, "w_ptr": FP8, "bias_ptr": "*bf16", "c_ptr": "*bf16", "counter_ptr": "*i32"},
+                    dict(GROUPED=grouped, W_PER_TILE=per_tile, HAS_BIAS=not grouped, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=128, SPLIT_K=split_k),
+                    num_warps=8 if block_m == 128 else 4)
+
+
+def test_the_activation_quantizers_compile_for_sm90():
+    from kernels import fp8_fused_quant, fp8_gemm
+
+    assert_compiles(fp8_gemm._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": FP8}, {"BLOCK": 128}, num_warps=1)
+    norm_pointers = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "q_ptr": FP8,
+                     "residual_out_ptr": "*bf16", "plain_ptr": "*bf16", "row_scale_ptr": "*fp32"}
+    for per_row, tiles, tile, scales in ((False, 32, 128, False), (True, 32, 128, True)):  # block; channel, unscaled
+        assert_compiles(fp8_fused_quant._rms_norm_quant_kernel, norm_pointers,
+                        dict(HAS_RESIDUAL=True, HAS_SCALES=scales, PER_ROW=per_row, NUM_TILES=tiles, TILE=tile,
+                             KEEP_PLAIN=per_row), floats=("eps",), num_warps=16)
+    silu_pointers = {"x_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": FP8}
+    assert_compiles(fp8_fused_quant._silu_and_mul_quant_kernel, silu_pointers,
+                    dict(HAS_SCALES=False, NUM_TILES=32, TILE=128), num_warps=16)
+    assert_compiles(fp8_fused_quant._silu_and_mul_chunk_kernel, silu_pointers, dict(HAS_SCALES=True, CHUNK=1024))
+    assert_compiles(fp8_fused_quant._quantize_by_chunk_maxes_kernel, silu_pointers, dict(CHUNK=1024, CHUNKS=16))
+
+
+@pytest.mark.parametrize("fp8_out", [1, 2])  # a scale per token (the last program quantizes the row), per head
+def test_the_decode_kernels_fp8_output_compiles_for_sm90(fp8_out):
+    from kernels.attention import decode_common, triton_backend
+
+    pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "o_ptr": "*bf16",
+                "block_tables_ptr": "*i32", "seqlens_k_ptr": "*i32", "order_ptr": "*i32", "q_out_ptr": FP8,
+                "counters_ptr": "*i32"}
+    assert_compiles(triton_backend._decode_kernel, pointers,
+                    dict(NUM_Q_HEADS=32, GROUP=4, BLOCK_G=16, BLOCK_SIZE=16, D=128, BLOCK_D=128, BLOCK_N=64,
+                         SPLIT=False, HAS_ORDER=True, UPCAST=False, DOT_PRECISION="tf32", KV_FORMAT=0,
+                         FP16_DOTS=False, FP8_OUT=fp8_out, BLOCK_KV_HEADS=8),
+                    floats=("qk_scale",), num_stages=2)
+    assert_compiles(decode_common._merge_splits_kernel, pointers,
+                    dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=8, FP8_OUT=fp8_out, BLOCK_Q_HEADS=32))
