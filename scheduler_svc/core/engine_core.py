@@ -237,7 +237,7 @@ class EngineCore:
             self._start_serving()
 
     def _start_serving(self) -> None:
-        self.ready = self.executors.engine_facts(self.config.max_model_len)
+        self.ready = self.executors.engine_facts(self.config.max_model_len, self.config.max_num_seqs)
         config = scheduler_config(self.config, self.ready)
         self.scheduler = Scheduler(config)
         self._attach_kv_event_log()

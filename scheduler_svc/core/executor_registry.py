@@ -53,8 +53,9 @@ class ExecutorRegistry:
             if now - self.last_seen.get(rank, now) > self.timeout_s:
                 raise EngineLostError(f"executor rank {rank} sent no heartbeat for {self.timeout_s:.0f}s")
 
-    def engine_facts(self, max_model_len: int | None) -> engine_pb2.EngineReady:
-        """What the engine serves with: rank 0's model facts, the smallest KV pool over the ranks."""
+    def engine_facts(self, max_model_len: int | None, max_num_seqs: int) -> engine_pb2.EngineReady:
+        """What the engine serves with: rank 0's model facts, the smallest KV pool over the ranks, the scheduler's
+        limits."""
         rank0 = self.handshakes[0]
         facts = engine_pb2.ExecutorHandshake()
         facts.CopyFrom(rank0)
@@ -66,7 +67,8 @@ class ExecutorRegistry:
         facts.copy_fixed_seconds = max(h.copy_fixed_seconds for h in self.handshakes.values())
         facts.prefill_tokens_per_s = min(h.prefill_tokens_per_s for h in self.handshakes.values())
         limit = rank0.max_position_embeddings
-        return engine_pb2.EngineReady(model=facts, max_model_len=min(max_model_len or limit, limit))
+        return engine_pb2.EngineReady(model=facts, max_model_len=min(max_model_len or limit, limit),
+                                      max_num_seqs=max_num_seqs)
 
     def forget(self) -> list[int]:
         """Drop every rank (the engine is lost); returns the ranks that had joined."""

@@ -61,7 +61,7 @@ def model_info(ready: engine_pb2.EngineReady) -> generation_pb2.ModelInfo:
         model_name=m.model_name, architecture=m.architecture, max_model_len=ready.max_model_len,
         vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids, dtype=m.dtype, device=m.device,
         block_size=m.block_size, tensor_parallel_size=m.world_size, num_kv_blocks=m.num_blocks,
-        attention_backend=m.attention_backend, kv_cache_dtype=m.kv_cache_dtype,
+        attention_backend=m.attention_backend, kv_cache_dtype=m.kv_cache_dtype, max_num_seqs=ready.max_num_seqs,
         weight_format=m.weight_format)
 
 

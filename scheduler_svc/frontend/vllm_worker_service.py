@@ -163,7 +163,7 @@ class VllmWorkerService(vllm_engine_pb2_grpc.VllmEngineServicer):
             active_requests=len(self.generation.requests), is_paused=self.generation.draining,
             uptime_seconds=time.time() - self.started, server_type="nanoserve-grpc", data_parallel_size=1,
             kv_cache_dtype=m.kv_cache_dtype, block_size=m.block_size, attention_backend=m.attention_backend,
-            model_dtype=m.dtype)
+            model_dtype=m.dtype, max_num_seqs=ready.max_num_seqs)
 
     async def GetLoads(self, request, context):
         if request.HasField("dp_rank") and request.dp_rank != 0:

@@ -230,7 +230,8 @@ def test_a_field_nanoserve_cannot_honour_is_invalid_argument_naming_it(cluster):
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in error.value.details()
     info = stub.GetModelInfo(vllm.GetModelInfoRequest(), timeout=10)
     assert info.served_model_name == MODEL and list(info.eos_token_ids) == [2] and info.max_context_length == 512
-    assert stub.GetServerInfo(vllm.GetServerInfoRequest(), timeout=10).block_size == 16
+    server = stub.GetServerInfo(vllm.GetServerInfoRequest(), timeout=10)
+    assert server.block_size == 16 and server.max_num_seqs == 256  # --max-num-seqs' default
     assert stub.HealthCheck(vllm.HealthCheckRequest(), timeout=10).healthy
 
 

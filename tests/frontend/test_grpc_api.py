@@ -241,6 +241,7 @@ def test_model_info_describes_the_engine(server):
     assert info.device == "cpu" and info.dtype == "float32" and info.attention_backend
     assert info.kv_cache_dtype == "float32"  # --kv-cache-dtype auto: the model's
     assert info.weight_format == "float32"  # plain weights: the dtype they are served in
+    assert info.max_num_seqs == 256  # --max-num-seqs' default
 
 
 def test_stats_count_finished_requests_and_generated_tokens(server):
