@@ -147,10 +147,13 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
                     model_name = type(model).__name__
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {model_name}")
                 param = params[name]
-                if shard_id is None:
-                    param.weight_loader(param, f.get_tensor(ckpt_name))
-                else:
-                    param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                try:
+                    if shard_id is None:
+                        param.weight_loader(param, f.get_tensor(ckpt_name))
+                    else:
+                        param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                except ValueError as exc:  # a loader's refusal, named by the tensor it refused
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} in {path}: {exc}") from exc
                 loaded[name].add(shard_id)
 
     if kv_scales:

@@ -107,7 +107,7 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
     for attr in ("w13", "w2"):
         plain = getattr(experts, attr)
         weight = nn.Parameter(torch.empty(plain.shape, dtype=FP8_DTYPE, device=plain.device), requires_grad=False)
-        weight.weight_loader = plain.weight_loader
+        weight.weight_loader = _fp8_bytes(plain.weight_loader)
         weight.expected_shards = plain.expected_shards[:1]  # FP8 checkpoints store each expert's projections
         setattr(experts, attr, weight)
     group13 = experts.fp8_group_k13 = _k_group(quant, hidden, k_split=False)
@@ -117,12 +117,14 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
 
     def load_w13_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, part = shard_id  # gate_proj / up_proj [I_full, H]: this rank's rows, all of K's groups
+        check_scale(loaded, quant, inter * tp_size(), hidden)
         per_row = _scales_per_row(loaded, quant, inter * tp_size(), 0, hidden, group13)
         offset = 0 if part == "gate" else inter
         param.data[expert, offset: offset + inter].copy_(per_row[rank * inter: (rank + 1) * inter])
 
     def load_w2_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, _ = shard_id  # down_proj [H, I_full]: every row, this rank's K groups
+        check_scale(loaded, quant, hidden, inter * tp_size())
         param.data[expert].copy_(_scales_per_row(loaded, quant, hidden, rank * inter, inter, group2)[:hidden])
 
     for attr, shape, loader in (("w13", (num_experts, 2 * inter, -(-hidden // group13)), load_w13_scale),
@@ -138,12 +140,14 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
     row_parallel = isinstance(layer, RowParallelLinear)
     device = layer.weight.device
     weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
-    weight.weight_loader = layer.weight_loader  # fp8 bytes shard like any weight
+    weight.weight_loader = _fp8_bytes(layer.weight_loader)  # fp8 bytes shard like any weight
     layer.weight = weight
     group = layer.fp8_group_k = _k_group(quant, k, k_split=row_parallel)
     scale = nn.Parameter(torch.empty(n, -(-k // group), dtype=torch.float32, device=device), requires_grad=False)
 
     def load_scale(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        check_scale(loaded, quant, param.shape[0] if row_parallel else _rows_of(layer, shard_id),
+                    k * tp_size() if row_parallel else k)
         if row_parallel:  # every row, this rank's K columns
             param.data.copy_(_scales_per_row(loaded, quant, param.shape[0], tp_rank() * k, k, group)[: param.shape[0]])
         else:  # all of K; the layer's own loader takes this rank's rows
@@ -152,6 +156,39 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
 
     scale.weight_loader = load_scale
     layer.register_parameter(quant.scale_name, scale)
+
+
+def _fp8_bytes(weight_loader):
+    """weight_loader for an FP8 weight: the checkpoint's tensor must be float8_e4m3fn (a plain one would be cast to
+    FP8 and read as if scaled)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        if loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"a {str(loaded.dtype).removeprefix('torch.')} weight where the checkpoint's "
+                             "quantization_config makes the module FP8 (float8_e4m3fn); a module left plain must be "
+                             "listed in modules_to_not_convert (compressed-tensors: ignore)")
+        weight_loader(param, loaded, *shard_id)
+
+    return load
+
+
+def check_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> None:
+    """Refuse a checkpoint's scale tensor for a rows x cols FP8 weight whose shape is not the format's (the block grid
+    [ceil(rows / bn), ceil(cols / bk)]; one scale per row, or one for the tensor) or whose values are not finite and
+    non-negative: either would load silently into wrong weights."""
+    if quant.scheme == "block":
+        want = f"[{-(-rows // quant.block[0])}, {-(-cols // quant.block[1])}]"
+        fits = list(loaded.shape) == [-(-rows // quant.block[0]), -(-cols // quant.block[1])]
+    else:
+        want = f"[{rows}, 1], [{rows}] or one value"
+        fits = loaded.numel() == 1 or (loaded.numel() == rows and loaded.dim() <= 2 and loaded.shape[0] == rows)
+    if not fits:
+        raise ValueError(f"an FP8 scale of shape {list(loaded.shape)} for a {rows} x {cols} weight: the format "
+                         f"({quant.describe()}) has {want}")
+    values = loaded.float()
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        bad = values[~torch.isfinite(values) | (values < 0)]
+        raise ValueError(f"an FP8 scale holding {bad.numel()} values that are not finite and non-negative "
+                         f"(e.g. {bad[0].item()})")
 
 
 def _k_group(quant: WeightQuantization, k: int, k_split: bool) -> int:

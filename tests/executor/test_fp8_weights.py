@@ -71,6 +71,39 @@ def test_a_checkpoints_static_activation_scales_are_named_as_unused(tmp_path):
     assert unused({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}) == ()
 
 
+BAD_TENSORS = {  # (scheme, tensor, replacement, what the error says)
+    "a block grid of the wrong shape": ("block", "model.layers.0.self_attn.k_proj.weight_scale_inv",
+                                        lambda t: torch.ones(3, 3), r"shape \[3, 3\] for a 96 x 192 weight.*\[1, 2\]"),
+    "a scale per row of the wrong length": ("channel", "model.layers.0.mlp.up_proj.weight_scale",
+                                            lambda t: t[:-1], r"shape \[319, 1\] for a 320 x 192 weight"),
+    "a NaN scale": ("block", "model.layers.0.mlp.down_proj.weight_scale_inv",
+                    lambda t: t.clone().fill_(float("nan")), "not finite and non-negative"),
+    "a negative scale": ("channel", "model.layers.0.self_attn.o_proj.weight_scale", lambda t: -t, "non-negative"),
+    "a plain weight where the config says FP8": ("block", "model.layers.0.self_attn.q_proj.weight",
+                                                 lambda t: t.float(), "a float32 weight .* modules_to_not_convert"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TENSORS))
+def test_a_checkpoint_tensor_that_does_not_fit_its_fp8_format_is_refused_naming_it(checkpoints, tmp_path, case):
+    """Each of these loaded silently before (a plain weight cast to FP8, a scale grid read past or short of its
+    weight, NaN scales): wrong weights, or NaN, at the first token."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    scheme, name, replace_with, said = BAD_TENSORS[case]
+    model_dir = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(checkpoints, scheme), model_dir)
+    (path,) = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    tensors = load_file(path)
+    tensors[name] = replace_with(tensors[name])
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' in .*: .*{said}"):
+        load(model_dir)
+
+
 def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
     quant = weight_quantization(os.path.join(checkpoints, "block"), None)
     assert not quant.converts("model.layers.1.mlp.down_proj") and not quant.converts("lm_head")
