@@ -23,6 +23,7 @@ from scheduler_svc.common.checkpoint_kv_scales import is_kv_scale
 from scheduler_svc.common.weight_quantization import weight_quantization
 
 log = logging.getLogger("nanoserve.executor")
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -147,11 +148,17 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
                     model_name = type(model).__name__
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} has no parameter {name!r} in {model_name}")
                 param = params[name]
+                tensor = f.get_tensor(ckpt_name)
                 try:
+                    if tensor.dtype in FP8_TYPES and param.dtype != tensor.dtype:
+                        raise ValueError(f"a {str(tensor.dtype).removeprefix('torch.')} tensor for a "
+                                         f"{str(param.dtype).removeprefix('torch.')} parameter: config.json's "
+                                         "quantization_config does not make this module FP8 (none is given, or "
+                                         "modules_to_not_convert lists it), so its bytes would be read unscaled")
                     if shard_id is None:
-                        param.weight_loader(param, f.get_tensor(ckpt_name))
+                        param.weight_loader(param, tensor)
                     else:
-                        param.weight_loader(param, f.get_tensor(ckpt_name), shard_id)
+                        param.weight_loader(param, tensor, shard_id)
                 except ValueError as exc:  # a loader's refusal, named by the tensor it refused
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} in {path}: {exc}") from exc
                 loaded[name].add(shard_id)

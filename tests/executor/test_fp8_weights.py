@@ -81,6 +81,9 @@ BAD_TENSORS = {  # (scheme, tensor, replacement, what the error says)
     "a negative scale": ("channel", "model.layers.0.self_attn.o_proj.weight_scale", lambda t: -t, "non-negative"),
     "a plain weight where the config says FP8": ("block", "model.layers.0.self_attn.q_proj.weight",
                                                  lambda t: t.float(), "a float32 weight .* modules_to_not_convert"),
+    "FP8 bytes where the config keeps the module plain": (
+        "block", "model.layers.1.mlp.down_proj.weight", lambda t: t.to(torch.float8_e4m3fn),
+        "a float8_e4m3fn tensor for a float32 parameter: .*read unscaled"),
 }
 
 
@@ -102,6 +105,18 @@ def test_a_checkpoint_tensor_that_does_not_fit_its_fp8_format_is_refused_naming_
     save_file(tensors, path)
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' in .*: .*{said}"):
         load(model_dir)
+
+
+def test_fp8_tensors_under_a_config_without_quantization_config_are_refused(checkpoints, tmp_path):
+    import shutil
+
+    model_dir = tmp_path / "stripped"
+    shutil.copytree(os.path.join(checkpoints, "channel"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\..*\.weight' .*a float8_e4m3fn tensor for a float32"):
+        load(str(model_dir))
 
 
 def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
