@@ -234,7 +234,7 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
                     group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                     tiles: tuple[int, ...] | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
     """a [M, K] fp8 with scales [M, G] (row-major or M-major), w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
-    G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 16 on a GPU).
+    G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 32 on a GPU: an FP8 dot's K).
     `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py); a sixth entry, SPLIT_K > 1, splits
     K over that many programs per output tile (more programs for a weight-bound product of few rows).
     `rows_sharing_scales` (kernels/fp8_quant.rows_sharing_scales of w_scale, found at load): where an N tile lies

@@ -48,7 +48,9 @@ from scheduler_svc.common.weight_quantization import WeightQuantization
 
 log = logging.getLogger("nanoserve.executor")
 
-MIN_GPU_GROUP = 16  # a Triton dot's K on a GPU
+# the narrowest K group a GPU GEMM takes: the Linear GEMM dots FP8 by FP8, whose K is 32 or more on sm_89/sm_90
+# (tests/kernels/test_sm90_compile.py); the experts' weight-only GEMM widens W to bf16 first, a bf16 dot's 16
+MIN_GPU_GROUP, MIN_GPU_EXPERT_GROUP = 32, 16
 FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
 # FP8 experts on a GPU multiply FP8 activations (kernels/fused_moe_fp8_activations.py: "fp8", the default where their
 # scales allow it) or widen their weights to the activation dtype ("bf16", weight-only); see moe_activations
@@ -214,10 +216,10 @@ def _scales_per_row(loaded: torch.Tensor, quant: WeightQuantization, rows: int, 
     return loaded.repeat_interleave(block_k, 1)[:, col_start: col_start + cols: group].repeat_interleave(block_n, 0)
 
 
-def _check_gpu_group(name: str, group: int) -> None:
-    if group < MIN_GPU_GROUP:
+def _check_gpu_group(name: str, group: int, minimum: int = MIN_GPU_GROUP) -> None:
+    if group < minimum:
         raise ValueError(f"{name}: its shard splits the FP8 scale blocks into groups of {group} columns; the GEMM "
-                         f"needs {MIN_GPU_GROUP}: choose another --tensor-parallel-size")
+                         f"needs {minimum}: choose another --tensor-parallel-size")
 
 
 def _rows_of(layer: nn.Module, shard_id: tuple) -> int:
@@ -383,7 +385,7 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
     on_gpu = fp8_gemms and fused_moe.moe_kernels is not None
     if on_gpu:
-        _check_gpu_group(name, experts.fp8_group_k2)  # gate/up's K (hidden) is never split
+        _check_gpu_group(name, experts.fp8_group_k2, MIN_GPU_EXPERT_GROUP)  # gate/up's K (hidden) is never split
     for attr, (q, scale) in stacked.items():
         if not on_gpu:
             plain = dequantize_rows(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), groups[attr])

@@ -86,3 +86,25 @@ def test_the_decode_kernels_fp8_output_compiles_for_sm90(fp8_out):
                     floats=("qk_scale",), num_stages=2)
     assert_compiles(decode_common._merge_splits_kernel, pointers,
                     dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=8, FP8_OUT=fp8_out, BLOCK_Q_HEADS=32))
+
+
+def test_the_narrowest_k_group_the_loader_lets_a_gpu_gemm_take_compiles_for_sm90_and_a_narrower_does_not():
+    """Block weights split by tensor parallelism inside a 128-column block take groups of gcd(128, K / tp) columns,
+    one K tile each. An FP8 by FP8 dot needs K >= 32 on sm_90, so the loader refuses narrower groups on a GPU
+    (executor_svc/layers/fp8.MIN_GPU_GROUP) with an error that says what to change, rather than fail to compile."""
+    from executor_svc.layers import fp8
+    from kernels import fp8_gemm
+
+    def compile_group(group):
+        compile_for_sm90(fp8_gemm._fp8_gemm_kernel,
+                         {"a_ptr": FP8, "w_ptr": FP8, "c_ptr": "*bf16", "counter_ptr": "*i32"},
+                         dict(GROUPED=True, W_PER_TILE=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=group,
+                              GROUP_M=8, PROMOTE_K=group, SPLIT_K=1))
+
+    compile_group(fp8.MIN_GPU_GROUP)
+    with pytest.raises(Exception, match="K >= 32"):
+        compile_group(fp8.MIN_GPU_GROUP // 2)
+    fp8._check_gpu_group("down_proj", fp8.MIN_GPU_GROUP)
+    with pytest.raises(ValueError, match="groups of 16 columns; the GEMM needs 32: choose another --tensor-parallel"):
+        fp8._check_gpu_group("down_proj", 16)
+    fp8._check_gpu_group("experts", 16, fp8.MIN_GPU_EXPERT_GROUP)  # their weight-only dots widen W to bf16
