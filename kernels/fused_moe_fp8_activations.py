@@ -160,6 +160,7 @@ def fused_moe_fp8_activations(x: torch.Tensor, router_logits: torch.Tensor, w13:
         xq, xs = quantize_rows(x, GROUP)
     else:  # x quantized by the kernel that produced it (the norm before the block: layers/fp8.quantize_in_producers)
         xq, xs = quantized.q, quantized.scale
+        xs = xs if xs.stride(1) == 1 else xs.contiguous()  # the kernel reads a token's scales as a row
         if xq.shape != x.shape or xs.shape != (num_tokens, triton.cdiv(hidden, GROUP)):
             raise ValueError(f"x quantized as {tuple(xq.shape)} with scales {tuple(xs.shape)}; the experts take it "
                              f"per token and {GROUP} columns")

@@ -1,8 +1,9 @@
 """The FP8 path's Triton kernels compile for sm_90 (the H100/H200) on any host: Triton's compiler runs without a GPU
 (to PTX, then ptxas to a cubin), so what the CPU interpreter accepts and the GPU compiler refuses (a plain Python
-float global, a dot under 16, a scalar/tensor mix-up) fails here, in CI, before a GPU is lent. Each kernel is compiled
-at the configurations the engine launches it with on the Qwen3-8B shape: block (128-column groups) and channel weights,
-split-K, the decode kernels' FP8 output per token and per head (with the scale strides of either layout)."""
+float global, an FP8 dot under K = 32, a scalar/tensor mix-up) fails here, in CI, before a GPU is lent. Each kernel is
+compiled at the configurations the engine launches it with: on the Qwen3-8B shape block (128-column groups) and
+channel weights, split-K, the decode kernels' FP8 output per token and per head; on Qwen3-30B-A3B's experts the tiles
+the MoE dispatch picks at a decode step and at a prefill chunk, FP8 activations and weight-only."""
 from __future__ import annotations
 
 import pytest
@@ -108,3 +109,46 @@ def test_the_narrowest_k_group_the_loader_lets_a_gpu_gemm_take_compiles_for_sm90
     with pytest.raises(ValueError, match="groups of 16 columns; the GEMM needs 32: choose another --tensor-parallel"):
         fp8._check_gpu_group("down_proj", 16)
     fp8._check_gpu_group("experts", 16, fp8.MIN_GPU_EXPERT_GROUP)  # their weight-only dots widen W to bf16
+
+
+# Qwen3-30B-A3B's experts (128, hidden 2048, moe_intermediate 768, top 8) at a decode step's and a prefill chunk's
+# tokens: the tiles kernels/fused_moe.tiles_for picks there
+MOE_SHAPE = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
+
+
+@pytest.mark.parametrize("num_tokens", [133, 4096])
+@pytest.mark.parametrize("w_grouped", [True, False])  # block scales (128 columns), or a scale per row
+def test_fp8_experts_with_fp8_activations_compile_for_sm90(num_tokens, w_grouped):
+    import triton.language as tl
+
+    from kernels import fused_moe as fm
+    from kernels import fused_moe_fp8_activations as fa
+
+    up, down = fa._fp8_tiles(*fm.tiles_for(num_tokens, **MOE_SHAPE))
+    pointers = {"xq_ptr": FP8, "w_ptr": FP8, "hq_ptr": FP8, "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_padded_ptr": "*i32", "out_ptr": "*bf16"}
+    scales = dict(W_GROUPED=w_grouped, W_PER_TILE=w_grouped, UPCAST=False)
+    assert_compiles(fa._gate_up_fp8_kernel, pointers,
+                    dict(TOP_K=8, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
+                         OUT_DTYPE=tl.bfloat16, **scales), num_warps=up.num_warps, num_stages=up.num_stages)
+    assert_compiles(fa._down_fp8_kernel, pointers,
+                    dict(BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, GROUP_M=down.group_m,
+                         **scales), num_warps=down.num_warps, num_stages=down.num_stages)
+
+
+@pytest.mark.parametrize("num_tokens", [133, 4096])
+@pytest.mark.parametrize("scales, group_k", [(1, 1), (2, 128)])  # weight-only: per row, per 128 x 128 block
+def test_weight_only_fp8_experts_compile_for_sm90(num_tokens, scales, group_k):
+    from kernels import fused_moe as fm
+
+    up, down = fm.tiles_for(num_tokens, **MOE_SHAPE)
+    pointers = {"x_ptr": "*bf16", "w_ptr": FP8, "h_ptr": "*bf16", "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32",
+                "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    common = dict(UPCAST=False, PRECISION="tf32", SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2)
+    assert_compiles(fm._gate_up_silu_kernel, pointers,
+                    dict(TOP_K=8, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
+                         EVEN_K=True, **common), num_warps=up.num_warps, num_stages=up.num_stages)
+    assert_compiles(fm._down_weighted_kernel, pointers,
+                    dict(BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, GROUP_M=down.group_m,
+                         EVEN_K=True, **common), num_warps=down.num_warps, num_stages=down.num_stages)
+
