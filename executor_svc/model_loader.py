@@ -4,7 +4,6 @@ Each parameter loads its own shard through its `weight_loader`; checkpoint tenso
 fuse (q/k/v -> qkv_proj, gate/up -> gate_up_proj) go to the fused parameter with a shard id.
 """
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from executor_svc.models import MODEL_REGISTRY
 from executor_svc.models.llama import head_dim_of
 from kernels.attention.base import AttentionBackend
 from scheduler_svc.common.checkpoint_kv_scales import is_kv_scale
+from scheduler_svc.common.model_paths import checkpoint_files
 from scheduler_svc.common.weight_quantization import weight_quantization
 
 log = logging.getLogger("nanoserve.executor")
@@ -121,10 +121,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ()) -> None:
-    """Stream every *.safetensors tensor into its parameter; fail if any parameter stays unloaded. Tensors whose last
-    name is in `unused` (an FP8 checkpoint's static activation scales) are skipped, and so are KV cache scales
-    (scheduler_svc/common/checkpoint_kv_scales.py: an fp8 pool reads them itself under --kv-cache-scales checkpoint)."""
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    """Stream every tensor of the checkpoint's files (model_paths.checkpoint_files) into its parameter; fail if any
+    parameter stays unloaded. Tensors whose last name is in `unused` (an FP8 checkpoint's static activation scales)
+    are skipped, and so are KV cache scales (scheduler_svc/common/checkpoint_kv_scales.py: an fp8 pool reads them
+    itself under --kv-cache-scales checkpoint)."""
+    files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())

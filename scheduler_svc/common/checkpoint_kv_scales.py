@@ -17,6 +17,8 @@ import os
 import re
 import struct
 
+from scheduler_svc.common.model_paths import checkpoint_files
+
 _KV_SCALE = re.compile(r"(?:.*\.)?layers\.(\d+)\.self_attn\."
                        r"(k_scale|v_scale|kv_scale|k_proj\.k_scale|v_proj\.v_scale|k_proj\.output_scale|"
                        r"v_proj\.output_scale)")
@@ -62,14 +64,12 @@ def checkpoint_kv_scale_names(model_dir: str) -> dict[int, dict[str, tuple[str, 
 
 
 def checkpoint_tensor_names(model_dir: str) -> list[tuple[str, str]]:
-    """(file, tensor name) for every tensor in model_dir's *.safetensors files, read from their JSON headers (no tensor
-    data)."""
+    """(file, tensor name) for every tensor in the checkpoint's weight files (model_paths.checkpoint_files), read from
+    their JSON headers (no tensor data)."""
     names = []
-    for entry in sorted(os.listdir(model_dir)):
-        if entry.endswith(".safetensors"):
-            path = os.path.join(model_dir, entry)
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            names.extend((path, name) for name in header if name != "__metadata__")
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        names.extend((path, name) for name in header if name != "__metadata__")
     return names

@@ -175,6 +175,33 @@ def test_a_checkpoint_missing_a_tensor_fails_to_load(tmp_path):
         load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
 
 
+def test_a_sharded_checkpoint_loads_the_files_its_index_names_and_no_other(tmp_path):
+    """A repository may keep a second copy of its weights beside the shards its model.safetensors.index.json maps
+    (Mistral's consolidated.safetensors, in another naming): only the indexed files load. Without an index every
+    *.safetensors file loads; an index naming a file that is not there is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_llama(str(tmp_path / "m"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    os.remove(os.path.join(path, "model.safetensors"))
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, os.path.join(path, file), metadata={"format": "pt"})
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, os.path.join(path, "consolidated.safetensors"))
+    with pytest.raises(ValueError, match="layers.0.attention.wq.weight"):  # no index: every file, the copy's names too
+        load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    index = {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+
+
 def test_unsupported_rope_type_is_rejected(tmp_path):
     path = make_tiny_llama(
         str(tmp_path / "m"), rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
