@@ -27,6 +27,10 @@ Four GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
   At few tokens the product is a read of W by too few programs for the SMs: split-K gives each output tile
   SPLIT_K programs over slices of K, whose last one adds up the fp32 partials in the same launch.
 
+On GPUs without FP8 tensor cores (before sm_89) `weight_only_fp8_gemm` runs the same Triton kernel with W_ONLY: the
+activations are not quantized, and each W tile is read as bytes and widened to their dtype (e4m3_from_bytes), so the
+weights keep FP8's memory where no FP8 product can run.
+
 The three cuBLASLt recipes above (row-wise, tensor-wise, block) run on the algorithm cuBLASLt's heuristic gives
 torch, unless the dispatch's CUBLASLT_ALGOS names another for that shape and token count: then `cublaslt_product`
 runs that one through kernels/cublaslt.py (the same product, on another of cuBLASLt's kernels, split-K ones included).
@@ -101,12 +105,29 @@ def quantize_rows(x: torch.Tensor, group: int, m_major: bool = False) -> tuple[t
 
 
 @triton.jit
+def e4m3_from_bytes(b):
+    """float8_e4m3fn values given as their bytes (uint8) as float32, exactly (NaN included): the weight-only GEMM's
+    reading of FP8 weights, since Triton has no e4m3 type before sm_89 (sm_80 and sm_86 refuse fp8e4nv)."""
+    bits = b.to(tl.int32)
+    exponent = (bits >> 3) & 0xF
+    mantissa = bits & 0x7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)  # 1.m x 2^(e - 7), as float32 bits
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m x 2^-9
+    sign = (bits & 0x80) << 24  # set by bits, so that -0.0 keeps its sign
+    value = (tl.where(exponent == 0, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
 def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, stride_cm,
-                       stride_asm, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       stride_asm, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONLY: tl.constexpr):
     if not GROUPED:  # channel scales apply once, to the whole accumulator
-        a_s = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
         w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
-        acc = acc * (a_s[:, None] * w_s[None, :])
+        if W_ONLY:  # the activations were not quantized
+            acc = acc * w_s[None, :]
+        else:
+            a_s = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
+            acc = acc * (a_s[:, None] * w_s[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols64, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols64[None, :]
@@ -119,8 +140,11 @@ def _fp8_gemm_kernel(
     m, n, k, num_groups, stride_am, stride_wn, stride_cm, stride_asm, stride_asg,
     GROUPED: tl.constexpr, W_PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr, W_ONLY: tl.constexpr = False, PRECISION: tl.constexpr = "tf32",
+    UPCAST: tl.constexpr = False,
 ):
+    # W_ONLY (weight_only_fp8_gemm): a holds plain activations and W its FP8 bytes (uint8), widened to a's dtype exactly
+    # in the tile and multiplied on bf16/fp16 tensor cores; no activation scales
     # programs ordered in GROUP_M-row bands, so that neighbours share W's tiles in L2
     pid = tl.program_id(0)
     num_pid_m, num_pid_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
@@ -152,21 +176,34 @@ def _fp8_gemm_kernel(
         k_mask = ks < k - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if W_ONLY:
+            if UPCAST:  # the interpreter's bf16 arithmetic is wrong: fp32 there
+                a = a.to(tl.float32)
+            w = e4m3_from_bytes(w).to(a.dtype)
         if GROUPED:  # one K tile is one scale group
-            a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)
+            if W_ONLY:
+                a_s = tl.full([BLOCK_M], 1.0, tl.float32)
+            else:
+                a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)
+            if W_ONLY:
+                part = tl.dot(a, w, input_precision=PRECISION)
+            else:
+                part = tl.dot(a, w)
             if W_PER_TILE:  # the tile's rows of W share their scale: one scalar
                 w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
-                acc += tl.dot(a, w) * (a_s * w_s)[:, None]
+                acc += part * (a_s * w_s)[:, None]
             else:
                 w_s = tl.load(w_scale_ptr + cols64 * num_groups + kt, mask=col_mask, other=0.0)
-                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+                acc += part * (a_s[:, None] * w_s[None, :])
+        elif W_ONLY:  # 16-bit products accumulate in fp32 on every GPU
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 adds every 128 of K at most (Hopper)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT_K == 1:
         _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
-                           stride_cm, stride_asm, GROUPED, HAS_BIAS)
+                           stride_cm, stride_asm, GROUPED, HAS_BIAS, W_ONLY)
     else:
         # Each split leaves its fp32 partial in the workspace [SPLIT_K, m, n] and counts itself in its tile's
         # counter; the split that counts last adds the others' partials to its own, writes the output and sets
@@ -184,11 +221,12 @@ def _fp8_gemm_kernel(
                 acc += tl.load(partial_ptr + other * m * n + part, mask=tile_mask & (other != split), other=0.0,
                                cache_modifier=".cg")
             _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr,
-                               stride_cm, stride_asm, GROUPED, HAS_BIAS)
+                               stride_cm, stride_asm, GROUPED, HAS_BIAS, W_ONLY)
             tl.atomic_xchg(counter_ptr + pid, 0)
 
 
 PROMOTE_K = 128  # the channel kernel's fp32 add interval in K (DeepSeek-V3's): Hopper's fp8 accumulation is shorter
+
 
 
 SPLIT_COUNTERS = 1 << 16  # output tiles a split-K GEMM may count in (256 KB a device): M <= 256 by 16 x 16 tiles
@@ -211,16 +249,17 @@ def split_counters(device: torch.device) -> torch.Tensor:
                        lambda d: torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=d))
 
 
-def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ...]:
+def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool, weight_only: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) for a GEMM of m rows: the sweep's choice for this
     shape and M (kernels/fp8_gemm_dispatch.TILES), else a rule: small m is weight-bound, so narrow N tiles put more
-    programs on the SMs; large m takes 128 x 128 tiles. Block weights take BLOCK_K = group_k (one scale a tile)."""
+    programs on the SMs; large m takes 128 x 128 tiles. Block weights take BLOCK_K = group_k (one scale a tile). The
+    weight-only GEMM (16-bit activations: twice the bytes a K column) takes the rule, 64 deep for channel weights."""
     from kernels.fp8_gemm_dispatch import measured_tiles
 
-    block_k = group_k if grouped else 128
+    block_k = group_k if grouped else 64 if weight_only else 128
     if INTERPRET:
         return 16, 16, min(block_k, 32) if not grouped else block_k, 1, 1
-    tiles = measured_tiles("block" if grouped else "channel", m, n, k)
+    tiles = None if weight_only else measured_tiles("block" if grouped else "channel", m, n, k)
     if tiles is not None and (not grouped or tiles[2] == group_k):
         return tiles
     if m <= 16:
@@ -230,10 +269,11 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, ..
     return 128, 128, block_k, 8, 3
 
 
-def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
                     group_k: int, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
                     tiles: tuple[int, ...] | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
     """a [M, K] fp8 with scales [M, G] (row-major or M-major), w [N, K] fp8 with scales [N, G] -> [M, N] in out_dtype.
+    a_scale None: the weight-only GEMM (weight_only_fp8_gemm), a plain activations in out_dtype.
     G = 1: per token x per channel; else a scale per group_k columns of K (group_k >= 32 on a GPU: an FP8 dot's K).
     `tiles` overrides _tiles' choice (the sweep of bench/fp8_gemm_table.py); a sixth entry, SPLIT_K > 1, splits
     K over that many programs per output tile (more programs for a weight-bound product of few rows).
@@ -242,11 +282,11 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
     registers made the loop of a 128 x 128 tile 413 sm_90 instructions against the channel kernel's 181)."""
     m, k = a.shape
     n = w.shape[0]
-    grouped = w_scale.shape[1] > 1
+    grouped, weight_only = w_scale.shape[1] > 1, a_scale is None
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps, stages, *split = tiles or _tiles(m, n, k, group_k, grouped)
+    block_m, block_n, block_k, warps, stages, *split = tiles or _tiles(m, n, k, group_k, grouped, weight_only)
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     num_kt = triton.cdiv(k, block_k)
     split_k = min(split[0] if split else 1, num_kt)
@@ -256,14 +296,29 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_s
         partial, counters = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device), split_counters(a.device)
     else:
         split_k, partial, counters = 1, out, out
+    if weight_only:  # W's bytes: Triton types no e4m3 before sm_89
+        a_scale, w = w_scale, w.view(torch.uint8)
     _fp8_gemm_kernel[(num_tiles, split_k)](
         a, a_scale, w, w_scale, bias if bias is not None else out, out, partial, counters,
         m, n, k, w_scale.shape[1], a.stride(0), w.stride(0), out.stride(0), *a_scale.stride(),
         GROUPED=grouped, W_PER_TILE=grouped and rows_sharing_scales % block_n == 0, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, PROMOTE_K),
-        SPLIT_K=split_k, num_warps=warps, num_stages=stages,
+        SPLIT_K=split_k, W_ONLY=weight_only, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UPCAST=INTERPRET and weight_only, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+def weight_only_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
+                         bias: torch.Tensor | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
+    """x [..., K] (bf16, fp16 or fp32) @ (FP8 w [N, K] with scales [N, G])^T -> [..., N] in x's dtype, the activations
+    not quantized: each W tile widened to x's dtype in the kernel (exactly: every e4m3 value is a bf16 one), the
+    products on 16-bit tensor cores, block scales per K tile and channel scales in the epilogue. For GPUs without FP8
+    tensor cores (before sm_89), where FP8 weights would otherwise be dequantized at load and take 16-bit memory."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    out = triton_fp8_gemm(rows, None, w, w_scale, group_k, x.dtype, bias, rows_sharing_scales=rows_sharing_scales)
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def _padded_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:

@@ -17,9 +17,12 @@ SiLU-and-mul, or the attention layer's fused prologue after qkv_proj), the produ
 (scale_in_readers). NANOSERVE_FP8_FUSED_QUANT=0 turns both off (every FP8 GEMM quantizes its input and scales its
 product itself), to compare.
 
-On the CPU, and on a GPU without FP8 tensor cores (before Ada: an A100), the weights are dequantized at load
+On a GPU without FP8 tensor cores (before Ada: an A100, an A10) the Linear layers keep their FP8 weights and run the
+weight-only GEMM (kernels/fp8_gemm.weight_only_fp8_gemm: each W tile widened to the model dtype in the kernel, the
+activations not quantized), so the weights keep FP8's memory (runs_weight_only_fp8_gemms; NANOSERVE_FP8_WEIGHT_ONLY=0
+dequantizes them at load instead); its experts are dequantized. On the CPU the weights are dequantized at load
 (weight * scale, in float32, then the model dtype) and the layers stay plain: the products are exact in the model
-dtype; activations are not quantized (runs_fp8_gemms; the log says so, and that they take the model dtype's memory).
+dtype; activations are not quantized (the log says so).
 
 A mixture of experts' stacked weights (layers/fused_moe.StackedExperts: w13 [E, 2I, H], w2 [E, H, I]) convert the
 same way, each whole or not at all: fp8 w13 and w2 with scales w13_scale [E, 2I, G13] and w2_scale [E, H, G2] in
@@ -49,8 +52,9 @@ from scheduler_svc.common.weight_quantization import WeightQuantization
 log = logging.getLogger("nanoserve.executor")
 
 # the narrowest K group a GPU GEMM takes: the Linear GEMM dots FP8 by FP8, whose K is 32 or more on sm_89/sm_90
-# (tests/kernels/test_sm90_compile.py); the experts' weight-only GEMM widens W to bf16 first, a bf16 dot's 16
-MIN_GPU_GROUP, MIN_GPU_EXPERT_GROUP = 32, 16
+# (tests/kernels/test_gpu_compile.py); the weight-only GEMMs (experts', and Linear layers' before sm_89) widen W to
+# 16 bits first: a 16-bit dot's 16
+MIN_GPU_GROUP, MIN_GPU_WEIGHT_ONLY_GROUP = 32, 16
 FUSED_QUANT_ENV = "NANOSERVE_FP8_FUSED_QUANT"
 # FP8 experts on a GPU multiply FP8 activations (kernels/fused_moe_fp8_activations.py: "fp8", the default where their
 # scales allow it) or widen their weights to the activation dtype ("bf16", weight-only); see moe_activations
@@ -61,9 +65,18 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on; an A100 (8.0
 
 
 def runs_fp8_gemms(device: torch.device) -> bool:
-    """Whether FP8 weights stay FP8 on this device: a CUDA GPU with FP8 tensor cores. Elsewhere (the CPU, or a GPU
-    before Ada, where torch._scaled_mm and Triton's FP8 dots do not run) they are dequantized at load."""
+    """Whether FP8 weights stay FP8 on this device for the FP8 GEMMs: a CUDA GPU with FP8 tensor cores. Elsewhere (the
+    CPU, or a GPU before Ada, where torch._scaled_mm and Triton's FP8 dots do not run): runs_weight_only_fp8_gemms."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+
+
+WEIGHT_ONLY_ENV = "NANOSERVE_FP8_WEIGHT_ONLY"
+
+
+def runs_weight_only_fp8_gemms(device: torch.device) -> bool:
+    """Whether the Linear layers keep FP8 weights for the weight-only GEMM: a CUDA GPU without FP8 tensor cores (the
+    weights keep FP8's memory), unless NANOSERVE_FP8_WEIGHT_ONLY=0. Elsewhere they are dequantized at load."""
+    return device.type == "cuda" and not runs_fp8_gemms(device) and os.environ.get(WEIGHT_ONLY_ENV, "1") != "0"
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -250,6 +263,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     do not run (runs_fp8_gemms: the CPU, a GPU before Ada) dequantize them into plain weights of `dtype`. Returns the
     number of FP8 layers."""
     fp8_gemms = runs_fp8_gemms(device)
+    weight_only = not fp8_gemms and runs_weight_only_fp8_gemms(device)
     block_recipe = False  # whether block weights may also run on cuBLASLt's block-scaled kernels
     if fp8_gemms and quant.scheme == "block":
         from kernels.fp8_gemm import block_recipe_runs
@@ -265,10 +279,11 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
             q, scale = layer.weight.data, getattr(layer, quant.scale_name).data
             delattr(layer, quant.scale_name)
         count += 1
-        if not fp8_gemms:
+        if not fp8_gemms and not weight_only:
             layer.weight = nn.Parameter(dequantize_rows(q, scale, layer.fp8_group_k).to(dtype), requires_grad=False)
             continue
-        _check_gpu_group(name, layer.fp8_group_k)
+        _check_gpu_group(name, layer.fp8_group_k, MIN_GPU_WEIGHT_ONLY_GROUP if weight_only else MIN_GPU_GROUP)
+        layer.fp8_weight_only = weight_only
         layer.weight = nn.Parameter(q.contiguous(), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.contiguous(), requires_grad=False)
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
@@ -279,6 +294,11 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     plain = str(dtype).removeprefix("torch.")
     if fp8_gemms:
         where = "FP8 GEMMs"
+    elif weight_only:
+        major, minor = torch.cuda.get_device_capability(device)
+        where = (f"weight-only FP8 GEMMs: this GPU (sm_{major}{minor}) has no FP8 tensor cores, so the activations "
+                 f"stay {plain} and each weight tile is widened in the kernel; the weights keep FP8's memory"
+                 + (f" (the experts are dequantized to {plain})" if expert_blocks else ""))
     elif device.type != "cuda":
         where = f"dequantized to {plain} on the CPU"
     else:
@@ -385,7 +405,7 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
     on_gpu = fp8_gemms and fused_moe.moe_kernels is not None
     if on_gpu:
-        _check_gpu_group(name, experts.fp8_group_k2, MIN_GPU_EXPERT_GROUP)  # gate/up's K (hidden) is never split
+        _check_gpu_group(name, experts.fp8_group_k2, MIN_GPU_WEIGHT_ONLY_GROUP)  # gate/up's K (hidden) is never split
     for attr, (q, scale) in stacked.items():
         if not on_gpu:
             plain = dequantize_rows(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), groups[attr])

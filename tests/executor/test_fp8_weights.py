@@ -316,20 +316,31 @@ def test_fp8_experts_multiply_fp8_activations_by_default_where_their_scales_allo
             fp8.moe_activations("layers.0.mlp.experts", scales)
 
 
-def test_fp8_weights_stay_fp8_only_on_gpus_with_fp8_tensor_cores(checkpoints, monkeypatch, caplog):
-    """runs_fp8_gemms: Ada and Hopper (sm_89, sm_90) keep FP8 weights for the FP8 GEMMs; an A100 (sm_80), whose
-    torch._scaled_mm and Triton FP8 dots do not run, dequantizes them at load as the CPU does, and says why. The
-    loader follows the predicate (here forced on for a CPU load: the layers keep their FP8 weights and scales)."""
+def test_fp8_weights_stay_fp8_on_gpus_and_take_the_weight_only_gemm_before_fp8_tensor_cores(checkpoints, monkeypatch,
+                                                                                             caplog):
+    """runs_fp8_gemms: Ada and Hopper (sm_89, sm_90) keep FP8 weights for the FP8 GEMMs; runs_weight_only_fp8_gemms: an
+    A100 or A10 (sm_80, sm_86), whose torch._scaled_mm and Triton FP8 dots do not run, keeps them for the weight-only
+    GEMM (NANOSERVE_FP8_WEIGHT_ONLY=0: dequantized at load as on the CPU). The loader follows the predicates (here
+    forced for a CPU load: the layers keep their FP8 weights and scales, and the log says which GEMMs run them; the
+    weight-only products themselves: tests/kernels/test_fp8_gemm.py, under the interpreter)."""
     for capability, fp8_gemms in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert fp8.runs_fp8_gemms(torch.device("cuda")) == fp8_gemms, capability
-    assert not fp8.runs_fp8_gemms(CPU)
-    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
-    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
-        model, _ = load(os.path.join(checkpoints, "block"))
-    layer = model.model.layers[0].self_attn.qkv_proj
-    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
-    assert "FP8 GEMMs" in caplog.text
+        assert fp8.runs_weight_only_fp8_gemms(torch.device("cuda")) == (not fp8_gemms), capability
+        monkeypatch.setenv(fp8.WEIGHT_ONLY_ENV, "0")
+        assert not fp8.runs_weight_only_fp8_gemms(torch.device("cuda"))
+        monkeypatch.delenv(fp8.WEIGHT_ONLY_ENV)
+    assert not fp8.runs_fp8_gemms(CPU) and not fp8.runs_weight_only_fp8_gemms(CPU)
+    for predicate, said in (("runs_fp8_gemms", "FP8 GEMMs"), ("runs_weight_only_fp8_gemms", "weight-only FP8 GEMMs")):
+        with monkeypatch.context() as patched:
+            patched.setattr(fp8, predicate, lambda device: True)
+            patched.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+                model, _ = load(os.path.join(checkpoints, "block"))
+        layer = model.model.layers[0].self_attn.qkv_proj
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        assert layer.fp8_weight_only == (predicate == "runs_weight_only_fp8_gemms") and said in caplog.text
 
 
 def test_the_norm_before_fp8_experts_that_multiply_fp8_activations_writes_both_forms(tmp_path, monkeypatch):

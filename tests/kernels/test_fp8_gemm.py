@@ -21,7 +21,15 @@ pytest.importorskip("triton")
 from kernels.fp8_quant import fp8_gemm_ref, quantize_blocks_on_rows, quantize_rows_ref  # noqa: E402
 
 if KERNELS_RUN_HERE:
+    import triton
+    import triton.language as tl
+
     from kernels import fp8_gemm
+
+    @triton.jit
+    def _decode_bytes_kernel(b_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, fp8_gemm.e4m3_from_bytes(tl.load(b_ptr + offs)))
 
 
 def operands(m, n, k, group, *, seed, device="cpu", outliers=True):
@@ -218,6 +226,70 @@ def test_m_major_scales_read_in_place_are_the_tokens_scales(m, groups):
     full = m_major_in_place(scale, rows)
     assert full.shape == (rows, groups) and full.t().is_contiguous()
     assert torch.equal(full[:m], values)
+
+
+@interpreter
+def test_fp8_bytes_decode_to_every_e4m3_value_exactly():
+    """The weight-only GEMM reads FP8 weights as bytes (no e4m3 type in Triton before sm_89): all 256 of them, normal,
+    subnormal, both zeros and NaN, decode to torch's float8_e4m3fn values."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.float32)
+    _decode_bytes_kernel[(1,)](every, out, BLOCK=256)
+    want = every.view(torch.float8_e4m3fn).float()
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and int(torch.isnan(want).sum()) == 2
+    finite = ~torch.isnan(want)
+    assert torch.equal(out[finite], want[finite])
+    assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))  # -0.0 and the negative subnormals
+
+
+@interpreter
+@pytest.mark.parametrize("m, n, k, group", [(5, 40, 80, 16), (3, 24, 56, 56), (17, 33, 50, 50)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_only_fp8_gemm_matches_float64_on_the_dequantized_weights(m, n, k, group, dtype):
+    """Plain activations through FP8 weights widened in the kernel (GPUs before sm_89): block scales (per 16 columns)
+    and channel scales, ragged sizes, a bias, split-K too; against float64 on the dequantized weights."""
+    from kernels.fp8_quant import dequantize_rows
+
+    x, _, _, w, w_scale, bias = operands(m, n, k, group, seed=m + k)
+    x = x.to(dtype)
+    ref = x.double() @ dequantize_rows(w, w_scale, group, torch.float64).T + bias.double()
+    out = fp8_gemm.weight_only_fp8_gemm(x, w, w_scale, group, bias.to(dtype))
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close_to_float64(out, ref, rel=1e-5 if dtype == torch.float32 else 1e-2)
+    split = fp8_gemm.triton_fp8_gemm(x, None, w, w_scale, group, dtype, bias.to(dtype),
+                                     tiles=(16, 16, 16 if group < k else 32, 1, 1, 2))
+    assert_close_to_float64(split, ref, rel=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@interpreter
+def test_a_checkpoint_loaded_for_the_weight_only_gemm_gives_its_dequantized_models_products(tmp_path, monkeypatch):
+    """A block and a channel FP8 checkpoint loaded as a GPU without FP8 tensor cores loads them (the weight-only GEMM
+    forced for this CPU load): every converted Linear layer keeps its FP8 weight and gives the products of the same
+    layer of the dequantized checkpoint, fused pieces (q/k/v, gate/up) and row-parallel layers alike."""
+    import os
+
+    from executor_svc.layers import fp8
+    from executor_svc.model_loader import load_model
+    from kernels.attention.torch_backend import TorchAttentionBackend
+    from support.fp8_checkpoints import tiny_fp8_checkpoints
+
+    root = tiny_fp8_checkpoints(str(tmp_path))
+    monkeypatch.setattr(fp8, "runs_weight_only_fp8_gemms", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    gen = torch.Generator().manual_seed(9)
+    for scheme in ("block", "channel"):
+        model, _ = load_model(os.path.join(root, scheme), torch.float32, torch.device("cpu"), TorchAttentionBackend())
+        reference, _ = load_model(os.path.join(root, f"{scheme}_dequantized"), torch.float32, torch.device("cpu"),
+                                  TorchAttentionBackend())
+        ours, theirs = model.model.layers[0], reference.model.layers[0]
+        for layer, plain in ((ours.self_attn.qkv_proj, theirs.self_attn.qkv_proj),
+                             (ours.self_attn.o_proj, theirs.self_attn.o_proj),
+                             (ours.mlp.gate_up_proj, theirs.mlp.gate_up_proj),
+                             (ours.mlp.down_proj, theirs.mlp.down_proj)):
+            assert layer.weight.dtype == torch.float8_e4m3fn and layer.fp8_weight_only
+            x = torch.randn(6, layer.weight.shape[1], generator=gen)
+            want = plain(x)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_quantized_activations_have_spare_rows_that_a_gemm_can_read_in_place():

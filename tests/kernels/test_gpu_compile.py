@@ -3,7 +3,8 @@
 float global, an FP8 dot under K = 32, a scalar/tensor mix-up) fails here, in CI, before a GPU is lent. Each kernel is
 compiled at the configurations the engine launches it with: on the Qwen3-8B shape block (128-column groups) and
 channel weights, split-K, the decode kernels' FP8 output per token and per head; on Qwen3-30B-A3B's experts the tiles
-the MoE dispatch picks at a decode step and at a prefill chunk, FP8 activations and weight-only."""
+the MoE dispatch picks at a decode step and at a prefill chunk, FP8 activations and weight-only; and the weight-only
+Linear GEMM of GPUs without FP8 tensor cores for sm_80 and sm_86 (which refuse Triton's e4m3 type), and sm_90."""
 from __future__ import annotations
 
 import pytest
@@ -14,13 +15,18 @@ FP8 = "*fp8e4nv"
 
 
 def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
-                     num_warps: int = 4, num_stages: int = 3):
-    """fn compiled for sm_90: `pointers` types the pointer arguments (others *fp32), `floats` the fp32 scalars, every
-    other argument i32."""
+                     num_warps: int = 4, num_stages: int = 3, capability: int = 90):
+    """fn compiled for sm_90 (or another `capability`): `pointers` types the pointer arguments (others *fp32), `floats`
+    the fp32 scalars, every other argument i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
+    import inspect
+
+    defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**{name: value for name, value in defaults.items() if name not in constexprs}, **constexprs}
     signature = {}
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -29,13 +35,13 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, floats: tup
             signature[arg] = pointers.get(arg, "*fp32")
         else:
             signature[arg] = "fp32" if arg in floats else "i32"
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def assert_compiles(fn, pointers, constexprs, **kwargs):
-    compiled = compile_for_sm90(fn, pointers, constexprs, **kwargs)
-    assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
+def assert_compiles(fn, pointers, constexprs, capability: int = 90, **kwargs):
+    compiled = compile_for_sm90(fn, pointers, constexprs, capability=capability, **kwargs)
+    assert f".target sm_{capability}" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
 
 
 # (grouped, rows of W sharing their scales, split-K, tiles): block weights (one scalar a tile, or a vector), channel
@@ -108,7 +114,7 @@ def test_the_narrowest_k_group_the_loader_lets_a_gpu_gemm_take_compiles_for_sm90
     fp8._check_gpu_group("down_proj", fp8.MIN_GPU_GROUP)
     with pytest.raises(ValueError, match="groups of 16 columns; the GEMM needs 32: choose another --tensor-parallel"):
         fp8._check_gpu_group("down_proj", 16)
-    fp8._check_gpu_group("experts", 16, fp8.MIN_GPU_EXPERT_GROUP)  # their weight-only dots widen W to bf16
+    fp8._check_gpu_group("experts", 16, fp8.MIN_GPU_WEIGHT_ONLY_GROUP)  # weight-only dots widen W to 16 bits
 
 
 # Qwen3-30B-A3B's experts (128, hidden 2048, moe_intermediate 768, top 8) at a decode step's and a prefill chunk's
@@ -152,3 +158,20 @@ def test_weight_only_fp8_experts_compile_for_sm90(num_tokens, scales, group_k):
                     dict(BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, GROUP_M=down.group_m,
                          EVEN_K=True, **common), num_warps=down.num_warps, num_stages=down.num_stages)
 
+
+
+@pytest.mark.parametrize("capability", [80, 86, 90])  # A100; A10, A40, RTX 30xx; and Hopper
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_weight_only_fp8_gemm_compiles_for_gpus_without_fp8_tensor_cores(capability, grouped):
+    """FP8 weights read as bytes and widened to bf16 in the tile (fp8_gemm.e4m3_from_bytes): no e4m3 type anywhere,
+    so it compiles where Triton refuses one, at the rule's tiles for a decode step and a prefill chunk."""
+    from kernels import fp8_gemm
+
+    for m in (16, 4096):
+        block_m, block_n, block_k, warps, stages = fp8_gemm._tiles(m, 4096, 4096, 128, grouped, weight_only=True)
+        assert_compiles(fp8_gemm._fp8_gemm_kernel,
+                        {"a_ptr": "*bf16", "w_ptr": "*u8", "c_ptr": "*bf16", "counter_ptr": "*i32"},
+                        dict(GROUPED=grouped, W_PER_TILE=grouped, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, 128), SPLIT_K=1, W_ONLY=True,
+                             PRECISION="tf32", UPCAST=False),
+                        capability=capability, num_warps=warps, num_stages=stages)
