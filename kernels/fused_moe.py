@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import e4m3_from_bytes
 from kernels.fp8_quant import SCALE_BLOCK_ROWS, rows_sharing_scales
 from kernels.triton_runtime import INTERPRET
 
@@ -302,9 +303,9 @@ def _store_weighted(out_ptr, acc, weights_ptr, pair, row_ok, offs_n, n_ok, strid
 
 @triton.jit
 def _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+                   EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W_BYTES: tl.constexpr):
     """K tile k of the activations [M, K] and of the gate and up weights [K, N], zeros past the edges (fp32 in the
-    interpreter)."""
+    interpreter; W_BYTES: FP8 weights given as their bytes, decoded to fp32)."""
     if EVEN_K:
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
@@ -314,6 +315,8 @@ def _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOC
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if W_BYTES:
+        g, u = e4m3_from_bytes(g), e4m3_from_bytes(u)
     if UPCAST:
         a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
     return a, g, u
@@ -325,9 +328,10 @@ def _gate_up_silu_kernel(
     num_pairs, hidden, inter, stride_xt, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    SCALES: tl.constexpr, GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr,
+    SCALES: tl.constexpr, GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr, W_BYTES: tl.constexpr = False,
 ):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs."""
+    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the tile's pairs. W_BYTES: FP8 w
+    given as its bytes (GPUs before sm_89, where Triton has no e4m3 type)."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -339,7 +343,8 @@ def _gate_up_silu_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        a, g, u = _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, EVEN_K, UPCAST)
+        a, g, u = _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, EVEN_K, UPCAST,
+                                 W_BYTES)
         acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, sg_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
         acc_u = _scaled_dot(a, u, acc_u, su_ptrs, su_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
         a_ptrs += BLOCK_K
@@ -361,9 +366,10 @@ def _down_weighted_kernel(
     num_pairs, hidden, inter, stride_ht, stride_we, stride_wn, stride_ot, stride_se, stride_sn,
     num_tiles_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALES: tl.constexpr,
-    GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr,
+    GROUP_K: tl.constexpr, W_PER_TILE: tl.constexpr, W_BYTES: tl.constexpr = False,
 ):
-    """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden)."""
+    """out[pair, n] = weight[pair] * (h[pair] . w[e, n]) for the tile's pairs (n over hidden); W_BYTES as in
+    _gate_up_silu_kernel."""
     pid_m, pid_n = _tile_ids(num_tiles_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -380,6 +386,8 @@ def _down_weighted_kernel(
             k_ok = offs_k < inter - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_BYTES:
+            b = e4m3_from_bytes(b)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = _scaled_dot(a, b, acc, s_ptrs, s_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
@@ -502,6 +510,8 @@ class Fp8Experts:
     group_k13: int
     group_k2: int
     activations: str = "bf16"
+    # the weights are read as their bytes and decoded in the kernel: GPUs before sm_89, where Triton has no e4m3 type
+    weight_bytes: bool = False
     # 128 where every aligned run of 128 rows of each weight with group scales shares them (a 128 x 128 block
     # checkpoint whose blocks this rank's slice does not cut), else 1: set from the scales, so never wrong
     rows_sharing_scales: int = field(init=False)
@@ -543,13 +553,18 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, groups: ExpertGroups, top_k
     s, stride_se, stride_sn, scales, group_k, tile = _scale_args(fp8 and fp8.w13_scale, fp8 and fp8.group_k13,
                                                                  hidden, tile, h)
     _gate_up_silu_kernel[_grid(groups, inter, tile)](
-        x, w13, h, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
+        x, _weight(w13, fp8), h, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
         groups.num_pairs, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=hidden % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(x),
         SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2 and per_tile(fp8, s, tile, inter),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        W_BYTES=fp8 is not None and fp8.weight_bytes, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return h
+
+
+def _weight(w: torch.Tensor, fp8: Fp8Experts | None) -> torch.Tensor:
+    """Stacked expert weights as the kernels read them: their bytes where Fp8Experts.weight_bytes."""
+    return w.view(torch.uint8) if fp8 is not None and fp8.weight_bytes else w
 
 
 def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, groups: ExpertGroups,
@@ -560,12 +575,12 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, grou
     s, stride_se, stride_sn, scales, group_k, tile = _scale_args(fp8 and fp8.w2_scale, fp8 and fp8.group_k2, inter,
                                                                  tile, y)
     _down_weighted_kernel[_grid(groups, hidden, tile)](
-        h, w2, y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
+        h, _weight(w2, fp8), y, weights, groups.sorted_pairs, groups.block_expert, groups.num_padded, s,
         groups.num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), stride_se, stride_sn,
         _tiles_m(groups, tile), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, EVEN_K=inter % tile.block_k == 0, UPCAST=INTERPRET, PRECISION=_precision(h),
         SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2 and per_tile(fp8, s, tile),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        W_BYTES=fp8 is not None and fp8.weight_bytes, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 

@@ -76,7 +76,8 @@ def _gate_up_fp8_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        a, g, u = fm._gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, False, UPCAST)
+        a, g, u = fm._gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, False, UPCAST,
+                                     False)
         kg = (k * BLOCK_K) // 128
         a_s = tl.load(xs_ptr + token * stride_xs + kg, mask=row_ok, other=0.0)
         acc_g = _group_scaled_dot(a, g, acc_g, a_s, sg_ptrs, sg_tile, kg, n_ok, W_GROUPED, W_PER_TILE)

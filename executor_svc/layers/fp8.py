@@ -20,7 +20,8 @@ product itself), to compare.
 On a GPU without FP8 tensor cores (before Ada: an A100, an A10) the Linear layers keep their FP8 weights and run the
 weight-only GEMM (kernels/fp8_gemm.weight_only_fp8_gemm: each W tile widened to the model dtype in the kernel, the
 activations not quantized), so the weights keep FP8's memory (runs_weight_only_fp8_gemms; NANOSERVE_FP8_WEIGHT_ONLY=0
-dequantizes them at load instead); its experts are dequantized. On the CPU the weights are dequantized at load
+dequantizes them at load instead); its experts keep FP8 too, read as bytes by the weight-only MoE kernels
+(Fp8Experts.weight_bytes). On the CPU the weights are dequantized at load
 (weight * scale, in float32, then the model dtype) and the layers stay plain: the products are exact in the model
 dtype; activations are not quantized (the log says so).
 
@@ -289,7 +290,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
         layer.fp8_block_scales = (block_scales_of(layer.weight_scale, layer.fp8_group_k, layer.fp8_rows_sharing_scales)
                                   if block_recipe else None)
-    expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms)
+    expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms, weight_only)
                         for name, experts in expert_layers(model))
     plain = str(dtype).removeprefix("torch.")
     if fp8_gemms:
@@ -297,8 +298,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     elif weight_only:
         major, minor = torch.cuda.get_device_capability(device)
         where = (f"weight-only FP8 GEMMs: this GPU (sm_{major}{minor}) has no FP8 tensor cores, so the activations "
-                 f"stay {plain} and each weight tile is widened in the kernel; the weights keep FP8's memory"
-                 + (f" (the experts are dequantized to {plain})" if expert_blocks else ""))
+                 f"stay {plain} and each weight tile is widened in the kernel; the weights keep FP8's memory")
     elif device.type != "cuda":
         where = f"dequantized to {plain} on the CPU"
     else:
@@ -383,10 +383,10 @@ def scale_in_readers(model: nn.Module) -> int:
 
 
 def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantization, dtype: torch.dtype,
-                    device: torch.device, fp8_gemms: bool) -> int:
+                    device: torch.device, fp8_gemms: bool, weight_only: bool = False) -> int:
     """One StackedExperts after loading, as finish_loading does a Linear layer: quantized per row if plain (online),
-    then FP8 with `experts.fp8` where FP8 GEMMs run (`fp8_gemms`: runs_fp8_gemms), dequantized elsewhere. Returns 1 if
-    it holds FP8 weights, else 0."""
+    then FP8 with `experts.fp8` where FP8 GEMMs run (`fp8_gemms`: runs_fp8_gemms) or the weight-only ones
+    (`weight_only`: read as bytes, Fp8Experts.weight_bytes), dequantized elsewhere. Returns 1 if it holds FP8 weights, else 0."""
     from executor_svc.layers import fused_moe
 
     if experts.w13.dtype != FP8_DTYPE:
@@ -403,7 +403,7 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
         for attr in ("w13", "w2"):
             delattr(experts, f"{attr}_{quant.scale_name}")
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
-    on_gpu = fp8_gemms and fused_moe.moe_kernels is not None
+    on_gpu = (fp8_gemms or weight_only) and fused_moe.moe_kernels is not None
     if on_gpu:
         _check_gpu_group(name, experts.fp8_group_k2, MIN_GPU_WEIGHT_ONLY_GROUP)  # gate/up's K (hidden) is never split
     for attr, (q, scale) in stacked.items():
@@ -414,7 +414,8 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
             setattr(experts, attr, nn.Parameter(q.contiguous(), requires_grad=False))
     if on_gpu:
         scales = stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous()
-        experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2)
+        experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2,
+                                                       weight_bytes=not fp8_gemms)
         experts.fp8 = replace(experts.fp8, activations=moe_activations(name, experts.fp8))
     return 1
 
@@ -430,6 +431,10 @@ def moe_activations(name: str, scales) -> str:
     asked = os.environ.get(MOE_ACTIVATIONS_ENV, "")
     if asked not in ("", "fp8", "bf16"):
         raise ValueError(f"{MOE_ACTIVATIONS_ENV}={asked!r}: expected 'fp8' (FP8 activations) or 'bf16' (weight-only)")
+    if scales.weight_bytes:  # a GPU without FP8 tensor cores: weight-only
+        if asked == "fp8":
+            raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: FP8 activations need FP8 tensor cores (sm_89 and up)")
+        return "bf16"
     if asked == "bf16":
         return "bf16"
     if takes_fp8_activations(scales):

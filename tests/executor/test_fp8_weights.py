@@ -361,3 +361,26 @@ def test_the_norm_before_fp8_experts_that_multiply_fp8_activations_writes_both_f
     monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "bf16")
     model, _ = load(path, quantization="fp8")
     assert all(model.model.layers[i].post_attention_layernorm.fp8_group is None for i in (0, 2))
+
+
+def test_experts_on_a_gpu_without_fp8_tensor_cores_keep_fp8_as_bytes_and_stay_weight_only(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """A Qwen3-MoE with --quantization fp8 loaded as an A100 would load it (the weight-only GEMMs forced for a CPU
+    load): the experts keep their FP8 weights, read as bytes (Fp8Experts.weight_bytes) and multiplied weight-only, and
+    no producer quantizes; asking for FP8 activations there is refused. The kernels: tests/kernels/test_fused_moe.py."""
+    from support.tiny_checkpoints import make_tiny_qwen3_moe
+
+    path = make_tiny_qwen3_moe(str(tmp_path / "moe"))
+    monkeypatch.setattr(fp8, "runs_weight_only_fp8_gemms", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, _ = load(path, quantization="fp8")
+    for i in (0, 2):
+        experts = model.model.layers[i].mlp.experts
+        assert experts.w13.dtype == torch.float8_e4m3fn and experts.fp8.weight_bytes
+        assert experts.fp8.activations == "bf16" and model.model.layers[i].post_attention_layernorm.fp8_group is None
+    assert model.model.layers[1].mlp.gate_up_proj.fp8_weight_only  # the dense layer's Linear layers too
+    assert "weight-only FP8 GEMMs" in caplog.text and "2 expert blocks" in caplog.text
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "fp8")
+    with pytest.raises(ValueError, match="FP8 activations need FP8 tensor cores"):
+        load(path, quantization="fp8")

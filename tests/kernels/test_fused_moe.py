@@ -189,9 +189,13 @@ def test_fused_moe_matches_float64(dtype, num_tokens, num_experts, top_k, hidden
                    # of 32 shrinks to 16 so that each tile lies in one group)
     (None, None),  # a scale per row (--quantization fp8), applied in the epilogue
 ])
-def test_fp8_experts_match_float64_on_their_dequantized_weights(dtype, group13, group2):
+@pytest.mark.parametrize("weight_bytes", [False, True])  # True: read as bytes, as on a GPU before sm_89
+def test_fp8_experts_match_float64_on_their_dequantized_weights(dtype, group13, group2, weight_bytes):
+    from dataclasses import replace
+
     x, logits, w13, w2 = case(19, 4, 80, 48, dtype, seed=3, unused_experts=(2,))
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group13, group2, seed=4)
+    scales = replace(scales, weight_bytes=weight_bytes)
     out = fm.fused_moe(x, logits, q13, q2, 3, True, tiles=(MoeTile(16, 16, 32, 1, 1),) * 2, fp8=scales)
     assert out.shape == x.shape and out.dtype == dtype
     ref = moe64(x, logits, d13, d2, 3, True)

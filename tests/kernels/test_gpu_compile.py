@@ -39,9 +39,15 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, floats: tup
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+# the most shared memory a program may take: A100 (sm_80), A10 / RTX 30xx (sm_86), H100 / H200 (sm_90)
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
+
+
 def assert_compiles(fn, pointers, constexprs, capability: int = 90, **kwargs):
+    """fn compiles for that GPU, and its programs fit the GPU's shared memory (a launch would fail otherwise)."""
     compiled = compile_for_sm90(fn, pointers, constexprs, capability=capability, **kwargs)
     assert f".target sm_{capability}" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], (compiled.metadata.shared, constexprs)
 
 
 # (grouped, rows of W sharing their scales, split-K, tiles): block weights (one scalar a tile, or a vector), channel
@@ -144,19 +150,23 @@ def test_fp8_experts_with_fp8_activations_compile_for_sm90(num_tokens, w_grouped
 
 @pytest.mark.parametrize("num_tokens", [133, 4096])
 @pytest.mark.parametrize("scales, group_k", [(1, 1), (2, 128)])  # weight-only: per row, per 128 x 128 block
-def test_weight_only_fp8_experts_compile_for_sm90(num_tokens, scales, group_k):
+@pytest.mark.parametrize("capability", [90, 80])  # sm_80: the weights as bytes (Triton has no e4m3 type there)
+def test_weight_only_fp8_experts_compile_for_sm90_and_sm80(num_tokens, scales, group_k, capability):
     from kernels import fused_moe as fm
 
     up, down = fm.tiles_for(num_tokens, **MOE_SHAPE)
-    pointers = {"x_ptr": "*bf16", "w_ptr": FP8, "h_ptr": "*bf16", "out_ptr": "*bf16", "sorted_pairs_ptr": "*i32",
-                "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
-    common = dict(UPCAST=False, PRECISION="tf32", SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2)
+    pointers = {"x_ptr": "*bf16", "w_ptr": FP8 if capability >= 89 else "*u8", "h_ptr": "*bf16", "out_ptr": "*bf16",
+                "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    common = dict(UPCAST=False, PRECISION="tf32", SCALES=scales, GROUP_K=group_k, W_PER_TILE=scales == 2,
+                  W_BYTES=capability < 89)
     assert_compiles(fm._gate_up_silu_kernel, pointers,
                     dict(TOP_K=8, BLOCK_M=up.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=up.group_m,
-                         EVEN_K=True, **common), num_warps=up.num_warps, num_stages=up.num_stages)
+                         EVEN_K=True, **common), capability=capability, num_warps=up.num_warps,
+                    num_stages=up.num_stages)
     assert_compiles(fm._down_weighted_kernel, pointers,
                     dict(BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, GROUP_M=down.group_m,
-                         EVEN_K=True, **common), num_warps=down.num_warps, num_stages=down.num_stages)
+                         EVEN_K=True, **common), capability=capability, num_warps=down.num_warps,
+                    num_stages=down.num_stages)
 
 
 
