@@ -309,6 +309,24 @@ def test_quantized_activations_have_spare_rows_that_a_gemm_can_read_in_place():
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 133, 300])
+@pytest.mark.parametrize("n, k, group", [(200, 320, 128), (4096, 4096, 128), (96, 200, 200), (1024, 2048, 16)])
+def test_the_weight_only_fp8_gemm_on_a_gpu_matches_float64(m, n, k, group):
+    """The weight-only GEMM of GPUs before sm_89 (W read as bytes, widened in the tile), run on this GPU: bf16
+    activations through block (groups of 128, and of 16: a 16-bit dot's K) and channel scales, against float64 on
+    the dequantized weights."""
+    from kernels.fp8_quant import dequantize_rows
+
+    x, _, _, w, w_scale, bias = operands(m, n, k, group, seed=m + n)
+    x = x.bfloat16()
+    ref = x.double() @ dequantize_rows(w, w_scale, group, torch.float64).T + bias.double()
+    out = fp8_gemm.weight_only_fp8_gemm(x.cuda(), w.cuda(), w_scale.cuda(), group, bias.bfloat16().cuda())
+    assert out.dtype == torch.bfloat16
+    assert_close_to_float64(out.cpu(), ref, rel=1e-2)  # bf16's rounding of the output
+
+
+@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("n, k, group", [(200, 320, 128), (4096, 4096, 128), (96, 200, 200), (1024, 2048, 2048)])
 def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):

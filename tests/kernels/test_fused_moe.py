@@ -382,11 +382,17 @@ def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
 @pytest.mark.parametrize("group13, group2", [(128, 128), (None, None)])  # Qwen3-30B-A3B-FP8's blocks; per row
 def test_gpu_fp8_experts_match_float64_at_the_qwen3_30b_shape(num_tokens, group13, group2):
+    """Weight-only FP8 experts, their weights read as FP8 (sm_89 and up) and as bytes (Fp8Experts.weight_bytes, GPUs
+    before sm_89): the same products."""
+    from dataclasses import replace
+
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group13, group2, seed=num_tokens)
     out = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=scales)
     rows = slice(0, min(num_tokens, 16))
     assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8, True)) < 2e-2
+    as_bytes = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=replace(scales, weight_bytes=True))
+    torch.testing.assert_close(as_bytes, out, rtol=0, atol=0)  # the same widened values, the same sums
 
 
 @pytest.mark.gpu
