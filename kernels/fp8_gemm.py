@@ -486,7 +486,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
     itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
     as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's. `block_scales`:
     w's scales as whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), where they are (block_scaled_mm)."""
-    from kernels.fp8_gemm_dispatch import choose_gemm, fast_accumulation
+    from kernels.fp8_gemm_dispatch import M_MAJOR_SCALES, choose_gemm, fast_accumulation
 
     grouped = w_scale.shape[1] > 1
     quantized = isinstance(x, QuantizedActivations)
@@ -501,7 +501,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
             raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
     else:  # the block recipe's scales written M-major, as it reads them
         a, a_scale = quantize_rows(x.reshape(-1, x.shape[-1]), group_k if grouped else k,
-                                   m_major=backend == "block_scaled_mm")
+                                   m_major=M_MAJOR_SCALES and backend == "block_scaled_mm")
     fast = fast_accumulation(m)
     if backend == "block_scaled_mm":
         out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)

@@ -59,6 +59,9 @@ TABLE: dict[tuple[int, int], list[tuple]] = {  # the sweep's rows, runs of one c
 }
 ANY_M = 1 << 62
 FAST_ACCUM_FROM = ANY_M  # never, until measured in the engine
+# the block recipe's activation scales written M-major by their producers (kernels/fp8_quant.empty_quantized), read in
+# place; NANOSERVE_FP8_M_MAJOR=0 writes them row-major and copies them before each block product, to compare
+M_MAJOR_SCALES = os.environ.get("NANOSERVE_FP8_M_MAJOR", "1") != "0"
 BLOCK_DEFAULT: list[tuple] = [(64, "triton"), (ANY_M, "block_scaled_mm")]  # a block shape BLOCK_TABLE lacks
 BLOCK_TABLE: dict[tuple[int, int], list[tuple]] = {
     (6144, 4096): [(64, "triton"), (ANY_M, "block_scaled_mm")],

@@ -336,6 +336,7 @@ def quantize_in_producers(model: nn.Module) -> int:
     before a mixture of experts that multiplies FP8 activations to write its output both ways (its router reads it
     as it is). Returns the number of layers fed so."""
     from kernels.fp8_fused_quant import can_quantize_in_groups
+    from kernels.fp8_gemm_dispatch import M_MAJOR_SCALES
 
     if os.environ.get(FUSED_QUANT_ENV, "1") == "0":
         return 0
@@ -356,7 +357,7 @@ def quantize_in_producers(model: nn.Module) -> int:
             if can_quantize_in_groups(group, k):
                 producer.fp8_group = group
                 # the block recipe reads its activations' scales M-major (kernels/fp8_gemm.block_scaled_mm_fp8_gemm)
-                producer.fp8_m_major = getattr(layer, "fp8_block_scales", None) is not None
+                producer.fp8_m_major = M_MAJOR_SCALES and getattr(layer, "fp8_block_scales", None) is not None
                 fed += 1
     return fed
 
