@@ -61,9 +61,13 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 summary=()
 SMOL_DIR=$(python3 -c "from scheduler_svc.common.model_paths import default_model_dir as d; print(d())")
 for step in "$@"; do
-  # throughput@--flag=value@... adds its own flags to THROUGHPUT_ARGS, so one call runs several variants
-  step_args=""
+  # throughput@--flag=value@... adds its own flags to THROUGHPUT_ARGS, so one call runs several variants;
+  # an env:NAME=value among them sets that variable for the step alone (throughput and timeline), e.g.
+  # throughput@--fp8-checkpoint=block@env:NANOSERVE_FP8_M_MAJOR=0
+  step_args=""; step_env=()
   [[ "$step" == *@* ]] && { step_args="${step#*@}"; step_args="${step_args//@/ }"; step="${step%%@*}"; }
+  for arg in $step_args; do [[ "$arg" == env:* ]] && step_env+=("${arg#env:}"); done
+  step_args=$(for arg in $step_args; do [[ "$arg" == env:* ]] || printf '%s ' "$arg"; done)
   case "$step" in
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
@@ -91,16 +95,16 @@ for step in "$@"; do
     kernels)
       python3 bench/kernels.py --out "$OUT/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -n 40 ;;
     throughput)
-      python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" ${THROUGHPUT_ARGS:-} $step_args \
-        > "$OUT/throughput.log" 2>&1
+      env ${step_env[@]+"${step_env[@]}"} python3 bench/throughput.py --no-progress --out "$OUT/throughput.json" \
+        ${THROUGHPUT_ARGS:-} $step_args > "$OUT/throughput.log" 2>&1
       grep -v " INFO " "$OUT/throughput.log" | tail -n 25
       # a repeated step overwrites the files: the summary keeps every run's row
-      summary+=("throughput ${THROUGHPUT_ARGS:-} $step_args: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
+      summary+=("throughput ${step_env[*]+${step_env[*]}} ${THROUGHPUT_ARGS:-} $step_args: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
     timeline)
       # each timeline run keeps its windows in its own folder (prof, prof2, ...); timeline@--flag adds that run's flags
       timelines=$((${timelines:-0} + 1)); prof="$OUT/prof$( ((timelines > 1)) && echo $timelines)"
       mkdir -p "$prof"; NANOSERVE_PROFILE_DIR="$prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
-        python3 bench/throughput.py --no-progress --out "$prof/throughput_profiled.json" ${THROUGHPUT_ARGS:-} $step_args \
+        env ${step_env[@]+"${step_env[@]}"} python3 bench/throughput.py --no-progress --out "$prof/throughput_profiled.json" ${THROUGHPUT_ARGS:-} $step_args \
         > "$OUT/timeline$timelines.log" 2>&1
       grep -v " INFO " "$OUT/timeline$timelines.log" | tail -n 4
       python3 -m executor_svc.step_profiler "$prof" ${PROFILE_TOP:-12} ;;
