@@ -309,16 +309,50 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tens
     return out
 
 
+# from this many tokens the weight-only GEMM dequantizes W whole into a scratch in the activation dtype and multiplies
+# on cuBLAS: the product is compute-bound there, and widening each W tile in every program that reads it (once per M
+# tile) would cost tensor-core time, while one pass over W costs ~1% of a 4,096-token product (the rule vLLM's AWQ
+# path follows, at the same 256; not measured here: no GPU without FP8 tensor cores has run it)
+WEIGHT_ONLY_DEQUANTIZE_FROM = 256
+
+
 def weight_only_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
                          bias: torch.Tensor | None = None, rows_sharing_scales: int = 1) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ (FP8 w [N, K] with scales [N, G])^T -> [..., N] in x's dtype, the activations
-    not quantized: each W tile widened to x's dtype in the kernel (exactly: every e4m3 value is a bf16 one), the
-    products on 16-bit tensor cores, block scales per K tile and channel scales in the epilogue. For GPUs without FP8
-    tensor cores (before sm_89), where FP8 weights would otherwise be dequantized at load and take 16-bit memory."""
+    not quantized. Below WEIGHT_ONLY_DEQUANTIZE_FROM tokens each W tile is widened to x's dtype in the kernel
+    (exactly: every e4m3 value is a bf16 one), the products on 16-bit tensor cores, block scales per K tile and channel
+    scales in the epilogue; from there W is dequantized whole (dequantize_fp8_weight: the weights the CPU serves)
+    and the product is torch's. For GPUs without FP8 tensor cores (before sm_89), where FP8 weights would otherwise
+    be dequantized at load and take 16-bit memory."""
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] >= WEIGHT_ONLY_DEQUANTIZE_FROM:
+        return torch.nn.functional.linear(x, dequantize_fp8_weight(w, w_scale, group_k, x.dtype), bias)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = triton_fp8_gemm(rows, None, w, w_scale, group_k, x.dtype, bias, rows_sharing_scales=rows_sharing_scales)
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, group, stride_wn, stride_sn, stride_on,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < n)[:, None] & (cols < k)[None, :]
+    w = e4m3_from_bytes(tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0))
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + (cols // group)[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], (w * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor, group_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 w [N, K] times its scales [N, G] (a scale per row and group_k columns), in float32, rounded to dtype: what
+    kernels/fp8_quant.dequantize_rows gives, in one kernel that reads W as bytes (any GPU)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    block_n, block_k = (16, 32) if INTERPRET else (32, 256)
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        w.view(torch.uint8), w_scale, out, n, k, group_k, w.stride(0), w_scale.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=1 if INTERPRET else 4)
+    return out
 
 
 def _padded_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:

@@ -262,6 +262,29 @@ def test_the_weight_only_fp8_gemm_matches_float64_on_the_dequantized_weights(m, 
 
 
 @interpreter
+@pytest.mark.parametrize("n, k, group", [(40, 80, 16), (33, 50, 50)])  # block scales (ragged), a scale per row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_dequantized_on_the_gpu_are_the_cpus_dequantized_weights(n, k, group, dtype, monkeypatch):
+    """The weight-only GEMM from WEIGHT_ONLY_DEQUANTIZE_FROM tokens: W dequantized in one kernel (read as bytes) is
+    kernels/fp8_quant.dequantize_rows' weight (to the bit in fp32; in bf16 the interpreter truncates where a GPU rounds
+    to nearest: the GPU test checks the bits), and the product is torch's on it."""
+    from kernels.fp8_quant import dequantize_rows
+
+    x, _, _, w, w_scale, bias = operands(7, n, k, group, seed=n)
+    ours, want = fp8_gemm.dequantize_fp8_weight(w, w_scale, group, dtype), dequantize_rows(w, w_scale, group)
+    assert ours.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(ours, want)
+    else:
+        assert ((ours.float() - want).abs() <= 2.0**-7 * want.abs()).all()
+    monkeypatch.setattr(fp8_gemm, "WEIGHT_ONLY_DEQUANTIZE_FROM", 7)
+    out = fp8_gemm.weight_only_fp8_gemm(x.to(dtype), w, w_scale, group, bias.to(dtype))
+    assert torch.equal(out, torch.nn.functional.linear(x.to(dtype), ours, bias.to(dtype)))
+    ref = x.to(dtype).double() @ want.double().T + bias.to(dtype).double()
+    assert_close_to_float64(out, ref, rel=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@interpreter
 def test_a_checkpoint_loaded_for_the_weight_only_gemm_gives_its_dequantized_models_products(tmp_path, monkeypatch):
     """A block and a channel FP8 checkpoint loaded as a GPU without FP8 tensor cores loads them (the weight-only GEMM
     forced for this CPU load): every converted Linear layer keeps its FP8 weight and gives the products of the same
@@ -323,6 +346,8 @@ def test_the_weight_only_fp8_gemm_on_a_gpu_matches_float64(m, n, k, group):
     out = fp8_gemm.weight_only_fp8_gemm(x.cuda(), w.cuda(), w_scale.cuda(), group, bias.bfloat16().cuda())
     assert out.dtype == torch.bfloat16
     assert_close_to_float64(out.cpu(), ref, rel=1e-2)  # bf16's rounding of the output
+    dequantized = fp8_gemm.dequantize_fp8_weight(w.cuda(), w_scale.cuda(), group, torch.bfloat16)  # from 256 tokens
+    assert torch.equal(dequantized.cpu(), dequantize_rows(w, w_scale, group).bfloat16())  # the CPU's weights
 
 
 @needs_cuda

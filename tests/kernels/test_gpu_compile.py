@@ -177,7 +177,9 @@ def test_the_weight_only_fp8_gemm_compiles_for_gpus_without_fp8_tensor_cores(cap
     so it compiles where Triton refuses one, at the rule's tiles for a decode step and a prefill chunk."""
     from kernels import fp8_gemm
 
-    for m in (16, 4096):
+    assert_compiles(fp8_gemm._dequantize_kernel, {"w_ptr": "*u8", "out_ptr": "*bf16"},
+                    dict(BLOCK_N=32, BLOCK_K=256), capability=capability)  # from WEIGHT_ONLY_DEQUANTIZE_FROM tokens
+    for m in (16, 256):
         block_m, block_n, block_k, warps, stages = fp8_gemm._tiles(m, 4096, 4096, 128, grouped, weight_only=True)
         assert_compiles(fp8_gemm._fp8_gemm_kernel,
                         {"a_ptr": "*bf16", "w_ptr": "*u8", "c_ptr": "*bf16", "counter_ptr": "*i32"},
