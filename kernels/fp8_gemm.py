@@ -181,13 +181,11 @@ def _fp8_gemm_kernel(
                 a = a.to(tl.float32)
             w = e4m3_from_bytes(w).to(a.dtype)
         if GROUPED:  # one K tile is one scale group
-            if W_ONLY:
+            if W_ONLY:  # no activation scales
                 a_s = tl.full([BLOCK_M], 1.0, tl.float32)
-            else:
-                a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)
-            if W_ONLY:
                 part = tl.dot(a, w, input_precision=PRECISION)
             else:
+                a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)
                 part = tl.dot(a, w)
             if W_PER_TILE:  # the tile's rows of W share their scale: one scalar
                 w_s = tl.load(w_scale_ptr + (pid_n * BLOCK_N).to(tl.int64) * num_groups + kt)
