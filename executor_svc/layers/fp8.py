@@ -133,14 +133,14 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
 
     def load_w13_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, part = shard_id  # gate_proj / up_proj [I_full, H]: this rank's rows, all of K's groups
-        check_scale(loaded, quant, inter * tp_size(), hidden)
+        _check_scale(loaded, quant, inter * tp_size(), hidden)
         per_row = _scales_per_row(loaded, quant, inter * tp_size(), 0, hidden, group13)
         offset = 0 if part == "gate" else inter
         param.data[expert, offset: offset + inter].copy_(per_row[rank * inter: (rank + 1) * inter])
 
     def load_w2_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, _ = shard_id  # down_proj [H, I_full]: every row, this rank's K groups
-        check_scale(loaded, quant, hidden, inter * tp_size())
+        _check_scale(loaded, quant, hidden, inter * tp_size())
         param.data[expert].copy_(_scales_per_row(loaded, quant, hidden, rank * inter, inter, group2)[:hidden])
 
     for attr, shape, loader in (("w13", (num_experts, 2 * inter, -(-hidden // group13)), load_w13_scale),
@@ -162,7 +162,7 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
     scale = nn.Parameter(torch.empty(n, -(-k // group), dtype=torch.float32, device=device), requires_grad=False)
 
     def load_scale(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        check_scale(loaded, quant, param.shape[0] if row_parallel else _rows_of(layer, shard_id),
+        _check_scale(loaded, quant, param.shape[0] if row_parallel else _rows_of(layer, shard_id),
                     k * tp_size() if row_parallel else k)
         if row_parallel:  # every row, this rank's K columns
             param.data.copy_(_scales_per_row(loaded, quant, param.shape[0], tp_rank() * k, k, group)[: param.shape[0]])
@@ -187,7 +187,7 @@ def _fp8_bytes(weight_loader):
     return load
 
 
-def check_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> None:
+def _check_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> None:
     """Refuse a checkpoint's scale tensor for a rows x cols FP8 weight whose shape is not the format's (the block grid
     [ceil(rows / bn), ceil(cols / bk)]; one scale per row, or one for the tensor) or whose values are not finite and
     non-negative: either would load silently into wrong weights."""
@@ -261,8 +261,8 @@ def quantize_plain(w: torch.Tensor, quant: WeightQuantization) -> tuple[torch.Te
 @torch.no_grad()
 def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dtype, device: torch.device) -> int:
     """After loading: quantize plain weights (online), give every FP8 layer its `weight_scale`, and where FP8 GEMMs
-    do not run (runs_fp8_gemms: the CPU, a GPU before Ada) dequantize them into plain weights of `dtype`. Returns the
-    number of FP8 layers."""
+    do not run (runs_fp8_gemms) nor the weight-only ones (runs_weight_only_fp8_gemms: a GPU before Ada) dequantize them
+    into plain weights of `dtype` (the CPU). Returns the number of FP8 layers."""
     fp8_gemms = runs_fp8_gemms(device)
     weight_only = not fp8_gemms and runs_weight_only_fp8_gemms(device)
     block_recipe = False  # whether block weights may also run on cuBLASLt's block-scaled kernels
