@@ -133,14 +133,14 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
 
     def load_w13_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, part = shard_id  # gate_proj / up_proj [I_full, H]: this rank's rows, all of K's groups
-        _check_scale(loaded, quant, inter * tp_size(), hidden)
+        loaded = _checked_scale(loaded, quant, inter * tp_size(), hidden)
         per_row = _scales_per_row(loaded, quant, inter * tp_size(), 0, hidden, group13)
         offset = 0 if part == "gate" else inter
         param.data[expert, offset: offset + inter].copy_(per_row[rank * inter: (rank + 1) * inter])
 
     def load_w2_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         expert, _ = shard_id  # down_proj [H, I_full]: every row, this rank's K groups
-        _check_scale(loaded, quant, hidden, inter * tp_size())
+        loaded = _checked_scale(loaded, quant, hidden, inter * tp_size())
         param.data[expert].copy_(_scales_per_row(loaded, quant, hidden, rank * inter, inter, group2)[:hidden])
 
     for attr, shape, loader in (("w13", (num_experts, 2 * inter, -(-hidden // group13)), load_w13_scale),
@@ -162,8 +162,8 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
     scale = nn.Parameter(torch.empty(n, -(-k // group), dtype=torch.float32, device=device), requires_grad=False)
 
     def load_scale(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        _check_scale(loaded, quant, param.shape[0] if row_parallel else _rows_of(layer, shard_id),
-                    k * tp_size() if row_parallel else k)
+        loaded = _checked_scale(loaded, quant, param.shape[0] if row_parallel else _rows_of(layer, shard_id),
+                                k * tp_size() if row_parallel else k)
         if row_parallel:  # every row, this rank's K columns
             param.data.copy_(_scales_per_row(loaded, quant, param.shape[0], tp_rank() * k, k, group)[: param.shape[0]])
         else:  # all of K; the layer's own loader takes this rank's rows
@@ -187,10 +187,12 @@ def _fp8_bytes(weight_loader):
     return load
 
 
-def _check_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> None:
-    """Refuse a checkpoint's scale tensor for a rows x cols FP8 weight whose shape is not the format's (the block grid
-    [ceil(rows / bn), ceil(cols / bk)]; one scale per row, or one for the tensor) or whose values are not finite and
-    non-negative: either would load silently into wrong weights."""
+def _checked_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> torch.Tensor:
+    """A checkpoint's scale tensor for a rows x cols FP8 weight, refused where its shape is not the format's (the block
+    grid [ceil(rows / bn), ceil(cols / bk)], which ModelOpt writes [.., 1, .., 1]; one scale per row, or one for the
+    tensor) or its values are not finite and non-negative: either would load silently into wrong weights."""
+    if quant.scheme == "block" and loaded.dim() == 4 and loaded.shape[1] == loaded.shape[3] == 1:
+        loaded = loaded.reshape(loaded.shape[0], loaded.shape[2])
     if quant.scheme == "block":
         want = f"[{-(-rows // quant.block[0])}, {-(-cols // quant.block[1])}]"
         fits = list(loaded.shape) == [-(-rows // quant.block[0]), -(-cols // quant.block[1])]
@@ -205,6 +207,7 @@ def _check_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, col
         bad = values[~torch.isfinite(values) | (values < 0)]
         raise ValueError(f"an FP8 scale holding {bad.numel()} values that are not finite and non-negative "
                          f"(e.g. {bad[0].item()})")
+    return loaded
 
 
 def _k_group(quant: WeightQuantization, k: int, k_split: bool) -> int:

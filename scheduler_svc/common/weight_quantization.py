@@ -13,7 +13,10 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
   compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC, per row; its FP8 scheme, per tensor with static
   activation scales); `{"quant_method": "fp8"}` without weight_block_size (AutoFP8's and vLLM's per-tensor
   export, activation_scheme dynamic or static); `{"quant_method": "fbgemm_fp8"}` (Meta's Llama 3.1 FP8: per
-  row, dynamic per-token activations; its activation_scale_ub clamp is not applied).
+  row, dynamic per-token activations; its activation_scale_ub clamp is not applied); NVIDIA ModelOpt's export
+  (`hf_quant_config.json` {"quantization": {"quant_algo": "FP8", ...}}, or `quant_method "modelopt"` in config.json):
+  FP8 a scale per tensor with a static input_scale, FP8_PER_CHANNEL_PER_TOKEN a scale per row.
+  ModelOpt's FP8_PB_WO is the block format: 128 x 128 blocks, its weight_scale [N/128, 1, K/128, 1].
   A checkpoint's static activation scales (`input_scale`, one per tensor) are read and not used: each
   token's activations are quantized with their own max, at least as fine as one calibrated scale. A checkpoint's
   KV cache scales (`k_scale`, `v_scale`) are an fp8 KV pool's under --kv-cache-scales checkpoint
@@ -21,17 +24,19 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
 - online: `--quantization fp8` on a bf16/fp32 checkpoint: each Linear weight quantized per output row at
   load, the same arithmetic as channel.
 
-Modules the checkpoint lists as not converted (`modules_to_not_convert`, compressed-tensors' `ignore`)
-keep their plain weights.
+Modules the checkpoint lists as not converted (`modules_to_not_convert`, compressed-tensors' `ignore`, ModelOpt's
+`exclude_modules` wildcards) keep their plain weights.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
 from dataclasses import dataclass, field
 
 QUANTIZATION_CHOICES = ("fp8",)  # --quantization
+MODELOPT_CONFIG = "hf_quant_config.json"  # where NVIDIA ModelOpt's export states its quantization
 STATIC_SCALES = ("input_scale",)  # a static activation scale per converted module, not used (module docstring)
 
 
@@ -74,6 +79,10 @@ def weight_quantization(model_dir: str, quantization: str | None) -> WeightQuant
     if os.path.exists(path):
         with open(path) as f:
             raw = json.load(f).get("quantization_config") or {}
+    modelopt = os.path.join(model_dir, MODELOPT_CONFIG)
+    if not raw and os.path.exists(modelopt):
+        with open(modelopt) as f:
+            raw = {"quant_method": "modelopt", **(json.load(f).get("quantization") or {})}
     if raw:
         return _from_checkpoint(raw, model_dir)
     if quantization == "fp8":
@@ -87,7 +96,8 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
     def refuse(why: str) -> ValueError:
         return ValueError(f"{model_dir}: quantization_config quant_method {method!r}: {why}. nanoserve loads "
                           "FP8 checkpoints only: quant_method 'fp8' (with or without weight_block_size), "
-                          "'fbgemm_fp8', or 'compressed-tensors' FP8 with channel, tensor or block weight scales")
+                          "'fbgemm_fp8', 'compressed-tensors' FP8 with channel, tensor or block weight scales, or "
+                          "'modelopt' FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO")
 
     if method == "fp8":
         block, activations = raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic")
@@ -132,4 +142,23 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
                                   not_converted=tuple(raw.get("ignore") or ()),
                                   unused=STATIC_SCALES if static else (),
                                   per_tensor=weights.get("strategy") == "tensor")
+    if method == "modelopt":  # NVIDIA ModelOpt: its quant_algo names the format
+        algo = str(raw.get("quant_algo", "<missing>")).upper()
+        excluded = tuple(_wildcards(raw.get("exclude_modules") or raw.get("ignore") or ()))
+        if algo == "FP8":  # a weight_scale per tensor, a static input_scale (not used)
+            return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
+                                      not_converted=excluded, per_tensor=True, unused=STATIC_SCALES)
+        if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+            return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
+                                      not_converted=excluded)
+        if algo == "FP8_PB_WO":  # 128 x 128 blocks; the loader flattens the scales' [N/128, 1, K/128, 1]
+            return WeightQuantization(scheme="block", from_checkpoint=True, block=(128, 128), scale_name="weight_scale",
+                                      not_converted=excluded)
+        raise refuse(f"quant_algo {algo!r} is not supported, only FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO")
     raise refuse("this quantization method is not supported")
+
+
+def _wildcards(patterns) -> list[str]:
+    """ModelOpt's exclude_modules (fnmatch wildcards: `model.layers.1.mlp*`) as WeightQuantization.not_converted
+    entries: a pattern with a wildcard becomes a "re:" one, a plain name stays a dotted name."""
+    return [f"re:{fnmatch.translate(p)}" if any(c in p for c in "*?[") else p for p in patterns]

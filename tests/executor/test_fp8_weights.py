@@ -38,7 +38,8 @@ def load(path: str, **kwargs):
     return load_model(path, torch.float32, CPU, TorchAttentionBackend(), **kwargs)
 
 
-@pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm", "compressed_block"])
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm", "compressed_block", "modelopt",
+                                    "modelopt_channel", "modelopt_block"])
 def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme, caplog):
     with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
         model, facts = load(os.path.join(checkpoints, scheme))
@@ -46,11 +47,12 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
-    assert facts.weight_format == {"tensor": "fp8_e4m3fn, per-tensor scales"}.get(
-        scheme, "fp8_e4m3fn, 128x128 block scales" if "block" in scheme else "fp8_e4m3fn, per-channel scales")
-    # the per-tensor checkpoint's static input_scale tensors are skipped, and the log says so
+    per_tensor = scheme in ("tensor", "modelopt")
+    assert facts.weight_format == ("fp8_e4m3fn, per-tensor scales" if per_tensor else "fp8_e4m3fn, 128x128 block scales"
+                                   if "block" in scheme else "fp8_e4m3fn, per-channel scales")
+    # the per-tensor checkpoints' static input_scale tensors are skipped, and the log says so
     said = "static scales (input_scale) are not used" in caplog.text
-    assert said is (scheme == "tensor")
+    assert said is per_tensor
 
 
 def test_a_checkpoints_static_activation_scales_are_named_as_unused(tmp_path):
@@ -119,6 +121,23 @@ def test_fp8_tensors_under_a_config_without_quantization_config_are_refused(chec
         load(str(model_dir))
 
 
+def test_modelopts_hf_quant_config_names_the_format_and_an_unsupported_one_is_refused(checkpoints, tmp_path):
+    """NVIDIA ModelOpt states its quantization in hf_quant_config.json, not config.json: its quant_algo chooses the
+    format, its exclude_modules wildcards keep modules plain, and an algorithm nanoserve does not load (NVFP4) is
+    refused at start-up by name."""
+    import shutil
+
+    quant = weight_quantization(os.path.join(checkpoints, "modelopt_block"), None)
+    assert (quant.scheme, quant.block, quant.scale_name) == ("block", (128, 128), "weight_scale")
+    assert not quant.converts("model.layers.1.mlp.down_proj") and quant.converts("model.layers.0.mlp.down_proj")
+    assert quant.converts("model.layers.10.mlp.down_proj")  # the wildcard is layer 1's alone
+    model_dir = tmp_path / "nvfp4"
+    shutil.copytree(os.path.join(checkpoints, "modelopt"), model_dir)
+    (model_dir / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(ValueError, match="'modelopt': quant_algo 'NVFP4' is not supported"):
+        EngineConfig(model=str(model_dir))
+
+
 def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkpoints):
     quant = weight_quantization(os.path.join(checkpoints, "block"), None)
     assert not quant.converts("model.layers.1.mlp.down_proj") and not quant.converts("lm_head")
@@ -137,6 +156,7 @@ def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkp
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}}}}, "'token'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4'"),  # config.json's modelopt form
 ])
 def test_an_unsupported_quantization_config_is_refused_at_start_up_naming_it(checkpoints, tmp_path, config, named):
     with open(os.path.join(checkpoints, "plain", "config.json")) as f:

@@ -27,7 +27,8 @@ from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_r
 
 BLOCK = (128, 128)
 NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
-SCHEMES = ("block", "channel", "tensor", "fbgemm", "compressed_block")
+SCHEMES = ("block", "channel", "tensor", "fbgemm", "compressed_block", "modelopt", "modelopt_channel", "modelopt_block")
+MODELOPT_ALGOS = {"modelopt": "FP8", "modelopt_channel": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt_block": "FP8_PB_WO"}
 
 
 def _converted(name: str, not_converted: tuple[str, ...]) -> bool:
@@ -54,24 +55,32 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
             continue
         w = w * _block_factors(w, gen)
         module = name.removesuffix(".weight")
-        if scheme in ("block", "compressed_block"):
+        if scheme in ("block", "compressed_block", "modelopt_block"):
             q, scale = quantize_blocks_ref(w, BLOCK)
-            fp8[module + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
             plain[name] = dequantize_blocks(q, scale, BLOCK)
-        elif scheme == "tensor":
+            if scheme == "modelopt_block":  # ModelOpt's FP8_PB_WO: [N/128, 1, K/128, 1]
+                scale = scale[:, None, :, None]
+            fp8[module + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
+        elif scheme in ("tensor", "modelopt"):
             q, scale = quantize_rows_ref(w.reshape(1, -1), w.numel())
-            q, scale = q.reshape(w.shape), scale.reshape(())  # AutoFP8 writes 0-dim scales
+            q, scale = q.reshape(w.shape), scale.reshape(())  # AutoFP8 and ModelOpt write 0-dim scales
             fp8[module + ".weight_scale"] = scale
             fp8[module + ".input_scale"] = torch.rand((), generator=gen) + 0.01  # static: read, not used
             plain[name] = q.float() * scale
         else:
             q, scale = quantize_rows_ref(w, w.shape[1])
-            fp8[module + ".weight_scale"] = scale
             plain[name] = q.float() * scale
+            fp8[module + ".weight_scale"] = scale.view(-1) if scheme == "modelopt_channel" else scale  # ModelOpt: [N]
         fp8[name] = q
     for out_dir, out in ((fp8_dir, fp8), (dequantized_dir, plain)):
         shutil.copytree(plain_dir, out_dir, dirs_exist_ok=True)
         save_file(out, os.path.join(out_dir, os.path.basename(path)))
+    if scheme in MODELOPT_ALGOS:  # ModelOpt states its quantization beside config.json, with wildcard exclusions
+        quantization = {"quant_algo": MODELOPT_ALGOS[scheme], "kv_cache_quant_algo": None,
+                        "exclude_modules": ["lm_head", *(f"{m}*" for m in not_converted)]}
+        with open(os.path.join(fp8_dir, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": {"name": "modelopt", "version": "0.37.0"}, "quantization": quantization}, f)
+        return
     with open(os.path.join(fp8_dir, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = _quantization_config(scheme, not_converted)
@@ -81,8 +90,8 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
 
 def tiny_fp8_checkpoints(root: str) -> str:
     """Under root: a tiny Llama whose dimensions are not multiples of 128 (hidden 192, intermediate 320, k/v
-    96 rows) in `plain`, its FP8 versions in `block`, `channel`, `tensor` and `fbgemm`, and their dequantized twins
-    in `<scheme>_dequantized`. Returns root."""
+    96 rows) in `plain`, its FP8 versions in each of SCHEMES (ModelOpt's three with their hf_quant_config.json), and
+    their dequantized twins in `<scheme>_dequantized`. Returns root."""
     from support.tiny_checkpoints import make_tiny_llama
 
     make_tiny_llama(os.path.join(root, "plain"), hidden_size=192, intermediate_size=320, num_attention_heads=4,
@@ -93,13 +102,14 @@ def tiny_fp8_checkpoints(root: str) -> str:
 def tiny_fp8_moe_checkpoints(root: str) -> str:
     """Under root: a tiny Qwen3-MoE (8 experts top-3; hidden 192 and moe_intermediate 160, so each expert's
     projections have ragged blocks; layer 1 dense and not converted) in `plain`, its FP8 versions with per-expert
-    FP8 tensors and scales (as Qwen3-30B-A3B-FP8 stores them) in `block`, `channel` and `tensor` (a scale per expert
-    projection, as AutoFP8's Mixtral-FP8 stores them), and their dequantized twins.
+    FP8 tensors and scales (as Qwen3-30B-A3B-FP8 stores them) in `block`, `channel`, `tensor` (a scale per expert
+    projection, as AutoFP8's Mixtral-FP8 stores them) and `modelopt` (the same, ModelOpt's), and their dequantized
+    twins.
     Returns root."""
     from support.tiny_checkpoints import make_tiny_qwen3_moe
 
     make_tiny_qwen3_moe(os.path.join(root, "plain"), hidden_size=192, moe_intermediate_size=160)
-    return _write_schemes(root, ("block", "channel", "tensor"))
+    return _write_schemes(root, ("block", "channel", "tensor", "modelopt"))
 
 
 def _write_schemes(root: str, schemes: tuple[str, ...] = ("block", "channel")) -> str:
