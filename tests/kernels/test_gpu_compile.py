@@ -1,4 +1,4 @@
-"""The FP8 path's Triton kernels compile for sm_90 (the H100/H200) on any host: Triton's compiler runs without a GPU
+"""The FP8 path's Triton kernels compile for the GPUs they run on, on any host: Triton's compiler runs without a GPU
 (to PTX, then ptxas to a cubin), so what the CPU interpreter accepts and the GPU compiler refuses (a plain Python
 float global, an FP8 dot under K = 32, a scalar/tensor mix-up) fails here, in CI, before a GPU is lent. Each kernel is
 compiled at the configurations the engine launches it with: on the Qwen3-8B shape block (128-column groups) and
@@ -7,6 +7,8 @@ the MoE dispatch picks at a decode step and at a prefill chunk, FP8 activations 
 Linear GEMM of GPUs without FP8 tensor cores for sm_80 and sm_86 (which refuse Triton's e4m3 type), and sm_90."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 pytest.importorskip("triton")
@@ -14,15 +16,13 @@ pytest.importorskip("triton")
 FP8 = "*fp8e4nv"
 
 
-def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
-                     num_warps: int = 4, num_stages: int = 3, capability: int = 90):
-    """fn compiled for sm_90 (or another `capability`): `pointers` types the pointer arguments (others *fp32), `floats`
-    the fp32 scalars, every other argument i32."""
+def compile_for_gpu(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
+                    num_warps: int = 4, num_stages: int = 3, capability: int = 90):
+    """fn compiled for sm_`capability`: `pointers` types the pointer arguments (others *fp32), `floats` the fp32
+    scalars, every other argument i32; constexprs not given take their defaults."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
-
-    import inspect
 
     defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values()
                 if p.default is not inspect.Parameter.empty}
@@ -45,7 +45,7 @@ SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
 
 def assert_compiles(fn, pointers, constexprs, capability: int = 90, **kwargs):
     """fn compiles for that GPU, and its programs fit the GPU's shared memory (a launch would fail otherwise)."""
-    compiled = compile_for_sm90(fn, pointers, constexprs, capability=capability, **kwargs)
+    compiled = compile_for_gpu(fn, pointers, constexprs, capability=capability, **kwargs)
     assert f".target sm_{capability}" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[capability], (compiled.metadata.shared, constexprs)
 
@@ -68,7 +68,7 @@ def test_the_fp8_gemm_compiles_for_sm90(grouped, per_tile, split_k, tiles):
                     num_warps=8 if block_m == 128 else 4)
 
 
-def test_the_activation_quantizers_compile_for_sm90():
+def test_the_activation_quantizers_compile_for_gpu():
     from kernels import fp8_fused_quant, fp8_gemm
 
     assert_compiles(fp8_gemm._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": FP8}, {"BLOCK": 128}, num_warps=1)
@@ -109,7 +109,7 @@ def test_the_narrowest_k_group_the_loader_lets_a_gpu_gemm_take_compiles_for_sm90
     from kernels import fp8_gemm
 
     def compile_group(group):
-        compile_for_sm90(fp8_gemm._fp8_gemm_kernel,
+        compile_for_gpu(fp8_gemm._fp8_gemm_kernel,
                          {"a_ptr": FP8, "w_ptr": FP8, "c_ptr": "*bf16", "counter_ptr": "*i32"},
                          dict(GROUPED=True, W_PER_TILE=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=group,
                               GROUP_M=8, PROMOTE_K=group, SPLIT_K=1))
@@ -130,7 +130,7 @@ MOE_SHAPE = dict(num_experts=128, hidden=2048, inter=768, top_k=8)
 
 @pytest.mark.parametrize("num_tokens", [133, 4096])
 @pytest.mark.parametrize("w_grouped", [True, False])  # block scales (128 columns), or a scale per row
-def test_fp8_experts_with_fp8_activations_compile_for_sm90(num_tokens, w_grouped):
+def test_fp8_experts_with_fp8_activations_compile_for_gpu(num_tokens, w_grouped):
     import triton.language as tl
 
     from kernels import fused_moe as fm
