@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,6 +24,7 @@ from scheduler_svc.common.model_paths import checkpoint_files
 from scheduler_svc.common.weight_quantization import weight_quantization
 
 log = logging.getLogger("nanoserve.executor")
+PROGRESS_EVERY_S = 10.0  # a large checkpoint's load says how far it is at most this often
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -124,7 +126,8 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
     """Stream every tensor of the checkpoint's files (model_paths.checkpoint_files) into its parameter; fail if any
     parameter stays unloaded. Tensors whose last name is in `unused` (an FP8 checkpoint's static activation scales)
     are skipped, and so are KV cache scales (scheduler_svc/common/checkpoint_kv_scales.py: an fp8 pool reads them
-    itself under --kv-cache-scales checkpoint)."""
+    itself under --kv-cache-scales checkpoint). The log shows progress: a line every PROGRESS_EVERY_S seconds, and
+    one at the end."""
     files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -132,7 +135,9 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
     packed = model.packed_modules_mapping
     loaded: dict[str, set] = {name: set() for name in params}
     kv_scales = 0
-    for path in files:
+    total_gb, done_gb, start = sum(os.path.getsize(p) for p in files) / 1e9, 0.0, time.monotonic()
+    last_said = start
+    for number, path in enumerate(files, 1):
         with safe_open(path, framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith("rotary_emb.inv_freq"):
@@ -163,6 +168,12 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
                 except ValueError as exc:  # a loader's refusal, named by the tensor it refused
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} in {path}: {exc}") from exc
                 loaded[name].add(shard_id)
+        done_gb += os.path.getsize(path) / 1e9
+        now = time.monotonic()
+        if now - last_said >= PROGRESS_EVERY_S or number == len(files):
+            log.info("weights %s: %d of %d files, %.1f of %.1f GB, %.0f s", "loaded" if number == len(files) else
+                     "loading", number, len(files), done_gb, total_gb, now - start)
+            last_said = now
 
     if kv_scales:
         log.info("the checkpoint's %d KV cache scales (k_scale, v_scale) are read by an fp8 KV pool under "

@@ -175,11 +175,16 @@ def test_a_checkpoint_missing_a_tensor_fails_to_load(tmp_path):
         load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
 
 
-def test_a_sharded_checkpoint_loads_the_files_its_index_names_and_no_other(tmp_path):
+def test_a_sharded_checkpoint_loads_the_files_its_index_names_and_no_other(tmp_path, monkeypatch, caplog):
     """A repository may keep a second copy of its weights beside the shards its model.safetensors.index.json maps
-    (Mistral's consolidated.safetensors, in another naming): only the indexed files load. Without an index every
-    *.safetensors file loads; an index naming a file that is not there is refused by name."""
+    (Mistral's consolidated.safetensors, in another naming): only the indexed files load, the log saying how far it
+    is. Without an index every *.safetensors file loads; an index naming a file that is not there is refused by
+    name."""
+    import logging
+
     from safetensors.torch import load_file, save_file
+
+    from executor_svc import model_loader
 
     path = make_tiny_llama(str(tmp_path / "m"))
     tensors = load_file(os.path.join(path, "model.safetensors"))
@@ -195,8 +200,11 @@ def test_a_sharded_checkpoint_loads_the_files_its_index_names_and_no_other(tmp_p
     index = {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
-    model, _ = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
+    monkeypatch.setattr(model_loader, "PROGRESS_EVERY_S", 0.0)  # a line per file
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
     assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    assert "weights loading: 1 of 2 files" in caplog.text and "weights loaded: 2 of 2 files" in caplog.text
     os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
         load_model(path, torch.float32, torch.device("cpu"), TorchAttentionBackend())
