@@ -16,7 +16,9 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
   row, dynamic per-token activations; its activation_scale_ub clamp is not applied); NVIDIA ModelOpt's export
   (`hf_quant_config.json` {"quantization": {"quant_algo": "FP8", ...}}, or `quant_method "modelopt"` in config.json):
   FP8 a scale per tensor with a static input_scale, FP8_PER_CHANNEL_PER_TOKEN a scale per row.
-  ModelOpt's FP8_PB_WO is the block format: 128 x 128 blocks, its weight_scale [N/128, 1, K/128, 1].
+  ModelOpt's FP8_PB_WO is the block format: 128 x 128 blocks, its weight_scale [N/128, 1, K/128, 1]. AMD Quark's
+  (`quant_method "quark"`): global_quant_config's weight fp8_e4m3 per_tensor or per_channel, its static input scales
+  not used.
   A checkpoint's static activation scales (`input_scale`, one per tensor) are read and not used: each
   token's activations are quantized with their own max, at least as fine as one calibrated scale. A checkpoint's
   KV cache scales (`k_scale`, `v_scale`) are an fp8 KV pool's under --kv-cache-scales checkpoint
@@ -97,7 +99,8 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         return ValueError(f"{model_dir}: quantization_config quant_method {method!r}: {why}. nanoserve loads "
                           "FP8 checkpoints only: quant_method 'fp8' (with or without weight_block_size), "
                           "'fbgemm_fp8', 'compressed-tensors' FP8 with channel, tensor or block weight scales, or "
-                          "'modelopt' FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO")
+                          "'modelopt' FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO, or 'quark' FP8 per tensor or "
+                          "channel")
 
     if method == "fp8":
         block, activations = raw.get("weight_block_size"), raw.get("activation_scheme", "dynamic")
@@ -155,6 +158,21 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
             return WeightQuantization(scheme="block", from_checkpoint=True, block=(128, 128), scale_name="weight_scale",
                                       not_converted=excluded)
         raise refuse(f"quant_algo {algo!r} is not supported, only FP8, FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO")
+    if method == "quark":  # AMD Quark: one global config (per-layer overrides are refused)
+        global_config = raw.get("global_quant_config") or {}
+        weight, inputs = global_config.get("weight") or {}, global_config.get("input_tensors")
+        if raw.get("layer_quant_config") or raw.get("layer_type_quant_config"):
+            raise refuse("per-layer quant configs (layer_quant_config) are not supported, only a global one")
+        if weight.get("dtype") != "fp8_e4m3" or weight.get("qscheme") not in ("per_tensor", "per_channel"):
+            raise refuse(f"weights {weight.get('dtype')!r} {weight.get('qscheme')!r}; only fp8_e4m3 per_tensor or "
+                         "per_channel")
+        static = inputs is not None and not inputs.get("is_dynamic", False)
+        if static and inputs.get("qscheme") != "per_tensor":
+            raise refuse(f"static input scales {inputs.get('qscheme')!r}; only per_tensor (or dynamic)")
+        return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
+                                  not_converted=tuple(_wildcards(raw.get("exclude") or ())),
+                                  per_tensor=weight["qscheme"] == "per_tensor",
+                                  unused=STATIC_SCALES if static else ())
     raise refuse("this quantization method is not supported")
 
 

@@ -76,6 +76,7 @@ def test_an_fp8_checkpoint_sharded_over_two_ranks_equals_transformers_on_its_deq
     ("llama", "compressed_block"),  # compressed-tensors FP8_BLOCK: 128 x 128 blocks named weight_scale
     ("llama", "modelopt"), ("llama", "modelopt_block"),  # NVIDIA ModelOpt: FP8 per tensor; FP8_PB_WO's 4-D scales
     ("qwen3_moe", "modelopt"),  # a scale per expert projection
+    ("llama", "quark"),  # AMD Quark: per tensor, static input scales (not used)
 ])
 def test_the_other_fp8_checkpoint_formats_equal_transformers_on_their_dequantized_weights(checkpoints, prompts,
                                                                                             model, scheme):

@@ -39,7 +39,7 @@ def load(path: str, **kwargs):
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel", "tensor", "fbgemm", "compressed_block", "modelopt",
-                                    "modelopt_channel", "modelopt_block"])
+                                    "modelopt_channel", "modelopt_block", "quark"])
 def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu(checkpoints, scheme, caplog):
     with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
         model, facts = load(os.path.join(checkpoints, scheme))
@@ -47,7 +47,7 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
-    per_tensor = scheme in ("tensor", "modelopt")
+    per_tensor = scheme in ("tensor", "modelopt", "quark")
     assert facts.weight_format == ("fp8_e4m3fn, per-tensor scales" if per_tensor else "fp8_e4m3fn, 128x128 block scales"
                                    if "block" in scheme else "fp8_e4m3fn, per-channel scales")
     # the per-tensor checkpoints' static input_scale tensors are skipped, and the log says so
@@ -157,6 +157,10 @@ def test_modules_the_checkpoint_does_not_convert_keep_their_plain_weights(checkp
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}}}}, "'token'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4'"),  # config.json's modelopt form
+    ({"quant_method": "quark", "global_quant_config": {"weight": {"dtype": "int4", "qscheme": "per_group"}}},
+     "'int4' 'per_group'"),
+    ({"quant_method": "quark", "global_quant_config": {"weight": {"dtype": "fp8_e4m3", "qscheme": "per_tensor"}},
+      "layer_quant_config": {"*down_proj": {}}}, "layer_quant_config"),
 ])
 def test_an_unsupported_quantization_config_is_refused_at_start_up_naming_it(checkpoints, tmp_path, config, named):
     with open(os.path.join(checkpoints, "plain", "config.json")) as f:

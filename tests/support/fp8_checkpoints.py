@@ -27,7 +27,8 @@ from kernels.fp8_quant import dequantize_blocks, quantize_blocks_ref, quantize_r
 
 BLOCK = (128, 128)
 NOT_CONVERTED = "model.layers.1.mlp"  # its gate, up and down projections stay plain
-SCHEMES = ("block", "channel", "tensor", "fbgemm", "compressed_block", "modelopt", "modelopt_channel", "modelopt_block")
+SCHEMES = ("block", "channel", "tensor", "fbgemm", "compressed_block", "modelopt", "modelopt_channel", "modelopt_block",
+           "quark")
 MODELOPT_ALGOS = {"modelopt": "FP8", "modelopt_channel": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt_block": "FP8_PB_WO"}
 
 
@@ -61,9 +62,9 @@ def write_fp8_checkpoints(plain_dir: str, fp8_dir: str, dequantized_dir: str, sc
             if scheme == "modelopt_block":  # ModelOpt's FP8_PB_WO: [N/128, 1, K/128, 1]
                 scale = scale[:, None, :, None]
             fp8[module + (".weight_scale_inv" if scheme == "block" else ".weight_scale")] = scale
-        elif scheme in ("tensor", "modelopt"):
+        elif scheme in ("tensor", "modelopt", "quark"):
             q, scale = quantize_rows_ref(w.reshape(1, -1), w.numel())
-            q, scale = q.reshape(w.shape), scale.reshape(())  # AutoFP8 and ModelOpt write 0-dim scales
+            q, scale = q.reshape(w.shape), scale.reshape(())  # AutoFP8, ModelOpt and Quark write 0-dim scales
             fp8[module + ".weight_scale"] = scale
             fp8[module + ".input_scale"] = torch.rand((), generator=gen) + 0.01  # static: read, not used
             plain[name] = q.float() * scale
@@ -131,6 +132,13 @@ def _quantization_config(scheme: str, not_converted: tuple[str, ...]) -> dict:
     if scheme == "fbgemm":
         return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                 "modules_to_not_convert": ["lm_head", *not_converted]}
+    if scheme == "quark":
+        fp8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False,
+               "observer_cls": "PerTensorMinMaxObserver"}
+        return {"quant_method": "quark", "global_quant_config": {"weight": fp8, "input_tensors": fp8,
+                                                                 "output_tensors": None, "bias": None},
+                "layer_quant_config": {}, "exclude": ["lm_head", *(f"{m}.*" for m in not_converted)],
+                "export": {"kv_cache_group": [], "pack_method": "reorder"}}
     fp8_group = {"targets": ["Linear"],
                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
                              "dynamic": False},
