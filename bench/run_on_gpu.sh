@@ -10,6 +10,7 @@
 #   cublaslt     bench/studies/fp8_cublaslt_algos.py (every cuBLASLt candidate against torch's call; CUBLASLT_ARGS adds
 #                flags); the winners go to $OUT/cublaslt_table.json, which NANOSERVE_FP8_GEMM_TABLE then names for a
 #                throughput step of the same call
+#   weightonly   bench/studies/fp8_weight_only.py (the weight-only FP8 GEMM of GPUs before sm_89 against bf16)
 #   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
@@ -88,6 +89,9 @@ for step in "$@"; do
     variants)
       python3 bench/studies/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;
+    weightonly)
+      python3 bench/studies/fp8_weight_only.py --out "$OUT/fp8_weight_only.json" 2>&1 \
+        | tee "$OUT/fp8_weight_only.log" | tail -n 60 ;;
     cublaslt)
       python3 bench/studies/fp8_cublaslt_algos.py --out "$OUT/fp8_cublaslt_algos.json" \
         --table-out "$OUT/cublaslt_table.json" ${CUBLASLT_ARGS:-} 2>&1 | grep -v Warning \
