@@ -210,6 +210,15 @@ def _checked_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, c
     return loaded
 
 
+def _refuse_nan_bytes(name: str, q: torch.Tensor) -> None:
+    """Refuse FP8 weights holding NaN (the bytes 0x7F and 0xFF): no quantizer writes them, so they mean a corrupted
+    file, and one would make NaN of every product it enters. One pass over the bytes, on their device."""
+    nan = (q.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        raise ValueError(f"{name}: its FP8 weight holds {int(nan.sum())} NaN values (bytes 0x7F or 0xFF), which no "
+                         "FP8 quantizer writes: the checkpoint's file is corrupted")
+
+
 def _k_group(quant: WeightQuantization, k: int, k_split: bool) -> int:
     """The input columns each scale of a rank's weight covers, K of them on this rank: all of them (channel scales),
     or the checkpoint block's, shrunk to gcd(block, K) where the ranks split K (a slice may start inside a block)."""
@@ -282,6 +291,7 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         else:
             q, scale = layer.weight.data, getattr(layer, quant.scale_name).data
             delattr(layer, quant.scale_name)
+            _refuse_nan_bytes(name, q)
         count += 1
         if not fp8_gemms and not weight_only:
             layer.weight = nn.Parameter(dequantize_rows(q, scale, layer.fp8_group_k).to(dtype), requires_grad=False)
@@ -406,6 +416,7 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
                    for attr in ("w13", "w2")}
         for attr in ("w13", "w2"):
             delattr(experts, f"{attr}_{quant.scale_name}")
+            _refuse_nan_bytes(f"{name}.{attr}", stacked[attr][0])
     groups = {"w13": experts.fp8_group_k13, "w2": experts.fp8_group_k2}
     on_gpu = (fp8_gemms or weight_only) and fused_moe.moe_kernels is not None
     if on_gpu:

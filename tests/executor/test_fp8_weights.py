@@ -109,6 +109,27 @@ def test_a_checkpoint_tensor_that_does_not_fit_its_fp8_format_is_refused_naming_
         load(model_dir)
 
 
+@pytest.mark.parametrize("scheme, layer", [("block", "model.layers.0.mlp.down_proj"),
+                                           ("channel", "model.layers.0.self_attn.qkv_proj")])
+def test_fp8_weights_holding_nan_bytes_are_refused_as_a_corrupted_file(checkpoints, tmp_path, scheme, layer):
+    """One byte 0x7F (e4m3's NaN, which no quantizer writes) in an FP8 weight: the load fails naming the layer,
+    rather than every token of the first step coming out NaN."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / scheme
+    shutil.copytree(os.path.join(checkpoints, scheme), model_dir)
+    (path,) = glob.glob(str(model_dir / "*.safetensors"))
+    tensors = load_file(path)
+    name = layer.replace("qkv_proj", "v_proj") + ".weight"
+    tensors[name].view(torch.uint8)[3, 5] = 0x7F
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=rf"{layer}: its FP8 weight holds 1 NaN values .* corrupted"):
+        load(str(model_dir))
+
+
 def test_fp8_tensors_under_a_config_without_quantization_config_are_refused(checkpoints, tmp_path):
     import shutil
 
