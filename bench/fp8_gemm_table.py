@@ -19,12 +19,24 @@ JSON for NANOSERVE_FP8_GEMM_TABLE (`--fp8-gemm-table-out`).
 from __future__ import annotations
 
 import json
+import sys
 
 # (name, N, K) of Qwen3-8B: hidden 4096, 32 q and 8 KV heads of 128, intermediate 12288
 QWEN3_8B_GEMMS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
                   ("down_proj", 4096, 12288)]
 TOKENS = [1, 16, 64, 256, 4096]
 L2_BYTES = 50 * 2**20  # the H200's L2
+
+
+def study_gpu():
+    """(the CUDA device, a generator on it seeded 0) for a study of the 8B shape's GEMMs; exits saying so where no GPU
+    is."""
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("the study needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.Generator(device=device).manual_seed(0)
 
 
 def weight_copies(w) -> list:

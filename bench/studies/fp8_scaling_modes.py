@@ -43,14 +43,11 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from bench.fp8_gemm_table import cold_graph_us, weight_copies
+    from bench.fp8_gemm_table import cold_graph_us, study_gpu, weight_copies
     from kernels import fp8_gemm
     from kernels.fp8_quant import dequantize_rows, quantize_rows_ref, rows_in_place
 
-    if not torch.cuda.is_available():
-        sys.exit("the study needs a CUDA GPU")
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
+    device, gen = study_gpu()
     one = torch.ones((), dtype=torch.float32, device=device)
     results, kernels = [], {}
     print(f"{'gemm':>12} {'M':>4} | us (W's TB/s): {'bf16':>13} {'rowwise M':>13} {'rowwise 256':>13} "

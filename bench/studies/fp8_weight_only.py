@@ -35,14 +35,11 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from bench.fp8_gemm_table import cold_graph_us, weight_copies
+    from bench.fp8_gemm_table import cold_graph_us, study_gpu, weight_copies
     from kernels import fp8_gemm
     from kernels.fp8_quant import dequantize_rows, quantize_blocks_on_rows, quantize_rows_ref
 
-    if not torch.cuda.is_available():
-        sys.exit("the study needs a CUDA GPU")
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
+    device, gen = study_gpu()
     results = []
     print(f"{torch.cuda.get_device_name()}, sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
     print(f"{'gemm':>12} {'scheme':>7} {'M':>5} | us (W's TB/s): {'bf16':>14} {'weight-only':>14} | ratio | error")
