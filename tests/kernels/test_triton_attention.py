@@ -322,7 +322,7 @@ def test_gpu_decode_matches_reference_for_any_split_count(heads, num_splits):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
-@pytest.mark.parametrize("per", ["token", "head"])
+@pytest.mark.parametrize("per", ["token", "head", "head, M-major"])
 def test_gpu_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(num_splits, per):
     """As on the CPU, at the 8B shape's heads (32 / 8, D = 128) and 150 ragged contexts, five times over fresh
     inputs: a token's last program must see every other program's stores (the counters' release and acquire)."""
@@ -334,7 +334,7 @@ def test_gpu_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(n
                                                head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda",
                                                seed=30 + seed)
         assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits,
-                                                  32 * 128 if per == "token" else 128)
+                                                  32 * 128 if per == "token" else 128, m_major=per.endswith("M-major"))
         assert not split_counters(q.device).any()
 
 
