@@ -103,12 +103,14 @@ for step in "$@"; do
         ${THROUGHPUT_ARGS:-} $step_args > "$OUT/throughput.log" 2>&1
       grep -v " INFO " "$OUT/throughput.log" | tail -n 25
       # a repeated step overwrites the files: the summary keeps every run's row
-      summary+=("throughput ${step_env[*]+${step_env[*]}} ${THROUGHPUT_ARGS:-} $step_args: $(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)") ;;
+      row=$(grep -E '^ +nanoserve ' "$OUT/throughput.log" | tail -n 1)
+      summary+=("throughput ${step_env[*]+${step_env[*]}} ${THROUGHPUT_ARGS:-} $step_args: $row") ;;
     timeline)
       # each timeline run keeps its windows in its own folder (prof, prof2, ...); timeline@--flag adds that run's flags
       timelines=$((${timelines:-0} + 1)); prof="$OUT/prof$( ((timelines > 1)) && echo $timelines)"
       mkdir -p "$prof"; NANOSERVE_PROFILE_DIR="$prof" NANOSERVE_PROFILE_STEPS="${PROFILE_STEPS:-80:10,400:10,800:10,1000:10}" \
-        env ${step_env[@]+"${step_env[@]}"} python3 bench/throughput.py --no-progress --out "$prof/throughput_profiled.json" ${THROUGHPUT_ARGS:-} $step_args \
+        env ${step_env[@]+"${step_env[@]}"} python3 bench/throughput.py --no-progress \
+        --out "$prof/throughput_profiled.json" ${THROUGHPUT_ARGS:-} $step_args \
         > "$OUT/timeline$timelines.log" 2>&1
       grep -v " INFO " "$OUT/timeline$timelines.log" | tail -n 4
       python3 -m executor_svc.step_profiler "$prof" ${PROFILE_TOP:-12} ;;

@@ -80,6 +80,8 @@ def kv_cache_scales(method: str, layout: KVLayout, amax: torch.Tensor | None) ->
 def checkpoint_kv_scales(model_dir: str, layout: KVLayout, rank: int = 0, world_size: int = 1) -> torch.Tensor:
     """The fp8 pool's scales [2, L, H_kv] (this rank's KV heads) from the checkpoint's k_scale and v_scale tensors,
     logged as kv_cache_scales logs its own. A tensor holds one scale, or one per KV head of the whole model."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
     from scheduler_svc.common.checkpoint_kv_scales import checkpoint_kv_scale_names
@@ -87,11 +89,15 @@ def checkpoint_kv_scales(model_dir: str, layout: KVLayout, rank: int = 0, world_
     names = checkpoint_kv_scale_names(model_dir)
     heads = layout.num_kv_heads
     scales = torch.empty(2, layout.num_layers, heads)
+    with ExitStack() as stack:  # each file opened once
+        files = {path: stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                 for parts in names.values() for path, _ in parts.values()}
+        values = {(layer, part): files[path].get_tensor(name).float().flatten()
+                  for layer in range(layout.num_layers) for part, (path, name) in names[layer].items()}
     for layer in range(layout.num_layers):
         for i, part in enumerate("kv"):
             path, name = names[layer][part]
-            with safe_open(path, framework="pt", device="cpu") as f:
-                value = f.get_tensor(name).float().flatten()
+            value = values[(layer, part)]
             if value.numel() == heads * world_size:
                 value = value[rank * heads:(rank + 1) * heads]
             elif value.numel() != 1:

@@ -108,6 +108,20 @@ def load_model(
     return model, facts
 
 
+def _check_fp8_dtype(tensor: torch.Tensor, param: nn.Parameter) -> None:
+    """Refuse a checkpoint tensor that is FP8 where its parameter is not, or not where it is: either would be cast
+    and read wrongly scaled."""
+    if tensor.dtype in FP8_TYPES and param.dtype != tensor.dtype:
+        raise ValueError(f"a {str(tensor.dtype).removeprefix('torch.')} tensor for a "
+                         f"{str(param.dtype).removeprefix('torch.')} parameter: config.json's quantization_config "
+                         "does not make this module FP8 (none is given, or modules_to_not_convert lists it), so its "
+                         "bytes would be read unscaled")
+    if param.dtype in FP8_TYPES and tensor.dtype != param.dtype:
+        raise ValueError(f"a {str(tensor.dtype).removeprefix('torch.')} weight where the checkpoint's "
+                         "quantization_config makes the module FP8 (float8_e4m3fn); a module left plain must be "
+                         "listed in modules_to_not_convert (compressed-tensors: ignore)")
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights at a scale that keeps activations finite: norms near 1, matrices ~N(0, 1/fan_in)."""
@@ -156,11 +170,7 @@ def load_weights(model: nn.Module, model_dir: str, unused: tuple[str, ...] = ())
                 param = params[name]
                 tensor = f.get_tensor(ckpt_name)
                 try:
-                    if tensor.dtype in FP8_TYPES and param.dtype != tensor.dtype:
-                        raise ValueError(f"a {str(tensor.dtype).removeprefix('torch.')} tensor for a "
-                                         f"{str(param.dtype).removeprefix('torch.')} parameter: config.json's "
-                                         "quantization_config does not make this module FP8 (none is given, or "
-                                         "modules_to_not_convert lists it), so its bytes would be read unscaled")
+                    _check_fp8_dtype(tensor, param)
                     if shard_id is None:
                         param.weight_loader(param, tensor)
                     else:

@@ -294,7 +294,7 @@ def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tens
         partial, counters = torch.empty(split_k, m, n, dtype=torch.float32, device=a.device), split_counters(a.device)
     else:
         split_k, partial, counters = 1, out, out
-    if weight_only:  # W's bytes: Triton types no e4m3 before sm_89
+    if weight_only:  # W's bytes: Triton types no e4m3 before sm_89; a_scale only fills a pointer the kernel never reads
         a_scale, w = w_scale, w.view(torch.uint8)
     _fp8_gemm_kernel[(num_tiles, split_k)](
         a, a_scale, w, w_scale, bias if bias is not None else out, out, partial, counters,
@@ -422,11 +422,11 @@ _cublaslt_plans: dict[tuple, tuple] = {}
 
 def cublaslt_product(recipe: str, m: int, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor | None:
-    """a [rows, K] @ w^T (its first m rows the tokens) on the cuBLASLt algorithm kernels/fp8_gemm_dispatch.CUBLASLT_ALGOS
-    names for `recipe` at m tokens, the scales as kernels/cublaslt's `recipe` takes them; None where it names none, or
-    cuBLASLt refuses it for this product (a warning says so once): the caller then takes torch's call. A plan per row
-    count and algorithm, made on its first call (host-side only, so also during a CUDA graph's capture: the loader
-    readied the library first)."""
+    """a [rows, K] @ w^T (its first m rows the tokens) on the cuBLASLt algorithm that
+    kernels/fp8_gemm_dispatch.CUBLASLT_ALGOS names for `recipe` at m tokens, the scales as kernels/cublaslt's `recipe`
+    takes them; None where it names none, or cuBLASLt refuses it for this product (a warning says so once): the caller
+    then takes torch's call. A plan per row count and algorithm, made on its first call (host-side only, so also
+    during a CUDA graph's capture: the loader readied the library first)."""
     config = cublaslt_algorithm(recipe, m, *w.shape)
     if config is None:
         return None
@@ -522,7 +522,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
 
     grouped = w_scale.shape[1] > 1
     quantized = isinstance(x, QuantizedActivations)
-    out_dtype, lead = (x.dtype, x.q.shape[:-1]) if quantized else (x.dtype, x.shape[:-1])
+    out_dtype, lead = x.dtype, (x.q if quantized else x).shape[:-1]
     n, k = w.shape
     m = lead.numel()
     backend, rows = choose_gemm("block" if grouped else "channel", m, n, k,

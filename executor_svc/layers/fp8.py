@@ -123,7 +123,7 @@ def _add_fp8_expert_parameters(experts: StackedExperts, quant: WeightQuantizatio
     for attr in ("w13", "w2"):
         plain = getattr(experts, attr)
         weight = nn.Parameter(torch.empty(plain.shape, dtype=FP8_DTYPE, device=plain.device), requires_grad=False)
-        weight.weight_loader = _fp8_bytes(plain.weight_loader)
+        weight.weight_loader = plain.weight_loader
         weight.expected_shards = plain.expected_shards[:1]  # FP8 checkpoints store each expert's projections
         setattr(experts, attr, weight)
     group13 = experts.fp8_group_k13 = _k_group(quant, hidden, k_split=False)
@@ -156,7 +156,7 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
     row_parallel = isinstance(layer, RowParallelLinear)
     device = layer.weight.device
     weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
-    weight.weight_loader = _fp8_bytes(layer.weight_loader)  # fp8 bytes shard like any weight
+    weight.weight_loader = layer.weight_loader  # fp8 bytes shard like any weight
     layer.weight = weight
     group = layer.fp8_group_k = _k_group(quant, k, k_split=row_parallel)
     scale = nn.Parameter(torch.empty(n, -(-k // group), dtype=torch.float32, device=device), requires_grad=False)
@@ -172,19 +172,6 @@ def _add_fp8_parameters(layer: nn.Module, quant: WeightQuantization) -> None:
 
     scale.weight_loader = load_scale
     layer.register_parameter(quant.scale_name, scale)
-
-
-def _fp8_bytes(weight_loader):
-    """weight_loader for an FP8 weight: the checkpoint's tensor must be float8_e4m3fn (a plain one would be cast to
-    FP8 and read as if scaled)."""
-    def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        if loaded.dtype != FP8_DTYPE:
-            raise ValueError(f"a {str(loaded.dtype).removeprefix('torch.')} weight where the checkpoint's "
-                             "quantization_config makes the module FP8 (float8_e4m3fn); a module left plain must be "
-                             "listed in modules_to_not_convert (compressed-tensors: ignore)")
-        weight_loader(param, loaded, *shard_id)
-
-    return load
 
 
 def _checked_scale(loaded: torch.Tensor, quant: WeightQuantization, rows: int, cols: int) -> torch.Tensor:
@@ -400,7 +387,8 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
                     device: torch.device, fp8_gemms: bool, weight_only: bool = False) -> int:
     """One StackedExperts after loading, as finish_loading does a Linear layer: quantized per row if plain (online),
     then FP8 with `experts.fp8` where FP8 GEMMs run (`fp8_gemms`: runs_fp8_gemms) or the weight-only ones
-    (`weight_only`: read as bytes, Fp8Experts.weight_bytes), dequantized elsewhere. Returns 1 if it holds FP8 weights, else 0."""
+    (`weight_only`: read as bytes, Fp8Experts.weight_bytes), dequantized elsewhere. Returns 1 if it holds FP8
+    weights, else 0."""
     from executor_svc.layers import fused_moe
 
     if experts.w13.dtype != FP8_DTYPE:

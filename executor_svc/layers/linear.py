@@ -20,7 +20,7 @@ except ImportError:  # no Triton: FP8 weights are dequantized at load (CPU)
 def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T + bias; an FP8 weight (executor_svc/layers/fp8.py) goes through the FP8 GEMM, whose product may come
     back unscaled where the layer's one reader applies the scales (`fp8_unscaled_output`, set at load)."""
-    if layer.weight.dtype == FP8_DTYPE and getattr(layer, "fp8_weight_only", False):  # a GPU before sm_89
+    if getattr(layer, "fp8_weight_only", False):  # FP8 weights on a GPU before sm_89
         return fp8_gemm.weight_only_fp8_gemm(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias,
                                              rows_sharing_scales=getattr(layer, "fp8_rows_sharing_scales", 1))
     if layer.weight.dtype == FP8_DTYPE:
