@@ -226,6 +226,11 @@ class Fp8Matmul:
             a_mode, b_mode = _SCALE_MODES[scaling]
             _set(set_desc, self.desc, _A_SCALE_MODE, ctypes.c_int32(a_mode), f"{scaling} scales (weights)")
             _set(set_desc, self.desc, _B_SCALE_MODE, ctypes.c_int32(b_mode), f"{scaling} scales (activations)")
+            # cuBLASLt's heuristic refuses vector and block scales (INVALID_VALUE) while their pointers are unset:
+            # the workspace stands in until a call sets the real ones.
+            placeholder = ctypes.c_void_p(workspace(self.device).data_ptr())
+            for attr in (_A_SCALE_POINTER, _B_SCALE_POINTER):
+                _set(set_desc, self.desc, attr, placeholder, f"{scaling} scales' placeholder")
         fp8, out = _DTYPES[torch.float8_e4m3fn], _DTYPES[out_dtype]
         self.layouts = []
         for dtype, rows, cols, ld in ((fp8, k, n, k), (fp8, k, m, self.x_stride), (out, n, m, n), (out, n, m, n)):

@@ -47,12 +47,12 @@ def operands(m, n, k, group, *, seed, device="cpu", outliers=True):
     return [t.to(device) for t in (x, a, a_scale, wq, w_scale, bias)]
 
 
-FAST_ACCUM_BOUND = 2e-2  # see test_fast_accumulation_at_prefills_token_counts_matches_float64
+FAST_ACCUM_BOUND = 1e-2  # 0.57-0.62% on the H200 (promoted: 0.22-0.28%); see test_fast_accumulation_at_*
 
 
-def assert_close_to_float64(out, ref, rel):
+def assert_close_to_float64(out, ref, rel, what=""):
     err = (out.double() - ref).abs().max().item()
-    assert err <= rel * ref.abs().max().item(), (err, ref.abs().max().item())
+    assert err <= rel * ref.abs().max().item(), (what, err, ref.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,9 +390,12 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
 def test_fast_accumulation_at_prefills_token_counts_matches_float64(monkeypatch, n, k):
     from kernels import fp8_gemm_dispatch as dispatch
 
-    x, a, a_scale, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda")
+    x, _, _, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda")
+    x = x.bfloat16().float()  # what the engine quantizes: the references start from the same bf16 activations
+    a, a_scale = quantize_rows_ref(x, k)
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
     promoted = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
+    assert_close_to_float64(promoted, ref, rel=5e-3)
     monkeypatch.setattr(dispatch, "FAST_ACCUM_FROM", 1024)
     fast = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
     # the tensor cores' own accumulation over all of K: FAST_ACCUM_BOUND of max |y| (H200), where a wrong scale or
@@ -714,7 +717,9 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
     n, k = 384, 1024
     monkeypatch.setattr(dispatch, "CUBLASLT_ALGOS", {})
     monkeypatch.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
-    x, a, a_scale, w, w_scale, _ = operands(m, n, k, k, seed=m, device="cuda")
+    x, _, _, w, w_scale, _ = operands(m, n, k, k, seed=m, device="cuda")
+    x = x.bfloat16().float()  # what the engine quantizes: the references start from the same bf16 activations
+    a, a_scale = quantize_rows_ref(x, k)
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
     wb, wb_rows = (t.cuda() for t in quantize_blocks_on_rows(w.float().cpu() * w_scale.cpu()))
     blocks = block_scales_of(wb_rows, 128, rows_sharing_scales(wb_rows))
@@ -730,14 +735,15 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
         return fp8_gemm.fp8_linear(x, w, w_scale, k)
 
     # the rows the engine runs each on (the block recipe's in 4s)
-    for recipe, rows, backend in (("outer", m, "scaled_mm"), ("tensor", m, "unit_scaled_mm"),
-                                  ("block", -(-m // 4) * 4, None)):
+    for recipe, rows, backend in (("tensor", m, "unit_scaled_mm"), ("block", -(-m // 4) * 4, None),
+                                  ("outer", m, "scaled_mm")):
         if backend:
             monkeypatch.setitem(dispatch.TABLE, (n, k), [(1 << 62, backend)])
         plan = cublaslt.Fp8Matmul(n, k, rows, torch.bfloat16, recipe, device="cuda")
         for algo in plan.candidates(count=4, splits=(2, 4)):
             dispatch.CUBLASLT_ALGOS[(recipe, n, k)] = [(1 << 62, algo.entry())]  # as a table names it
-            assert_close_to_float64(call(recipe, x.bfloat16()), ref_b if recipe == "block" else ref, rel=1e-2)
+            assert_close_to_float64(call(recipe, x.bfloat16()), ref_b if recipe == "block" else ref, rel=1e-2,
+                                    what=f"{recipe} on {algo}")
             if recipe == "tensor":
                 product = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k, unscaled=True)
                 assert_close_to_float64(fp8_gemm.scaled(product), ref, rel=1e-2)
@@ -755,6 +761,7 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
     assert {plan.scaling for plan, _ in plans} == {"outer", "tensor", "block"}
     assert all(algo is not None for _, algo in plans)  # each ran on its algorithm, none fell back
     dispatch.CUBLASLT_ALGOS[("tensor", n, k)] = [(1 << 62, {"id": 1 << 30})]  # no such algorithm: torch's call
+    monkeypatch.setitem(dispatch.TABLE, (n, k), [(1 << 62, "unit_scaled_mm")])
     assert torch.equal(fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k),
                        fp8_gemm.unit_scaled_mm_fp8_gemm(*fp8_gemm.quantize_rows(x.bfloat16(), k), w, w_scale,
                                                         torch.bfloat16))
