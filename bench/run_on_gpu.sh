@@ -3,7 +3,8 @@
 # `../shared/gpu/wheels.sh llguidance`: the scheduler needs llguidance >= 1.9, whose wheels are
 # manylinux_2_31, a tag wheels.sh does not ask for: `pip download --no-deps llguidance==1.9.1 -d .whl`),
 # build the stubs, then run the steps named as arguments:
-#   tests        pytest -m gpu (TESTS names files; PYTEST_FLAGS replaces the default -x)
+#   tests        pytest -m gpu (TESTS names files; PYTEST_FLAGS replaces the default -x; PYTEST_K is -k's expression,
+#                e.g. PYTEST_K="cublaslt or m_major": quotes inside PYTEST_FLAGS do not survive its word splitting)
 #   tests-par    the same, one pytest per test file, all at once (Triton compiles on many cores), each within 230 s; a test
 #                stuck for 150 s dumps its threads' stacks (faulthandler); the logs are tarred into $OUT
 #   kernels      bench/kernels.py
@@ -71,7 +72,8 @@ for step in "$@"; do
   step_args=$(for arg in $step_args; do [[ "$arg" == env:* ]] || printf '%s ' "$arg"; done)
   case "$step" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+      python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_FLAGS--x} ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-} 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -n 30
       summary+=("tests: $(tail -n 1 "$OUT/gpu_tests.log")") ;;
     tests-par)
       files=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${TESTS:-} 2>/dev/null \
