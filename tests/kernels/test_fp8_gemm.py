@@ -32,14 +32,17 @@ if KERNELS_RUN_HERE:
         tl.store(out_ptr + offs, fp8_gemm.e4m3_from_bytes(tl.load(b_ptr + offs)))
 
 
-def operands(m, n, k, group, *, seed, device="cpu", outliers=True):
+def operands(m, n, k, group, *, seed, device="cpu", outliers=True, x_dtype=None):
     """Activations with a few large channels (as real ones have) and a weight whose blocks differ in scale,
     both quantized as the engine quantizes them: x per token and `group` columns, W per row and group
-    (group = k: per token and per channel)."""
+    (group = k: per token and per channel). x_dtype: x rounded to the dtype the engine holds it in (bf16), so that
+    `a` quantizes what a GEMM called on x.to(x_dtype) quantizes; x comes back as float32 either way."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen)
     if outliers:
         x[:, torch.randperm(k, generator=gen)[:3]] *= 30
+    if x_dtype is not None:
+        x = x.to(x_dtype).float()
     w = torch.randn(n, k, generator=gen) * 2.0 ** torch.randint(-4, 4, (n, 1), generator=gen)
     a, a_scale = quantize_rows_ref(x, group)
     wq, w_scale = quantize_rows_ref(w, group)
@@ -390,9 +393,7 @@ def test_fp8_gemms_on_the_gpu_match_float64(m, n, k, group):
 def test_fast_accumulation_at_prefills_token_counts_matches_float64(monkeypatch, n, k):
     from kernels import fp8_gemm_dispatch as dispatch
 
-    x, _, _, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda")
-    x = x.bfloat16().float()  # what the engine quantizes: the references start from the same bf16 activations
-    a, a_scale = quantize_rows_ref(x, k)
+    x, a, a_scale, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda", x_dtype=torch.bfloat16)
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
     promoted = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
     assert_close_to_float64(promoted, ref, rel=5e-3)
@@ -717,9 +718,7 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
     n, k = 384, 1024
     monkeypatch.setattr(dispatch, "CUBLASLT_ALGOS", {})
     monkeypatch.setitem(dispatch.BLOCK_TABLE, (n, k), [(1 << 62, "block_scaled_mm")])
-    x, _, _, w, w_scale, _ = operands(m, n, k, k, seed=m, device="cuda")
-    x = x.bfloat16().float()  # what the engine quantizes: the references start from the same bf16 activations
-    a, a_scale = quantize_rows_ref(x, k)
+    x, a, a_scale, w, w_scale, _ = operands(m, n, k, k, seed=m, device="cuda", x_dtype=torch.bfloat16)
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
     wb, wb_rows = (t.cuda() for t in quantize_blocks_on_rows(w.float().cpu() * w_scale.cpu()))
     blocks = block_scales_of(wb_rows, 128, rows_sharing_scales(wb_rows))
