@@ -395,6 +395,7 @@ def test_fast_accumulation_at_prefills_token_counts_matches_float64(monkeypatch,
 
     x, a, a_scale, w, w_scale, _ = operands(1024, n, k, k, seed=n, device="cuda", x_dtype=torch.bfloat16)
     ref = fp8_gemm_ref(a, a_scale, w, w_scale, k)
+    monkeypatch.setattr(dispatch, "FAST_ACCUM_FROM", dispatch.ANY_M)
     promoted = fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k)
     assert_close_to_float64(promoted, ref, rel=5e-3)
     monkeypatch.setattr(dispatch, "FAST_ACCUM_FROM", 1024)
