@@ -44,8 +44,10 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
 
 
 def warm_up_prompts(prompt_len: int, chunk_tokens: int) -> list[list[int]]:
-    """A short request and a full prefill chunk of prompts, run before the timed run: the Triton kernels whose
-    configuration depends on the token count compile there, not inside the first timed run on a fresh machine. Token ids the workload's draws
+    """A short request and a full prefill chunk of prompts, run before the timed run, so that the Triton kernels whose
+    configuration depends on the token count compile there. It does not cover every step's mix of prefill and decode
+    rows: on a fresh machine the first run's prefill still measured 0.57 s slower than the next once (bench/RESULTS.md,
+    2026-12-05), so compare runs after a machine's first. Token ids the workload's draws
     (0-10,000) never make (and under the smallest vocabulary here, 16,384), so no prefix is cached for it."""
     prompt_len = max(1, min(prompt_len, chunk_tokens))
     return [list(range(1, 12))] + [[10_001 + (i * 7 + j) % 6_000 for j in range(prompt_len)]
