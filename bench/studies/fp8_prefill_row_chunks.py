@@ -40,7 +40,8 @@ def main() -> None:
     one = torch.ones((), dtype=torch.float32, device="cuda")
     chunks = [int(c) for c in args.chunks.split(",")]
     rows = []
-    print(f"{'product':>12} {'M':>6} {'recipe':>10} | us (TFLOP/s): whole, then chunks of " + ", ".join(map(str, chunks)))
+    print(f"{'product':>12} {'M':>6} {'recipe':>10} | us (TFLOP/s): whole, then chunks of "
+          + ", ".join(map(str, chunks)))
     for name, n, k in QWEN3_8B_GEMMS:
         w16 = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k**0.5
         wq, ws = quantize_rows_ref(w16, k)
