@@ -2,7 +2,8 @@
 
 Workload: Qwen3-0.6B architecture with random bf16 weights made in-process (no download), 256
 sequences, input lengths U[100, 1024] of random token ids, output lengths U[100, 1024], seed 0,
-temperature 0.6, ignore_eos, after a warm-up of a short request and a full prefill chunk (warm_up_prompts).
+temperature 0.6, ignore_eos, after a warm-up on the same draws from the next seed with outputs cut short
+(warm_up_workload).
 
     python bench/throughput.py [--num-seqs 256] [--model DIR] [--peer transformers] [engine flags]
     python bench/throughput.py --kv-cache-dtype fp8      # the fp8 KV cache (issue 13: >= 35,000 tok/s on the H200)
@@ -29,8 +30,9 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
     config = engine_config_from_args(args)
     engine_args = {k: v for k, v in vars(config).items() if k != "model"}
     with LLM(config.model, **engine_args) as llm:
-        llm.generate(warm_up_prompts(args.max_input_len, config.max_num_batched_tokens),
-                     SamplingParams(max_tokens=8), use_tqdm=False)
+        warm_prompts, warm_tokens = warm_up_workload(args)
+        llm.generate(warm_prompts, [SamplingParams(ignore_eos=True, max_tokens=m) for m in warm_tokens],
+                     use_tqdm=False)
         before = llm.stats()
         params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
         t0 = time.perf_counter()
@@ -43,15 +45,17 @@ def run_nanoserve(args, prompts, max_tokens) -> dict:
             "kv_cache_scales": config.kv_scales_method()}
 
 
-def warm_up_prompts(prompt_len: int, chunk_tokens: int) -> list[list[int]]:
-    """A short request and a full prefill chunk of prompts, run before the timed run, so that the Triton kernels whose
-    configuration depends on the token count compile there. It does not cover every step's mix of prefill and decode
-    rows: on a fresh machine the first run's prefill still measured 0.57 s slower than the next once (bench/RESULTS.md,
-    2026-12-05), so compare runs after a machine's first. Token ids the workload's draws
-    (0-10,000) never make (and under the smallest vocabulary here, 16,384), so no prefix is cached for it."""
-    prompt_len = max(1, min(prompt_len, chunk_tokens))
-    return [list(range(1, 12))] + [[10_001 + (i * 7 + j) % 6_000 for j in range(prompt_len)]
-                                   for i in range(max(1, chunk_tokens // prompt_len))]
+WARM_UP_OUTPUT = 32  # decode steps of the warm-up workload
+
+
+def warm_up_workload(args) -> tuple[list[list[int]], list[int]]:
+    """Run before the timed run: the same draws from another seed (no prompt shares a cached prefix with the timed
+    ones), each output cut at WARM_UP_OUTPUT tokens. Its steps mix prefill chunks with decode rows as the timed run's
+    first steps do, so the Triton kernels whose configuration depends on a step's token counts compile there. A
+    warm-up of one short request and one full prefill chunk had left some of that in the first timed run on a fresh
+    machine: its prefill measured 0.57 s slower than the next run's (bench/RESULTS.md, 2026-12-05)."""
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.workload_seed + 1)
+    return prompts, [min(m, WARM_UP_OUTPUT) for m in max_tokens]
 
 
 def offline_figures(out_tokens: int, elapsed: float, before, after) -> dict:
