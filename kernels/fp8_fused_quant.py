@@ -293,19 +293,18 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
         return QuantizedActivations(q, scale, x.dtype)
     chunk = min(num_tiles * tile, PER_TOKEN_CHUNK)
     num_chunks = triton.cdiv(inter, chunk)
+    amax = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)  # each chunk's max |y|
     if SILU_TOGETHER and not INTERPRET:
         from kernels.fp8_gemm import split_counters
 
         counters = split_counters(x.device)  # zeros, left at zero: a token's at its index, the tickets' last
         if num_rows <= counters.numel() - 2:
-            amax = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
             _silu_and_mul_rows_together_kernel[(num_rows * num_chunks,)](
                 x, q, scale, row_scale, col_scale, amax, counters, counters[-2:], inter, num_chunks,
                 num_rows * num_chunks, x.stride(0), HAS_SCALES=has_scales, CHUNK=chunk,
                 CHUNKS=triton.next_power_of_2(num_chunks), num_warps=_num_warps(chunk))
             return QuantizedActivations(q, scale, x.dtype)
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
-    amax = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
     _silu_and_mul_chunk_kernel[(num_rows, num_chunks)](
         x, h, amax, row_scale, col_scale, inter, num_chunks, x.stride(0),
         HAS_SCALES=has_scales, CHUNK=chunk, num_warps=_num_warps(chunk))
