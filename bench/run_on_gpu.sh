@@ -12,8 +12,8 @@
 #                flags); the winners go to $OUT/cublaslt_table.json, which NANOSERVE_FP8_GEMM_TABLE then names for a
 #                throughput step of the same call
 #   weightonly   bench/studies/fp8_weight_only.py (the weight-only FP8 GEMM of GPUs before sm_89 against bf16)
-#   silu         bench/studies/fp8_silu_per_token.py (SiLU-and-mul -> FP8 per token: the engine's pair, SILU_TOGETHER and
-#                one program a token, per M)
+#   silu         bench/studies/fp8_silu_per_token.py (SiLU-and-mul -> FP8 per token: the engine's pair and one program a
+#                token, per M; SILU_ARGS adds flags, e.g. --tokens 4096,16384)
 #   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
@@ -97,7 +97,7 @@ for step in "$@"; do
       python3 bench/studies/fp8_weight_only.py --out "$OUT/fp8_weight_only.json" 2>&1 \
         | tee "$OUT/fp8_weight_only.log" | tail -n 60 ;;
     silu)
-      python3 bench/studies/fp8_silu_per_token.py --out "$OUT/fp8_silu_per_token.json" 2>&1 \
+      python3 bench/studies/fp8_silu_per_token.py --out "$OUT/fp8_silu_per_token.json" ${SILU_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_silu_per_token.log" | tail -n 12 ;;
     cublaslt)
       python3 bench/studies/fp8_cublaslt_algos.py --out "$OUT/fp8_cublaslt_algos.json" \

@@ -18,7 +18,6 @@ torch reference is beside it.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -32,9 +31,6 @@ from kernels.triton_runtime import INTERPRET
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 MAX_ROW_TILE = 4096  # columns one SiLU-and-mul program holds at once for scales per group (a norm: its whole row)
 PER_TOKEN_CHUNK = 1024  # columns a SiLU-and-mul program takes with a scale per token (4 warps: 8 values a thread)
-# a scale per token in one kernel whose programs of a token wait for each other (_silu_and_mul_rows_together_kernel),
-# in place of the pair; off until measured on a GPU (the interpreter runs programs one at a time: never there)
-SILU_TOGETHER = os.environ.get("NANOSERVE_FP8_SILU_TOGETHER", "0") == "1"
 
 
 def can_quantize_in_groups(group: int, k: int) -> bool:
@@ -222,45 +218,6 @@ def _quantize_by_chunk_maxes_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, inter, nu
         tl.store(scale_ptr + row, scale)
 
 
-@triton.jit
-def _silu_and_mul_rows_together_kernel(
-    x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, amax_ptr, counters_ptr, tickets_ptr, inter, num_chunks,
-    num_programs, x_stride, HAS_SCALES: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-):
-    # a scale per token in one kernel: program (t, c) computes chunk c of token t, leaves its max |y| and counts
-    # itself in t's counter (release); it then waits until all of t's chunks have counted (acquire), and quantizes
-    # its own chunk, still in registers, by their max: no bf16 row is written and read back. Tickets taken in the
-    # order the programs start name their (t, c), so a waiting program's row-mates have started or are next to
-    # (they need only the slots that earlier tokens' programs free), as CUB's decoupled look-back orders its tiles.
-    # The last to leave a row zeroes its counter, the last program of all the two ticket counters (tickets handed
-    # out, programs finished).
-    ticket = tl.atomic_add(tickets_ptr, 1, sem="relaxed", scope="gpu")
-    row = (ticket // num_chunks).to(tl.int64)
-    chunk = ticket % num_chunks
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < inter
-    row_scale = tl.load(row_scale_ptr + row) if HAS_SCALES else 1.0
-    y = _silu_and_mul_tile(x_ptr, row * x_stride, inter, cols, mask, row_scale, col_scale_ptr, HAS_SCALES)
-    tl.store(amax_ptr + row * num_chunks + chunk, tl.max(tl.abs(y), axis=0))
-    tl.debug_barrier()
-    tl.atomic_add(counters_ptr + row, 1, sem="release", scope="gpu")
-    arrived = tl.atomic_add(counters_ptr + row, 0, sem="acquire", scope="gpu")
-    while arrived < num_chunks:
-        arrived = tl.atomic_add(counters_ptr + row, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()  # every thread's reads of the maxes after the count that saw them all
-    slots = tl.arange(0, CHUNKS)
-    amax = tl.load(amax_ptr + row * num_chunks + slots, mask=slots < num_chunks, other=0.0, cache_modifier=".cg")
-    scale = fp8_scale(tl.max(amax, axis=0), _MIN_SCALE)
-    tl.store(q_ptr + row * inter + cols, quantize_fp8(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
-    if chunk == 0:
-        tl.store(scale_ptr + row, scale)
-    if tl.atomic_add(counters_ptr + row, 1, sem="relaxed", scope="gpu") == 2 * num_chunks - 1:
-        tl.atomic_xchg(counters_ptr + row, 0)  # every row-mate has read the count: the next call's zero
-    if tl.atomic_add(tickets_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
-        tl.atomic_xchg(tickets_ptr, 0)
-        tl.atomic_xchg(tickets_ptr + 1, 0)
-
-
 def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
                        scales: tuple[torch.Tensor, torch.Tensor] | None = None, m_major: bool = False
                        ) -> QuantizedActivations:
@@ -273,8 +230,8 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
     Per group, one kernel: each program quantizes whole groups. Per token, two: a token's max needs its whole row,
     and one program a row would leave most SMs idle at decode's batch (and hold 12,288 columns in registers), so
     the first writes SiLU-and-mul in chunks with each chunk's max, the second quantizes each chunk by the max of
-    its token's chunks (the activations' second read hits L2). With SILU_TOGETHER (NANOSERVE_FP8_SILU_TOGETHER=1, on
-    a GPU) one kernel whose programs of a token wait for each other runs instead; off until measured."""
+    its token's chunks (the activations' second read hits L2). One kernel whose programs of a token wait for each
+    other's maxes was 1.7-2x slower than the pair at decode's M on the H200 (bench/studies/fp8_silu_per_token.py)."""
     num_rows, inter = x.shape[0], x.shape[1] // 2
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -294,16 +251,6 @@ def silu_and_mul_quant(x: torch.Tensor, group: int, max_cols: int | None = None,
     chunk = min(num_tiles * tile, PER_TOKEN_CHUNK)
     num_chunks = triton.cdiv(inter, chunk)
     amax = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)  # each chunk's max |y|
-    if SILU_TOGETHER and not INTERPRET:
-        from kernels.fp8_gemm import split_counters
-
-        counters = split_counters(x.device)  # zeros, left at zero: a token's at its index, the tickets' last
-        if num_rows <= counters.numel() - 2:
-            _silu_and_mul_rows_together_kernel[(num_rows * num_chunks,)](
-                x, q, scale, row_scale, col_scale, amax, counters, counters[-2:], inter, num_chunks,
-                num_rows * num_chunks, x.stride(0), HAS_SCALES=has_scales, CHUNK=chunk,
-                CHUNKS=triton.next_power_of_2(num_chunks), num_warps=_num_warps(chunk))
-            return QuantizedActivations(q, scale, x.dtype)
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     _silu_and_mul_chunk_kernel[(num_rows, num_chunks)](
         x, h, amax, row_scale, col_scale, inter, num_chunks, x.stride(0),

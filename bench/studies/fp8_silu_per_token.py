@@ -4,13 +4,13 @@ A study, not the engine.
 A token's scale is the max over its whole row (12,288 columns on the Qwen3-8B shape), so the engine
 (kernels/fp8_fused_quant.silu_and_mul_quant) runs two kernels: programs of PER_TOKEN_CHUNK columns write SiLU-and-mul
 in bf16 with each chunk's max, then programs of the same chunks quantize by the max of their token's chunks. The
-alternatives timed here: one kernel, a program a token (`one_kernel` below): the row computed chunk by chunk twice,
-first for its max, then quantized (its second read hits L2), or held in registers at once (CHUNK >= the row); and the
-engine's SILU_TOGETHER kernel, whose programs of a token (one a chunk) wait for each other's maxes and quantize their
-own chunk from registers. Neither writes anything but the FP8 row. Timed per M (graph-replayed,
-triton.testing.do_bench_cudagraph, us): the plain bf16 SiLU-and-mul, the engine's pair at chunks of 512-4,096
-columns, SILU_TOGETHER, and the one kernel a token at chunks of 2,048-16,384; the rows' bytes and scales are checked
-equal to the engine's.
+alternative timed here: one kernel, a program a token (`one_kernel` below): the row computed chunk by chunk twice,
+first for its max, then quantized (its second read hits L2), or held in registers at once (CHUNK >= the row),
+writing nothing but the FP8 row. (A third, one kernel whose programs of a token wait for each other's maxes, was
+1.7-2x slower than the pair at decode's M on the H200: bench/RESULTS.md, 2026-12-05, d1de785.) Timed per M
+(graph-replayed, triton.testing.do_bench_cudagraph, us): the plain bf16 SiLU-and-mul, the engine's pair at chunks of
+512-4,096 columns, and the one kernel a token at chunks of 2,048-16,384; the rows' bytes and scales are checked equal
+to the engine's.
 
     python bench/studies/fp8_silu_per_token.py --out fp8_silu_per_token.json
 """
@@ -81,11 +81,10 @@ def main() -> None:
     from kernels import fp8_fused_quant as fq
     from kernels import fused_ops as fo
 
-    engine_chunk, engine_together = fq.PER_TOKEN_CHUNK, fq.SILU_TOGETHER
+    engine_chunk = fq.PER_TOKEN_CHUNK
     rows = []
     print(f"SiLU-and-mul -> FP8 per token, intermediate {INTER}, us: plain bf16 | the engine's two kernels at "
-          "chunks of 512 / 1,024 / 2,048 / 4,096 | one kernel whose programs of a token wait for each other "
-          "(SILU_TOGETHER) | one kernel a token at chunks of 2,048 / 4,096 / 16,384")
+          "chunks of 512 / 1,024 / 2,048 / 4,096 | one kernel a token at chunks of 2,048 / 4,096 / 16,384")
     for m in map(int, args.tokens.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(m)
         x = torch.randn(m, 2 * INTER, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -94,32 +93,23 @@ def main() -> None:
         scales = (row_scale, col_scale)
 
         def engine(chunk):
-            fq.PER_TOKEN_CHUNK, fq.SILU_TOGETHER = chunk, False
+            fq.PER_TOKEN_CHUNK = chunk
             try:
                 return fq.silu_and_mul_quant(x, INTER, scales=scales)
             finally:
-                fq.PER_TOKEN_CHUNK, fq.SILU_TOGETHER = engine_chunk, engine_together
+                fq.PER_TOKEN_CHUNK = engine_chunk
 
         ref = engine(engine_chunk)
         cases = {"plain": lambda: fo.silu_and_mul(x)}
         for chunk in (512, 1024, 2048, 4096):
             cases[f"two_kernels_{chunk}"] = lambda c=chunk: engine(c)
-        def together():
-            fq.SILU_TOGETHER = True
-            try:
-                return fq.silu_and_mul_quant(x, INTER, scales=scales)
-            finally:
-                fq.SILU_TOGETHER = engine_together
-
-        both = together()
-        assert torch.equal(both.q.view(torch.uint8), ref.q.view(torch.uint8)) and torch.equal(both.scale, ref.scale)
-        cases["together"] = together
         for chunk in (2048, 4096, 16384):
             q, s = one_kernel(x, row_scale, col_scale, chunk)
             assert torch.equal(q.view(torch.uint8), ref.q.view(torch.uint8)) and torch.equal(s, ref.scale), chunk
             cases[f"one_kernel_{chunk}"] = lambda c=chunk: one_kernel(x, row_scale, col_scale, c)
         row = {"m": m, "us": {}}
         for name, fn in cases.items():
+            print(f"M = {m}: {name}", file=sys.stderr, flush=True)  # which case, should one fail
             fn()
             with torch.cuda.stream(torch.cuda.Stream()):
                 row["us"][name] = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3

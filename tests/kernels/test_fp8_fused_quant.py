@@ -505,41 +505,6 @@ def test_gpu_fused_producers_write_the_unfused_chains_fp8_and_match_float64(num_
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 133, 5000])
-def test_gpu_silu_and_mul_in_one_kernel_of_waiting_programs_writes_the_pairs_bytes(monkeypatch, num_tokens):
-    """SILU_TOGETHER: the programs of a token wait for each other's maxes and quantize their own chunk; the same
-    bytes and scales as the pair of kernels, from fresh inputs replayed through a CUDA graph (its counters left at
-    zero by every call, or the second replay would not finish or would differ)."""
-    inter = 12288
-    gate_up = torch.empty(num_tokens, 2 * inter, dtype=torch.bfloat16, device="cuda")
-    row_scale = torch.rand(num_tokens, 1, device="cuda") + 0.5
-    col_scale = torch.rand(2 * inter, 1, device="cuda") + 0.5
-
-    def both():
-        monkeypatch.setattr(fq, "SILU_TOGETHER", False)
-        pair = fq.silu_and_mul_quant(gate_up, inter, scales=(row_scale, col_scale))
-        monkeypatch.setattr(fq, "SILU_TOGETHER", True)
-        return pair, fq.silu_and_mul_quant(gate_up, inter, scales=(row_scale, col_scale))
-
-    gate_up.copy_(activations(num_tokens, 2 * inter, seed=num_tokens, dtype=torch.bfloat16, device="cuda"))
-    both()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pair, together = both()
-    for seed in (1, 2):
-        gate_up.copy_(activations(num_tokens, 2 * inter, seed=seed, dtype=torch.bfloat16, device="cuda"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(together.scale, pair.scale)
-        assert torch.equal(together.q.view(torch.uint8), pair.q.view(torch.uint8))
-    from kernels.fp8_gemm import split_counters
-
-    assert not split_counters(gate_up.device).any()
-
-
-@needs_cuda
-@pytest.mark.gpu
 @pytest.mark.parametrize("group", [128, 4096])
 def test_gpu_fused_producers_replayed_from_a_cuda_graph_follow_new_inputs(group):
     dtype, hidden, inter = torch.bfloat16, 4096, 1536
