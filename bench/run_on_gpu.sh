@@ -83,7 +83,8 @@ for step in "$@"; do
         | grep '::' | cut -d: -f1 | sort -u)
       mkdir -p "$LOGS/tests"
       for f in $files; do
-        timeout "${PAR_TIMEOUT:-230}" python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=150 --durations=5 "$f" \
+        timeout "${PAR_TIMEOUT:-230}" python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=150 \
+          --durations=5 "$f" \
           > "$LOGS/tests/$(basename "$f" .py).log" 2>&1 &
       done
       wait
