@@ -15,6 +15,8 @@
 #   weightonly   bench/studies/fp8_weight_only.py (the weight-only FP8 GEMM of GPUs before sm_89 against bf16)
 #   silu         bench/studies/fp8_silu_per_token.py (SiLU-and-mul -> FP8 per token: the engine's pair and one program a
 #                token, per M; SILU_ARGS adds flags, e.g. --tokens 4096,16384)
+#   merge        bench/studies/fp8_merge_output.py (a split decode step's merge writing o_proj's FP8 input per token:
+#                counted, a program a token, or quantize_rows after it)
 #   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)
@@ -92,6 +94,9 @@ for step in "$@"; do
       grep -h -E "^(FAILED|ERROR)|Timeout" "$LOGS"/tests/*.log | head -n 40
       tar czf "$OUT/gpu_tests.tgz" -C "$LOGS" tests
       summary+=("tests-par: $(cat "$LOGS"/tests/*.log | grep -c -E '^(FAILED|ERROR)') failed or errored") ;;
+    merge)
+      python3 bench/studies/fp8_merge_output.py --out "$OUT/fp8_merge_output.json" 2>&1 \
+        | tee "$OUT/fp8_merge_output.log" | tail -n 12 ;;
     variants)
       python3 bench/studies/fp8_decode_variants.py --out "$OUT/fp8_decode_variants.json" ${VARIANTS_ARGS:-} 2>&1 \
         | tee "$OUT/fp8_decode_variants.log" | tail -n 24 ;;

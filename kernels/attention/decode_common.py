@@ -5,6 +5,7 @@ programs that write a token's heads quantize them as kernels/fp8_gemm.quantize_r
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,10 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 # quantizes the token's row; a scale per head (a 1 x head_dim group: block weights of 128 columns, D = 128)
 FP8_OUT_NONE, FP8_OUT_PER_TOKEN, FP8_OUT_PER_HEAD = 0, 1, 2
 _ROW_CHUNK = tl.constexpr(1024)  # columns the last program quantizes at a time
+# a split step's merge with a scale per token: one program a token (all its heads' splits in registers, then its
+# row quantized from them) up to this many splits (a power of two); past it, a program a head and the last
+# program of a token quantizes its row (fp8_output). NANOSERVE_FP8_ROW_MERGE_MAX_SPLITS=0 keeps that one always.
+ROW_MERGE_MAX_SPLITS = int(os.environ.get("NANOSERVE_FP8_ROW_MERGE_MAX_SPLITS", "4"))
 
 
 class Fp8Output(NamedTuple):
@@ -94,33 +99,48 @@ def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, o_ptr, stride_ot, stride_oh, num_splits,
     q_out_ptr, q_scale_ptr, part_amax_ptr, counters_ptr, stride_qs, stride_qg,
     NUM_Q_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8_OUT: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr,
+    FP8_OUT: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, HEADS: tl.constexpr,
 ):
-    """Merge the splits' partial softmaxes: rescale each to the global max, then normalise (and with FP8_OUT,
-    quantize the output for an FP8 o_proj: fp8_output, a program a head)."""
-    head = tl.program_id(0)
+    """Merge the splits' partial softmaxes of HEADS heads of one token: rescale each to the global max, then
+    normalise. The splits are added in their order (unrolled, so that their loads all issue at once), so any HEADS
+    gives the same bits. With FP8_OUT, quantize the output for an FP8 o_proj: per head, or per token, either from
+    registers where a program holds the token's every head (HEADS >= NUM_Q_HEADS) or by fp8_output's count."""
+    first_head = tl.program_id(0) * HEADS
     seq = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    heads = first_head + tl.arange(0, HEADS)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    part = (seq * NUM_Q_HEADS + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :],
-                  mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
-    m_max = tl.max(m, 0)
+    h_mask = heads < NUM_Q_HEADS
+    mask = h_mask[:, None] & (offs_d < D)[None, :]
+    first = (seq * NUM_Q_HEADS + heads) * num_splits  # each head's first split
+    m_max = tl.full([HEADS], float("-inf"), tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + first + s, mask=h_mask & (s < num_splits),
+                                          other=float("-inf")))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: keep exp2 finite
-    w = tl.math.exp2(m - m_max)
-    l_sum = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
-             mask=offs_d < D)
-    if FP8_OUT != 0:
-        row = seq.to(tl.int64)
-        y = out.to(o_ptr.dtype.element_ty).to(tl.float32)[None, :]
-        fp8_output(y, (offs_d < D)[None, :], o_ptr + row * stride_ot, q_out_ptr + row * (NUM_Q_HEADS * D),
+    l_sum = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_D], tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        valid = h_mask & (s < num_splits)
+        w = tl.math.exp2(tl.load(part_m_ptr + first + s, mask=valid, other=float("-inf")) - m_max)
+        l_sum += w * tl.load(part_l_ptr + first + s, mask=valid, other=0.0)
+        part = tl.load(part_acc_ptr + (first + s)[:, None] * D + offs_d[None, :], mask=valid[:, None] & mask,
+                       other=0.0)
+        acc += w[:, None] * part
+    y = (acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]).to(o_ptr.dtype.element_ty)
+    row = seq.to(tl.int64)
+    tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
+    y = y.to(tl.float32)
+    if FP8_OUT == 1 and HEADS >= NUM_Q_HEADS:  # the token's whole row is here: its scale from registers
+        y = tl.where(mask, y, 0.0)
+        scale = fp8_scale(tl.max(tl.max(tl.abs(y), axis=1), axis=0), _MIN_SCALE)
+        tl.store(q_out_ptr + row * (NUM_Q_HEADS * D) + heads[:, None] * D + offs_d[None, :],
+                 quantize_fp8(y, scale).to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_scale_ptr + row * stride_qs, scale)
+    elif FP8_OUT != 0:
+        fp8_output(y, mask, o_ptr + row * stride_ot, q_out_ptr + row * (NUM_Q_HEADS * D),
                    q_scale_ptr + row * stride_qs, stride_qg, part_amax_ptr + row * NUM_Q_HEADS, counters_ptr + row,
-                   head, head, FP8_OUT, NUM_Q_HEADS, BLOCK_Q_HEADS, 1, D, BLOCK_D, NUM_Q_HEADS * D)
+                   tl.program_id(0), first_head, FP8_OUT, (NUM_Q_HEADS + HEADS - 1) // HEADS, BLOCK_Q_HEADS, HEADS,
+                   D, BLOCK_D, NUM_Q_HEADS * D)
 
 
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,11 +170,14 @@ def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out:
     FP8 copy of it)."""
     num_seqs, num_q_heads, head_dim = out.shape
     part_acc, part_m, part_l = partials
+    block_s, block_q_heads = triton.next_power_of_2(num_splits), triton.next_power_of_2(num_q_heads)
     *fp8_args, fp8_mode = fp8_output_args(fp8_out, out)
-    _merge_splits_kernel[(num_q_heads, num_seqs)](
+    # a scale per token over few splits: a program a token, its row quantized from registers; else a program a head
+    heads = block_q_heads if fp8_mode == FP8_OUT_PER_TOKEN and block_s <= ROW_MERGE_MAX_SPLITS else 1
+    _merge_splits_kernel[(triton.cdiv(num_q_heads, heads), num_seqs)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits, *fp8_args,
-        NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-        FP8_OUT=fp8_mode, BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads), num_warps=4,
+        NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, FP8_OUT=fp8_mode,
+        BLOCK_Q_HEADS=block_q_heads, HEADS=heads, num_warps=4 if heads == 1 else 8,
     )
 
 

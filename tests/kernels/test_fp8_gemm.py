@@ -764,7 +764,7 @@ def test_products_on_a_named_cublaslt_algorithm_match_float64(monkeypatch, m):
     monkeypatch.setitem(dispatch.TABLE, (n, k), [(1 << 62, "unit_scaled_mm")])
     assert torch.equal(fp8_gemm.fp8_linear(x.bfloat16(), w, w_scale, k),
                        fp8_gemm.unit_scaled_mm_fp8_gemm(*fp8_gemm.quantize_rows(x.bfloat16(), k), w, w_scale,
-                                                        torch.bfloat16))
+                                                        torch.bfloat16, fast_accum=dispatch.fast_accumulation(m)))
 
 
 def test_a_table_naming_an_unknown_backend_is_refused(monkeypatch):

@@ -97,8 +97,10 @@ def test_the_decode_kernels_fp8_output_compiles_for_sm90(fp8_out):
                          SPLIT=False, HAS_ORDER=True, UPCAST=False, DOT_PRECISION="tf32", KV_FORMAT=0,
                          FP16_DOTS=False, FP8_OUT=fp8_out, BLOCK_KV_HEADS=8),
                     floats=("qk_scale",), num_stages=2)
-    assert_compiles(decode_common._merge_splits_kernel, pointers,
-                    dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=8, FP8_OUT=fp8_out, BLOCK_Q_HEADS=32))
+    for heads, block_s, warps in ((1, 8, 4), (32, 4, 8)):  # a program a head; a token's every head
+        assert_compiles(decode_common._merge_splits_kernel, pointers,
+                        dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=block_s, FP8_OUT=fp8_out, BLOCK_Q_HEADS=32,
+                             HEADS=heads), num_warps=warps)
 
 
 def test_the_narrowest_k_group_the_loader_lets_a_gpu_gemm_take_compiles_for_sm90_and_a_narrower_does_not():

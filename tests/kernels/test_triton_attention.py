@@ -159,14 +159,18 @@ def assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_spl
 
 
 @interpreter
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits, row_merge", [(1, 4), (3, 4), (3, 0), (5, 4)])
 @pytest.mark.parametrize("per", ["token", "head", "head, M-major"])
-def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(num_splits, per):
-    """Per token (channel weights: the last of a token's programs quantizes its row) or per head (block weights whose
-    groups are head_dim wide; M-major for the block recipe), unsplit (a token's H_kv programs) and split (its H_q
-    merge programs); ragged contexts, one of them empty (a padded graph row), bf16 as the engine runs it, and, per
-    token, every program counted back to zero (the counters are shared with the split-K GEMMs)."""
+def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monkeypatch, num_splits, row_merge, per):
+    """Per token (channel weights: the last of a token's programs quantizes its row, or, split into at most
+    ROW_MERGE_MAX_SPLITS, one merge program a token) or per head (block weights whose groups are head_dim wide;
+    M-major for the block recipe), unsplit (a token's H_kv programs) and split (its H_q merge programs); ragged
+    contexts, one of them empty (a padded graph row), bf16 as the engine runs it, and, per token, every program
+    counted back to zero (the counters are shared with the split-K GEMMs)."""
+    from kernels.attention import decode_common
     from kernels.fp8_gemm import split_counters
+
+    monkeypatch.setattr(decode_common, "ROW_MERGE_MAX_SPLITS", row_merge)
 
     seqlens_k, hq, hkv, d, bs = [9, 1, 30, 17], 4, 2, 16, 4
     q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=hq, num_kv_heads=hkv,
