@@ -16,7 +16,7 @@
 #   silu         bench/studies/fp8_silu_per_token.py (SiLU-and-mul -> FP8 per token: the engine's pair and one program a
 #                token, per M; SILU_ARGS adds flags, e.g. --tokens 4096,16384)
 #   merge        bench/studies/fp8_merge_output.py (a split decode step's merge writing o_proj's FP8 input per token:
-#                counted, a program a token, or quantize_rows after it)
+#                a program a token, or quantize_rows after the plain merge)
 #   variants     bench/studies/fp8_decode_variants.py (decode kernel shapes over an fp8 pool; VARIANTS_ARGS adds flags)
 #   throughput   bench/throughput.py (256 seqs; THROUGHPUT_ARGS adds flags; repeat it for several runs;
 #                throughput@--kv-cache-dtype=fp8@--model-shape=qwen3-8b adds that run's own flags)

@@ -22,9 +22,10 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 # quantizes the token's row; a scale per head (a 1 x head_dim group: block weights of 128 columns, D = 128)
 FP8_OUT_NONE, FP8_OUT_PER_TOKEN, FP8_OUT_PER_HEAD = 0, 1, 2
 _ROW_CHUNK = tl.constexpr(1024)  # columns the last program quantizes at a time
-# a split step's merge with a scale per token: one program a token (all its heads' splits in registers, then its
-# row quantized from them) up to this many splits (a power of two); past it, a program a head and the last
-# program of a token quantizes its row (fp8_output). NANOSERVE_FP8_ROW_MERGE_MAX_SPLITS=0 keeps that one always.
+# a split step's merge writes o_proj's FP8 input with a scale per token up to this many splits (a power of two): one
+# program a token, its heads' splits in registers, its row quantized from them. Past it (a token's splits would not
+# fit the registers) the merge writes bf16 only and kernels/fp8_gemm.quantize_rows quantizes it, which was faster
+# than a program a head whose last counts and re-reads the row (bench/studies/fp8_merge_output.py).
 ROW_MERGE_MAX_SPLITS = int(os.environ.get("NANOSERVE_FP8_ROW_MERGE_MAX_SPLITS", "4"))
 
 
@@ -103,8 +104,8 @@ def _merge_splits_kernel(
 ):
     """Merge the splits' partial softmaxes of HEADS heads of one token: rescale each to the global max, then
     normalise. The splits are added in their order (unrolled, so that their loads all issue at once), so any HEADS
-    gives the same bits. With FP8_OUT, quantize the output for an FP8 o_proj: per head, or per token, either from
-    registers where a program holds the token's every head (HEADS >= NUM_Q_HEADS) or by fp8_output's count."""
+    gives the same bits. With FP8_OUT, quantize the output for an FP8 o_proj: per head (fp8_output), or per token
+    from registers, where a program holds the token's every head (HEADS >= NUM_Q_HEADS)."""
     first_head = tl.program_id(0) * HEADS
     seq = tl.program_id(1)
     heads = first_head + tl.arange(0, HEADS)
@@ -130,17 +131,17 @@ def _merge_splits_kernel(
     row = seq.to(tl.int64)
     tl.store(o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
     y = y.to(tl.float32)
-    if FP8_OUT == 1 and HEADS >= NUM_Q_HEADS:  # the token's whole row is here: its scale from registers
+    if FP8_OUT == 1:  # the token's whole row is here (HEADS >= NUM_Q_HEADS): its scale from registers
         y = tl.where(mask, y, 0.0)
         scale = fp8_scale(tl.max(tl.max(tl.abs(y), axis=1), axis=0), _MIN_SCALE)
         tl.store(q_out_ptr + row * (NUM_Q_HEADS * D) + heads[:, None] * D + offs_d[None, :],
                  quantize_fp8(y, scale).to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(q_scale_ptr + row * stride_qs, scale)
-    elif FP8_OUT != 0:
+    elif FP8_OUT == 2:
         fp8_output(y, mask, o_ptr + row * stride_ot, q_out_ptr + row * (NUM_Q_HEADS * D),
-                   q_scale_ptr + row * stride_qs, stride_qg, part_amax_ptr + row * NUM_Q_HEADS, counters_ptr + row,
-                   tl.program_id(0), first_head, FP8_OUT, (NUM_Q_HEADS + HEADS - 1) // HEADS, BLOCK_Q_HEADS, HEADS,
-                   D, BLOCK_D, NUM_Q_HEADS * D)
+                   q_scale_ptr + row * stride_qs, stride_qg, part_amax_ptr, counters_ptr, tl.program_id(0),
+                   first_head, FP8_OUT, (NUM_Q_HEADS + HEADS - 1) // HEADS, BLOCK_Q_HEADS, HEADS, D, BLOCK_D,
+                   NUM_Q_HEADS * D)
 
 
 def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,13 +173,20 @@ def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out:
     part_acc, part_m, part_l = partials
     block_s, block_q_heads = triton.next_power_of_2(num_splits), triton.next_power_of_2(num_q_heads)
     *fp8_args, fp8_mode = fp8_output_args(fp8_out, out)
-    # a scale per token over few splits: a program a token, its row quantized from registers; else a program a head
-    heads = block_q_heads if fp8_mode == FP8_OUT_PER_TOKEN and block_s <= ROW_MERGE_MAX_SPLITS else 1
+    assert fp8_mode != FP8_OUT_PER_TOKEN or block_s <= ROW_MERGE_MAX_SPLITS, "merge_writes_fp8 says where it may"
+    heads = block_q_heads if fp8_mode == FP8_OUT_PER_TOKEN else 1  # a scale per token: a program a token
     _merge_splits_kernel[(triton.cdiv(num_q_heads, heads), num_seqs)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits, *fp8_args,
         NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, FP8_OUT=fp8_mode,
         BLOCK_Q_HEADS=block_q_heads, HEADS=heads, num_warps=4 if heads == 1 else 8,
     )
+
+
+def merge_writes_fp8(num_splits: int, num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
+    """Whether a step split num_splits ways has its merge write o_proj's FP8 input (a scale per head always; per
+    token up to ROW_MERGE_MAX_SPLITS), rather than leave it to quantize_rows."""
+    per_token = fp8_group >= num_q_heads * head_dim
+    return not per_token or triton.next_power_of_2(num_splits) <= ROW_MERGE_MAX_SPLITS
 
 
 def fp8_output_supported(num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
@@ -198,8 +206,8 @@ def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8
                       m_major: bool = False) -> Fp8Decode:
     """The FP8 output's buffers for out [T, H_q, D]: values [T, H_q * D] and scales (kernels/fp8_quant.empty_quantized,
     rows rounded up as o_proj's padded GEMMs read them; m_major: laid out for the block recipe); with a scale per
-    token, the parts that write a token's heads (its H_kv programs, or its H_q merge programs after a split) count in
-    the device's zeroed counters."""
+    token and one split, the programs that write a token's heads (its H_kv programs) count in the device's zeroed
+    counters (split, a merge program holds the token's row)."""
     from kernels.fp8_gemm import split_counters
 
     num_seqs, num_q_heads, head_dim = out.shape
@@ -209,10 +217,10 @@ def fp8_decode_output(out: torch.Tensor, num_kv_heads: int, num_splits: int, fp8
                          f"not per {fp8_group}")
     per_token = fp8_group >= num_q_heads * head_dim
     q, scale = empty_quantized(num_seqs, num_q_heads * head_dim, 1 if per_token else num_q_heads, out.device, m_major)
-    parts = num_kv_heads if num_splits == 1 else num_q_heads
-    part_amax = torch.empty(num_seqs, parts, dtype=torch.float32, device=out.device) if per_token else scale
+    counted = per_token and num_splits == 1
+    part_amax = torch.empty(num_seqs, num_kv_heads, dtype=torch.float32, device=out.device) if counted else scale
     counters = split_counters(out.device)
-    if per_token and num_seqs > counters.numel():
+    if counted and num_seqs > counters.numel():
         raise ValueError(f"FP8 decode output for {num_seqs} sequences: {counters.numel()} counters")
     mode = FP8_OUT_PER_TOKEN if per_token else FP8_OUT_PER_HEAD
     return Fp8Decode(Fp8Output(q, scale, mode, part_amax, counters), QuantizedActivations(q, scale, out.dtype))

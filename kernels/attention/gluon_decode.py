@@ -32,7 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from kernels.attention.decode_common import INT8_TO_FP16_PTX, LOG2E, fp8_decode_output, merge_splits, split_partials
+from kernels.attention.decode_common import (INT8_TO_FP16_PTX, LOG2E, fp8_decode_output, merge_splits,
+                                             merge_writes_fp8, split_partials)
 from kernels.attention.triton_kv_store import kv_scale_args
 from kernels.fp8_quant import QuantizedActivations
 from kernels.kv_quant import is_quantized
@@ -243,7 +244,8 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Attention of one query token per sequence over its paged context in an fp8 or int8 pool, dequantized by
     kv_scales, where gluon_decode_fits; num_splits only changes speed (None: gluon_num_splits). fp8_group: also the
     output in FP8 for an FP8 o_proj (decode_common.fp8_output), written by the split merge (fp8_m_major: its scales
-    laid out for the block recipe): returns (out, that), that None when the context is not split."""
+    laid out for the block recipe): returns (out, that), that None when the context is not split, or split into more
+    than the merge writes FP8 from (decode_common.merge_writes_fp8)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -254,8 +256,8 @@ def gluon_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits is None:
         num_splits = gluon_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device))
-    fp8 = (fp8_decode_output(out, num_kv_heads, num_splits, fp8_group, fp8_m_major) if fp8_group and num_splits > 1
-           else None)
+    fp8 = (fp8_decode_output(out, num_kv_heads, num_splits, fp8_group, fp8_m_major)
+           if fp8_group and num_splits > 1 and merge_writes_fp8(num_splits, num_q_heads, head_dim, fp8_group) else None)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
     order = meta.decode_order

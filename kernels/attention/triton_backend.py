@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels import fused_ops
 from kernels.attention.base import AttentionCapabilities, AttentionMetadata
 from kernels.attention.decode_common import (INT8_TO_FP16_PTX, LOG2E, fp8_decode_output, fp8_output, fp8_output_args,
-                                             fp8_output_supported, merge_splits, split_partials)
+                                             fp8_output_supported, merge_splits, merge_writes_fp8, split_partials)
 from kernels.attention.names import TRITON
 from kernels.attention.triton_tuning import (DecodeConfig, PrefillConfig, decode_config, decode_num_splits,
                                               prefill_config)
@@ -376,7 +376,8 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """paged_decode_attention by the split-K Triton kernel: any head size, block size and pool; config
     overrides the tiles. fp8_group (fp8_output_supported): also the output in FP8 for an FP8 o_proj, a scale per
     token and `fp8_group` columns, as kernels/fp8_gemm.quantize_rows would make it (fp8_m_major: its scales laid out
-    for the block recipe): returns (out, that)."""
+    for the block recipe): returns (out, that), that None where a split step's merge leaves it to quantize_rows
+    (decode_common.merge_writes_fp8)."""
     num_seqs = meta.num_seqs
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -393,7 +394,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = config or decode_config(block_d, q.dtype, kv_format)
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, meta.max_seqlen_k, num_sms(q.device), cfg.block_n)
-    if fp8_group is not None:
+    if fp8_group is not None and (num_splits == 1 or merge_writes_fp8(num_splits, num_q_heads, head_dim, fp8_group)):
         fp8_out = fp8_decode_output(out, num_kv_heads, num_splits, fp8_group, fp8_m_major)
     partials = split_partials(out, num_splits)
     part_acc, part_m, part_l = partials
@@ -413,7 +414,7 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     if num_splits > 1:
         merge_splits(partials, out, num_splits, block_d, fp8_out and fp8_out.output)
-    return out if fp8_out is None else (out, fp8_out.quantized)
+    return out if fp8_group is None else (out, fp8_out and fp8_out.quantized)
 
 
 class TritonAttentionBackend:
@@ -436,9 +437,9 @@ class TritonAttentionBackend:
     def decode_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_scales: KVScales | None, fp8_group: int,
                    m_major: bool = False) -> QuantizedActivations | None:
-        """Fp8DecodeOutput: a decode step, its output in FP8 for an FP8 o_proj, written by the decode kernels (the
-        Gluon kernel's through its split merge; unsplit, quantize_rows quantizes its output); None where the groups
-        are neither a token's nor a head's."""
+        """Fp8DecodeOutput: a decode step, its output in FP8 for an FP8 o_proj, written by the decode kernels or
+        their split merge, else (the Gluon kernel unsplit, a merge of many splits) quantized by quantize_rows; None
+        where the groups are neither a token's nor a head's."""
         if not meta.is_decode or not fp8_output_supported(q.shape[1], q.shape[2], fp8_group):
             return None
         if meta.num_seqs and gluon_decode is not None and gluon_decode.gluon_decode_fits(q, k_cache):

@@ -97,9 +97,10 @@ def test_the_decode_kernels_fp8_output_compiles_for_sm90(fp8_out):
                          SPLIT=False, HAS_ORDER=True, UPCAST=False, DOT_PRECISION="tf32", KV_FORMAT=0,
                          FP16_DOTS=False, FP8_OUT=fp8_out, BLOCK_KV_HEADS=8),
                     floats=("qk_scale",), num_stages=2)
-    for heads, block_s, warps in ((1, 8, 4), (32, 4, 8)):  # a program a head; a token's every head
+    heads, block_s, warps = (32, 4, 8) if fp8_out == 1 else (1, 32, 4)  # a program a token; a program a head
+    for mode in (0, fp8_out):
         assert_compiles(decode_common._merge_splits_kernel, pointers,
-                        dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=block_s, FP8_OUT=fp8_out, BLOCK_Q_HEADS=32,
+                        dict(NUM_Q_HEADS=32, D=128, BLOCK_D=128, BLOCK_S=block_s, FP8_OUT=mode, BLOCK_Q_HEADS=32,
                              HEADS=heads), num_warps=warps)
 
 

@@ -141,7 +141,9 @@ def test_decode_row_with_empty_context_gives_zeros_not_nan(num_splits):
 
 def assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, fp8_group, m_major=False):
     """The decode kernels' FP8 output for an FP8 o_proj: the bytes and scales kernels/fp8_gemm.quantize_rows makes
-    of the plain output, which they return beside it unchanged; m_major: the scales laid out for the block recipe."""
+    of the plain output, which they return beside it unchanged; m_major: the scales laid out for the block recipe.
+    None where a split step's merge leaves a scale per token to quantize_rows (merge_writes_fp8); False then."""
+    from kernels.attention.decode_common import merge_writes_fp8
     from kernels.fp8_gemm import quantize_rows
     from kernels.fp8_quant import block_recipe_rows
 
@@ -150,23 +152,28 @@ def assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_spl
     out, fp8 = ta.triton_decode_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits,
                                           fp8_group=fp8_group, fp8_m_major=m_major)
     assert torch.equal(out, plain)
+    splits = num_splits or 1
+    if fp8 is None:
+        assert splits > 1 and not merge_writes_fp8(splits, q.shape[1], q.shape[2], fp8_group)
+        return False
     want_q, want_scale = quantize_rows(plain.reshape(plain.shape[0], -1), fp8_group)
     assert fp8.q.shape == want_q.shape and fp8.scale.shape == want_scale.shape and fp8.dtype == q.dtype
     if m_major:
         assert fp8.scale.stride() == (1, block_recipe_rows(q.shape[0]))
     assert torch.equal(fp8.scale, want_scale)
     assert torch.equal(fp8.q.view(torch.uint8), want_q.view(torch.uint8))
+    return True
 
 
 @interpreter
 @pytest.mark.parametrize("num_splits, row_merge", [(1, 4), (3, 4), (3, 0), (5, 4)])
 @pytest.mark.parametrize("per", ["token", "head", "head, M-major"])
 def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monkeypatch, num_splits, row_merge, per):
-    """Per token (channel weights: the last of a token's programs quantizes its row, or, split into at most
-    ROW_MERGE_MAX_SPLITS, one merge program a token) or per head (block weights whose groups are head_dim wide;
-    M-major for the block recipe), unsplit (a token's H_kv programs) and split (its H_q merge programs); ragged
-    contexts, one of them empty (a padded graph row), bf16 as the engine runs it, and, per token, every program
-    counted back to zero (the counters are shared with the split-K GEMMs)."""
+    """Per token (channel weights: unsplit, the last of a token's programs quantizes its row; split into at most
+    ROW_MERGE_MAX_SPLITS, one merge program a token; into more, none: quantize_rows after the merge) or per head
+    (block weights whose groups are head_dim wide; M-major for the block recipe), unsplit (a token's H_kv programs)
+    and split (its H_q merge programs); ragged contexts, one of them empty (a padded graph row), bf16 as the engine
+    runs it, and, per token, every program counted back to zero (the counters are shared with the split-K GEMMs)."""
     from kernels.attention import decode_common
     from kernels.fp8_gemm import split_counters
 
@@ -176,8 +183,9 @@ def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monke
     q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=hq, num_kv_heads=hkv,
                                            head_dim=d, block_size=bs, dtype=torch.bfloat16, seed=21 + num_splits)
     meta.seqlens_k[1] = 0
-    assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, hq * d if per == "token" else d,
-                                              m_major=per.endswith("M-major"))
+    written = assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits,
+                                                        hq * d if per == "token" else d, m_major=per.endswith("M-major"))
+    assert written == (per != "token" or num_splits == 1 or (num_splits, row_merge) == (3, 4))
     assert not split_counters(q.device).any()
     with pytest.raises(ValueError, match="per token or per head"):
         ta.triton_decode_attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits, fp8_group=8)
