@@ -192,6 +192,16 @@ def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monke
 
 
 @interpreter
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_the_merge_a_program_a_token_masks_heads_past_a_count_that_is_not_a_power_of_two(num_splits):
+    """Six query heads (the program's tile holds eight) over three KV heads, split 2 and 4 ways, a context shorter
+    than its splits among them: the row's max and bytes come from the six heads only."""
+    q, k_cache, v_cache, meta = make_batch([1] * 3, [5, 40, 23], num_q_heads=6, num_kv_heads=3, head_dim=16,
+                                           block_size=4, dtype=torch.bfloat16, seed=40 + num_splits)
+    assert assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, 6 * 16)
+
+
+@interpreter
 def test_an_attention_layer_before_an_fp8_o_proj_hands_it_fp8_on_decode_steps_only():
     """executor_svc/layers/attention.Attention with fp8_group set (the loader's, before an FP8 o_proj): a decode
     step, after RoPE and the K/V store, comes out as QuantizedActivations, the quantization of the plain layer's
