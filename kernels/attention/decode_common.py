@@ -27,6 +27,7 @@ _ROW_CHUNK = tl.constexpr(1024)  # columns the last program quantizes at a time
 # fit the registers) the merge writes bf16 only and kernels/fp8_gemm.quantize_rows quantizes it, which was faster
 # than a program a head whose last counts and re-reads the row (bench/studies/fp8_merge_output.py).
 ROW_MERGE_MAX_SPLITS = int(os.environ.get("NANOSERVE_FP8_ROW_MERGE_MAX_SPLITS", "4"))
+ROW_MERGE_MAX_COLUMNS = 8192  # a token's row (heads x head_dim, powers of two) one merge program holds: 64 x 128
 
 
 class Fp8Output(NamedTuple):
@@ -173,20 +174,25 @@ def merge_splits(partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out:
     part_acc, part_m, part_l = partials
     block_s, block_q_heads = triton.next_power_of_2(num_splits), triton.next_power_of_2(num_q_heads)
     *fp8_args, fp8_mode = fp8_output_args(fp8_out, out)
-    assert fp8_mode != FP8_OUT_PER_TOKEN or block_s <= ROW_MERGE_MAX_SPLITS, "merge_writes_fp8 says where it may"
-    heads = block_q_heads if fp8_mode == FP8_OUT_PER_TOKEN else 1  # a scale per token: a program a token
+    per_token = fp8_mode == FP8_OUT_PER_TOKEN
+    assert not per_token or merge_writes_fp8(num_splits, num_q_heads, head_dim, num_q_heads * head_dim), \
+        "merge_writes_fp8 says where the merge may write a scale per token"
+    heads = block_q_heads if per_token else 1  # a scale per token: a program a token
     _merge_splits_kernel[(triton.cdiv(num_q_heads, heads), num_seqs)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits, *fp8_args,
         NUM_Q_HEADS=num_q_heads, D=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, FP8_OUT=fp8_mode,
-        BLOCK_Q_HEADS=block_q_heads, HEADS=heads, num_warps=4 if heads == 1 else 8,
+        BLOCK_Q_HEADS=block_q_heads, HEADS=heads, num_warps=max(4, heads * block_d // 512),  # 32 x 128: 8 warps
     )
 
 
 def merge_writes_fp8(num_splits: int, num_q_heads: int, head_dim: int, fp8_group: int) -> bool:
     """Whether a step split num_splits ways has its merge write o_proj's FP8 input (a scale per head always; per
-    token up to ROW_MERGE_MAX_SPLITS), rather than leave it to quantize_rows."""
+    token up to ROW_MERGE_MAX_SPLITS splits of a row of at most ROW_MERGE_MAX_COLUMNS), rather than leave it to
+    quantize_rows."""
     per_token = fp8_group >= num_q_heads * head_dim
-    return not per_token or triton.next_power_of_2(num_splits) <= ROW_MERGE_MAX_SPLITS
+    row = triton.next_power_of_2(num_q_heads) * triton.next_power_of_2(head_dim)
+    return not per_token or (triton.next_power_of_2(num_splits) <= ROW_MERGE_MAX_SPLITS
+                             and row <= ROW_MERGE_MAX_COLUMNS)
 
 
 def fp8_output_supported(num_q_heads: int, head_dim: int, fp8_group: int) -> bool:

@@ -191,6 +191,14 @@ def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monke
         ta.triton_decode_attention(q, k_cache, v_cache, meta, 0.25, num_splits=num_splits, fp8_group=8)
 
 
+def test_a_split_merge_writes_a_scale_per_token_only_where_the_tokens_row_fits_one_program():
+    from kernels.attention.decode_common import merge_writes_fp8
+
+    assert [merge_writes_fp8(s, 32, 128, 32 * 128) for s in (2, 3, 4, 5, 23)] == [True, True, True, False, False]
+    assert merge_writes_fp8(2, 64, 128, 64 * 128) and not merge_writes_fp8(2, 128, 128, 128 * 128)  # 8,192 columns
+    assert merge_writes_fp8(23, 32, 128, 128), "a scale per head: the merge writes it at any split count"
+
+
 @interpreter
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_the_merge_a_program_a_token_masks_heads_past_a_count_that_is_not_a_power_of_two(num_splits):
