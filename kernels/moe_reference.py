@@ -59,7 +59,7 @@ def fp8_activations_ref64(x: torch.Tensor, router_logits: torch.Tensor, w13: tor
     weights, ids = route_ref(router_logits, top_k, True)
     xs, w13, w2 = (fq(x) if quantize_activations else x.double()), w13.double(), w2.double()
     inter = w13.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float64)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t].tolist(), ids[t].tolist()):
             gate = (w13[e, :inter] @ xs[t]).to(x.dtype).double()
@@ -73,11 +73,11 @@ def fp8_activations_ref64(x: torch.Tensor, router_logits: torch.Tensor, w13: tor
 def block_quantized_experts(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stacked expert weights [E, N, K] as a fine-grained FP8 checkpoint holds them (a scale per block x block,
     each expert's weight blocked on its own) and as the loader lays them out: (fp8 [E, N, K], the scales repeated
-    over their rows [E, N, ceil(K / block)], the dequantized weights in float64)."""
+    over their rows [E, N, ceil(K / block)], the dequantized weights in float64), on w's device."""
     from kernels.fp8_quant import dequantize_rows, quantize_blocks_on_rows
 
     e, n, k = w.shape
     q, scale = (torch.stack(parts) for parts in zip(*(quantize_blocks_on_rows(expert, block)
-                                                        for expert in w.float().cpu())))
+                                                        for expert in w.float())))
     dequantized = dequantize_rows(q.reshape(e * n, k), scale.reshape(e * n, -1), block, torch.float64)
     return q.to(w.device), scale.to(w.device), dequantized.view(e, n, k)

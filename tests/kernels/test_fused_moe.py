@@ -54,20 +54,21 @@ def moe64(x, logits, w13, w2, top_k: int, renormalize: bool) -> torch.Tensor:
 
 def case(num_tokens: int, num_experts: int, hidden: int, inter: int, dtype, seed: int, device="cpu",
          unused_experts: tuple[int, ...] = ()):
-    """Random inputs at the scale of a real layer; the router never picks the experts in unused_experts."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    logits = 2 * torch.randn(num_tokens, num_experts, generator=gen)
+    """Random inputs at the scale of a real layer, drawn on `device` (a GPU draws the 30B layer's experts in
+    milliseconds); the router never picks the experts in unused_experts."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device)
+    logits = 2 * torch.randn(num_tokens, num_experts, generator=gen, device=device)
     logits[:, list(unused_experts)] = -1e4
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
-    return [t.to(device=device, dtype=dtype) for t in (x, logits, w13, w2)]
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter**0.5
+    return [t.to(dtype=dtype) for t in (x, logits, w13, w2)]
 
 
 def fp8_case(w13: torch.Tensor, w2: torch.Tensor, group13: int | None, group2: int | None, seed: int):
     """w13 and w2 as FP8 experts with a scale per row and group of input columns (None: per row), each group first
     scaled by its own factor in [0.5, 2] so that a scale applied to the wrong group shows: (fp8 w13, fp8 w2, their
-    Fp8Experts, the dequantized w13 and w2 in float32)."""
+    Fp8Experts, the dequantized w13 and w2 in float32, all on w13's device)."""
     from kernels.fp8_quant import dequantize_rows, quantize_rows_ref
 
     gen = torch.Generator().manual_seed(seed)
@@ -75,10 +76,10 @@ def fp8_case(w13: torch.Tensor, w2: torch.Tensor, group13: int | None, group2: i
     for w, group in ((w13, group13), (w2, group2)):
         rows, k = w.shape[0] * w.shape[1], w.shape[2]
         group = group or k
-        factors = 2.0 ** (2 * torch.rand(rows, -(-k // group), generator=gen) - 1)
-        flat = w.reshape(rows, k).float().cpu() * factors.repeat_interleave(group, 1)[:, :k]
-        q, scale = quantize_rows_ref(flat, group)
-        out.append((q.view(w.shape).to(w.device), scale.view(*w.shape[:2], -1).to(w.device), group,
+        factors = (2.0 ** (2 * torch.rand(rows, -(-k // group), generator=gen) - 1)).to(w.device)
+        flat = w.reshape(rows, k).float() * factors.repeat_interleave(group, 1)[:, :k]
+        q, scale = quantize_rows_ref(flat, group)  # on w's device: the 30B layer's experts quantize on the GPU
+        out.append((q.view(w.shape), scale.view(*w.shape[:2], -1), group,
                     dequantize_rows(q, scale, group).view(w.shape)))
     (q13, s13, g13, d13), (q2, s2, g2, d2) = out
     return q13, q2, fm.Fp8Experts(s13, s2, g13, g2), d13, d2
@@ -373,8 +374,8 @@ else:
 def test_gpu_fused_moe_matches_float64_at_the_qwen3_30b_shape(num_tokens):
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.bfloat16, seed=num_tokens, device="cuda")
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
-    rows = slice(0, min(num_tokens, 16))  # the float64 reference is slow: check some rows
-    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)) < 2e-2
+    rows = slice(0, min(num_tokens, 16))  # the float64 reference (on the GPU) goes token by token: some rows
+    assert rel_error(out[rows], moe64(x[rows], logits[rows], w13, w2, 8, True)) < 2e-2
 
 
 @pytest.mark.gpu
@@ -390,7 +391,7 @@ def test_gpu_fp8_experts_match_float64_at_the_qwen3_30b_shape(num_tokens, group1
     q13, q2, scales, d13, d2 = fp8_case(w13, w2, group13, group2, seed=num_tokens)
     out = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=scales)
     rows = slice(0, min(num_tokens, 16))
-    assert rel_error(out[rows].cpu(), moe64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8, True)) < 2e-2
+    assert rel_error(out[rows], moe64(x[rows], logits[rows], d13, d2, 8, True)) < 2e-2
     as_bytes = fm.fused_moe(x, logits, q13, q2, 8, True, fp8=replace(scales, weight_bytes=True))
     torch.testing.assert_close(as_bytes, out, rtol=0, atol=0)  # the same widened values, the same sums
 
@@ -412,8 +413,8 @@ def test_gpu_fp8_activations_match_their_float64_emulation_at_the_qwen3_30b_shap
         q13, q2, scales, d13, d2 = fp8_case(w13, w2, group, group, seed=num_tokens)
     out = fused_moe_fp8_activations(x, logits, q13, q2, 8, True, fp8=replace(scales, activations="fp8"))
     rows = moe_reference.untied_tokens(logits, 8, 16)
-    ref = moe_reference.fp8_activations_ref64(x[rows].cpu(), logits[rows].cpu(), d13, d2, 8)
-    assert rel_error(out[rows].cpu(), ref) < 1e-2
+    ref = moe_reference.fp8_activations_ref64(x[rows], logits[rows], d13, d2, 8)
+    assert rel_error(out[rows], ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -425,8 +426,8 @@ def test_gpu_fused_moe_in_fp32_matches_float64(num_tokens):
     x, logits, w13, w2 = case(num_tokens, 128, 2048, 768, torch.float32, seed=num_tokens, device="cuda")
     out = fm.fused_moe(x, logits, w13, w2, 8, True)
     rows = slice(0, 16)
-    ref = moe64(x[rows].cpu(), logits[rows].cpu(), w13.cpu(), w2.cpu(), 8, True)
-    assert rel_error(out[rows].cpu(), ref) < 1e-4
+    ref = moe64(x[rows], logits[rows], w13, w2, 8, True)
+    assert rel_error(out[rows], ref) < 1e-4
 
 
 @pytest.mark.gpu
@@ -442,5 +443,5 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph_with_new_inputs():
     logits.copy_(logits2)
     graph.replay()
     torch.cuda.synchronize()
-    ref = moe64(x2[:16].cpu(), logits2[:16].cpu(), w13.cpu(), w2.cpu(), 8, True)
-    assert rel_error(out[:16].cpu(), ref) < 2e-2
+    ref = moe64(x2[:16], logits2[:16], w13, w2, 8, True)
+    assert rel_error(out[:16], ref) < 2e-2
