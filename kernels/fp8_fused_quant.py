@@ -18,7 +18,6 @@ torch reference is beside it.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -183,8 +183,9 @@ def test_decode_writes_o_projs_fp8_input_as_the_quantization_of_its_output(monke
     q, k_cache, v_cache, meta = make_batch([1] * len(seqlens_k), seqlens_k, num_q_heads=hq, num_kv_heads=hkv,
                                            head_dim=d, block_size=bs, dtype=torch.bfloat16, seed=21 + num_splits)
     meta.seqlens_k[1] = 0
-    written = assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits,
-                                                        hq * d if per == "token" else d, m_major=per.endswith("M-major"))
+    group = hq * d if per == "token" else d
+    written = assert_fp8_output_is_the_quantized_output(q, k_cache, v_cache, meta, num_splits, group,
+                                                        m_major=per.endswith("M-major"))
     assert written == (per != "token" or num_splits == 1 or (num_splits, row_merge) == (3, 4))
     assert not split_counters(q.device).any()
     with pytest.raises(ValueError, match="per token or per head"):
