@@ -1,11 +1,15 @@
 """Benchmark of the fused small ops against their eager torch chains; a benchmark, not a test.
 
   python bench/fused_ops.py                      # H200: graph-replayed us and GB/s per op and batch
+  python bench/fused_ops.py --model-shape qwen3-8b --kv-cache-dtype fp8 --ops prologue   # the attention prologue
   python bench/fused_ops.py --device cpu --tiny  # interpreter smoke run, seconds
 
 Both sides are timed replayed from a CUDA graph, as decode runs in the server, so the eager chain
 is charged for its kernels and intermediate tensors, not for launches. GB/s counts the bytes the op
-must move (inputs read once, outputs written once). Shapes are Qwen3-0.6B's, bf16.
+must move (inputs read once, outputs written once). Shapes are Qwen3-0.6B's (or --model-shape's), bf16 activations.
+The prologue (q/k norm, RoPE and the K/V store in one kernel) is timed against the four kernels it replaces (two
+rms_norm, rotary_embedding, store_kvcache: the eager reference indexes by a mask, which a graph cannot hold); its pool
+is bf16 or, with --kv-cache-dtype fp8, float8_e4m3fn with per-head scales.
 """
 from __future__ import annotations
 
@@ -21,7 +25,11 @@ REPO = HERE.parent
 # Run as a script, this file's folder comes first on sys.path and its name would shadow kernels.
 sys.path = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, VOCAB = 1024, 16, 8, 128, 3072, 1e-6, 151936
+from bench.nanovllm_workload import MODEL_SHAPES  # noqa: E402
+
+EPS, VOCAB, BLOCK_SIZE = 1e-6, 151936, 16
+OPS = ("rms_norm", "rms_norm + residual", "q_norm + k_norm", "silu_and_mul", "rotary (q, k)", "prologue",
+       "sample (T=0.6)")
 
 
 def sample_eager(logits, temperature):
@@ -37,8 +45,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
+    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16", help="the prologue's pool")
+    p.add_argument("--ops", nargs="+", default=list(OPS), help=f"a subset of the ops; 'prologue' for {OPS[5]!r}")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
     p.add_argument("--out", default=str(HERE / "results" / "fused_ops.json"))
     args = p.parse_args()
+    shape = MODEL_SHAPES[args.model_shape]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    q_heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
     import torch
@@ -46,6 +61,8 @@ def main() -> None:
 
     from executor_svc.layers.rotary import RotaryEmbedding
     from kernels import fused_ops as fo
+    from kernels.attention.triton_kv_store import store_kvcache
+    from kernels.kv_quant import KVScales
     from kernels.sampling import sample_tokens
 
     device, dt = torch.device(args.device), torch.bfloat16
@@ -60,21 +77,37 @@ def main() -> None:
     def randn(*shape):
         return torch.randn(*shape, device=device).to(dt)
 
-    rope = RotaryEmbedding(HEAD_DIM, 40960, 1000000.0).to(device)
-    w, head_w = randn(HIDDEN), randn(HEAD_DIM)
+    rope = RotaryEmbedding(head_dim, 40960, 1000000.0).to(device)
+    w, head_w = randn(hidden), randn(head_dim)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dt
+    kv_scales = KVScales(*(torch.rand(kv_heads, device=device) * 0.02 + 0.01 for _ in range(2)))
     rows = []
+    print(f"{args.model_shape} ({q_heads}/{kv_heads} heads of {head_dim}), {args.kv_cache_dtype} pool")
     print(f"{'op':<22} {'T':>5} {'fused us':>9} {'GB/s':>7} {'eager us':>9} {'GB/s':>7} {'speedup':>8}")
-    for num_tokens in ([3] if args.tiny else [1, 64, 256, 1024, 4096]):
-        x, res, gate_up = randn(num_tokens, HIDDEN), randn(num_tokens, HIDDEN), randn(num_tokens, 2 * INTER)
-        qkv = randn(num_tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
-        q = qkv[:, :Q_HEADS * HEAD_DIM].unflatten(-1, (Q_HEADS, HEAD_DIM))
-        k = qkv[:, Q_HEADS * HEAD_DIM:(Q_HEADS + KV_HEADS) * HEAD_DIM].unflatten(-1, (KV_HEADS, HEAD_DIM))
+    for num_tokens in ([3] if args.tiny else args.tokens):
+        x, res, gate_up = randn(num_tokens, hidden), randn(num_tokens, hidden), randn(num_tokens, 2 * inter)
+        qkv = randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim)
+        q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split(
+            [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
         pos = torch.randint(0, 40960, (num_tokens,), device=device)
+        # the pool: a slot for each token, in blocks of a pool twice the batch
+        num_blocks = 2 * num_tokens // BLOCK_SIZE + 2
+        k_cache, v_cache = (randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device)[:num_tokens]
+        scales = kv_scales if args.kv_cache_dtype == "fp8" else None
+        prologue = (pos, q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots, head_w, head_w, EPS, scales)
+
+        def prologue_chain():
+            normed_q, normed_k = fo.rms_norm(q, head_w, EPS), fo.rms_norm(k, head_w, EPS)
+            fo.rotary_embedding(pos, normed_q, normed_k, rope.cos, rope.sin)
+            store_kvcache(normed_k, v, k_cache, v_cache, slots, scales)
         logits = randn(num_tokens, 1000 if args.tiny else VOCAB)
         temperature = torch.full((num_tokens,), 0.6, device=device)
         seeds = torch.randint(-2**62, 2**62, (num_tokens,), device=device)
         e = x.element_size()
-        qk = (Q_HEADS + KV_HEADS) * HEAD_DIM * num_tokens * e
+        qk = (q_heads + kv_heads) * head_dim * num_tokens * e
+        # q, k, v read; q, k written; k, v written to the pool
+        prologue_bytes = qk * 2 + kv_heads * head_dim * num_tokens * (e + 2 * k_cache.element_size())
         cases = {  # name: (fused, eager, bytes moved)
             "rms_norm": (lambda: fo.rms_norm(x, w, EPS), lambda: fo.rms_norm_ref(x, w, EPS), 2 * x.numel() * e),
             "rms_norm + residual": (lambda: fo.rms_norm(x, w, EPS, res), lambda: fo.rms_norm_ref(x, w, EPS, res),
@@ -85,10 +118,13 @@ def main() -> None:
                              gate_up.numel() * e * 3 // 2),
             "rotary (q, k)": (lambda: fo.rotary_embedding(pos, q, k, rope.cos, rope.sin),
                               lambda: fo.rotary_embedding_ref(pos, q, k, rope.cos, rope.sin), 2 * qk),
+            "prologue": (lambda: fo.qk_norm_rope_store(*prologue), prologue_chain, prologue_bytes),
             "sample (T=0.6)": (lambda: sample_tokens(logits, temperature, seeds),
                                lambda: sample_eager(logits, temperature), logits.numel() * e),
         }
         for name, (fused, eager, nbytes) in cases.items():
+            if name not in args.ops:
+                continue
             fused_us, eager_us = time_us(fused), time_us(eager)
             row = {"op": name, "tokens": num_tokens, "bytes": nbytes, "fused_us": fused_us, "eager_us": eager_us,
                    "fused_gb_per_s": nbytes / fused_us / 1e3, "eager_gb_per_s": nbytes / eager_us / 1e3}
@@ -98,7 +134,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "ops": rows}, indent=2))
+    out.write_text(json.dumps({"device": name, "model_shape": args.model_shape, "kv_cache_dtype": args.kv_cache_dtype,
+                               "ops": rows}, indent=2))
     print(f"wrote {out}")
 
 

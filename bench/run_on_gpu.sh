@@ -34,7 +34,8 @@
 #                (carried as .smol) with random weights, chat prompts, detokenized text, stop strings
 #   tp           bench/throughput.py at -tp 1 and -tp 2 on the Qwen3-8B shape, then -tp 2 on the 0.6B shape
 #                (a machine of 2+ GPUs; the all-reduce share comes from a `timeline` run with THROUGHPUT_ARGS=-tp 2)
-#   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains)
+#   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains; FUSED_ARGS adds flags,
+#                as does fused@--flag, e.g. fused@--model-shape=qwen3-8b@--kv-cache-dtype=fp8@--ops=prologue)
 #   structured   bench/structured.py: token-mask fill times, the scheduler's late-mask path on this host's
 #                CPU (bench/structured_loop.py), then throughput with half the requests JSON-schema-constrained
 #                against all free (STRUCTURED_ARGS adds flags to the latter)
@@ -196,7 +197,10 @@ PY
       python3 bench/preemption.py --out "$OUT/preemption.json" ${PREEMPTION_ARGS:-} > "$OUT/preemption.log" 2>&1
       grep -v -E " (INFO|WARNING) " "$OUT/preemption.log" | tail -n 14 ;;
     fused)
-      python3 bench/fused_ops.py --out "$OUT/fused_ops.json" 2>&1 | tee "$OUT/fused_ops.log" | tail -n 40 ;;
+      # fused@--flag adds that run's flags; each run keeps its own files (fused_ops, fused_ops2, ...)
+      fused_runs=$((${fused_runs:-0} + 1)); name="fused_ops$( ((fused_runs > 1)) && echo $fused_runs)"
+      python3 bench/fused_ops.py --out "$OUT/$name.json" ${FUSED_ARGS:-} $step_args 2>&1 | tee "$OUT/$name.log" \
+        | tail -n 40 ;;
     smol)
       mkdir -p /tmp/smol-gguf
       cat ${SMOL_PARTS:?name the GGUF pieces} > /tmp/smol-gguf/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1

@@ -20,6 +20,9 @@ from kernels.kv_quant import KVScales, as_bytes, is_quantized, quantize
 from kernels.triton_runtime import INTERPRET
 
 
+PROLOGUE_TILE = 1024  # elements a program of the attention prologue takes: 8 heads of 128
+
+
 def _num_warps(tile: int) -> int:
     # ~8 elements (16 bytes of bf16) per thread
     return 1 if INTERPRET else max(1, min(16, tile // 256))
@@ -148,48 +151,20 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
-    """v, values of an unscaled FP8 product (kernels/fp8_quant.UnscaledProduct) at `cols`, times the token's and
-    their columns' scales, rounded to dtype: what kernels/fp8_gemm.scale_product would have written there."""
-    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-    return (v * (row_scale * col_scale)).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _load_product(ptr, offs, mask, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
-    """The values at ptr + offs in fp32; SCALED: an unscaled FP8 product's, scaled_as_written, so the kernel computes
-    on the values scale_product would have written."""
-    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SCALED:
-        x = scaled_as_written(x, row_scale, col_scale_ptr, cols, mask, ptr.dtype.element_ty)
-    return x
-
-
-@triton.jit
-def _rope_halves(base, offs, mask, half, cos, sin, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
-    """The rotated halves of the heads at base + offs, in the activation dtype: each product rounded
-    as eager torch rounds it, after the fp32 cos/sin cache is cast to the activation dtype. SCALED: the heads are
-    an unscaled product's, their first halves' columns `cols` (_load_product)."""
+def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
+    """Rotate heads h of one token at `base`, in place, in the activation dtype: each product rounded as eager torch
+    rounds it, after the fp32 cos/sin cache is cast to the activation dtype."""
     dtype = base.dtype.element_ty
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
-    x1 = _load_product(base, offs, mask, row_scale, col_scale_ptr, cols, SCALED)
-    x2 = _load_product(base, offs + half, mask, row_scale, col_scale_ptr, cols + half, SCALED)
-    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    return o1.to(dtype), o2.to(dtype)
-
-
-@triton.jit
-def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask, row_scale, col_scale_ptr,
-                  SCALED: tl.constexpr):
-    """Rotate heads h of one token at `base`, in place (SCALED: an unscaled product's, _load_product)."""
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * stride_h + d[None, :]
-    cols = h[:, None] * (2 * half) + d[None, :]  # the first halves' columns in the product, for SCALED
-    o1, o2 = _rope_halves(base, offs, mask, half, cos, sin, row_scale, col_scale_ptr, cols, SCALED)
-    tl.store(base + offs, o1, mask=mask)
-    tl.store(base + offs + half, o2, mask=mask)
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + offs + half, mask=mask, other=0.0).to(tl.float32)
+    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    tl.store(base + offs, o1.to(dtype), mask=mask)
+    tl.store(base + offs + half, o2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -207,8 +182,8 @@ def _rotary_kernel(
     d_mask = d < half
     cos = tl.load(cos_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * q_stride_t, h, num_q_heads, q_stride_h, half, cos, sin, d, d_mask, 1.0, cos_ptr, False)
-    _rotate_heads(k_ptr + t * k_stride_t, h, num_kv_heads, k_stride_h, half, cos, sin, d, d_mask, 1.0, cos_ptr, False)
+    _rotate_heads(q_ptr + t * q_stride_t, h, num_q_heads, q_stride_h, half, cos, sin, d, d_mask)
+    _rotate_heads(k_ptr + t * k_stride_t, h, num_kv_heads, k_stride_h, half, cos, sin, d, d_mask)
 
 
 def rotary_embedding(
@@ -260,59 +235,47 @@ def rotary_embedding_ref(
 
 
 @triton.jit
-def _norm_heads_in_place(base, h, num_heads, stride_h, cols, dim, eps, weight_ptr, row_scale, col_scale_ptr,
-                         SCALED: tl.constexpr):
-    """RMSNorm of heads h of one token at `base`, written back: _rms_norm_kernel's expressions, so
-    that on the same tile and warps each head's sum of squares adds in the same order (SCALED: an unscaled
-    product's heads, _load_product)."""
-    mask = (h < num_heads)[:, None] & (cols < dim)[None, :]
-    offs = h[:, None] * stride_h + cols[None, :]
-    x = _load_product(base, offs, mask, row_scale, col_scale_ptr, h[:, None] * dim + cols[None, :], SCALED)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
-    normed = (x * rstd[:, None]).to(base.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    tl.store(base + offs, normed * w[None, :], mask=mask)  # rounded to the activation dtype, as rms_norm's out
+def scaled_as_written(v, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
+    """v, values of an unscaled FP8 product (kernels/fp8_quant.UnscaledProduct) at `cols`, times the token's and
+    their columns' scales, rounded to dtype: what kernels/fp8_gemm.scale_product would have written there."""
+    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    return (v * (row_scale * col_scale)).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _rotate_store_kv_heads(
-    k_base, v_base, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h, num_heads,
-    k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT: tl.constexpr,
-    row_scale, k_col_scale_ptr, v_col_scale_ptr, K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-):
-    """Rotate k heads h in place as _rotate_heads does, and write them and v's heads to the pool row
-    (`store` false for slot -1; a quantized pool gets them quantized by their heads' scales, or int8's by
-    their channels', [H_kv, 2 * half] row-major); the rotated values go to the pool from registers.
-    K_SCALED, V_SCALED: k's, v's heads are an unscaled product's (_load_product)."""
-    mask = (h < num_heads)[:, None] & d_mask[None, :]
-    offs = h[:, None] * k_stride_h + d[None, :]
-    cols = h[:, None] * (2 * half) + d[None, :]  # the heads' first halves' columns in k's (and v's) product
-    o1, o2 = _rope_halves(k_base, offs, mask, half, cos, sin, row_scale, k_col_scale_ptr, cols, K_SCALED)
-    tl.store(k_base + offs, o1, mask=mask)
-    tl.store(k_base + offs + half, o2, mask=mask)
-    cache_mask = mask & store
-    scale_offs = h[:, None] * (2 * half) + d[None, :]  # int8's: the first half's channels (+ half: the second's)
-    if KV_FORMAT == 1:  # the rotated k as rounded to the activation dtype above, over its head's scale
-        k_scale = tl.load(k_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
-        o1, o2 = quantize_fp8(o1, k_scale), quantize_fp8(o2, k_scale)
-    elif KV_FORMAT == 2:
-        o1 = quantize_int8(o1, tl.load(k_scale_ptr + scale_offs, mask=mask, other=1.0))
-        o2 = quantize_int8(o2, tl.load(k_scale_ptr + scale_offs + half, mask=mask, other=1.0))
-    k_cache_offs = h[:, None] * kc_stride_h + d[None, :]
-    tl.store(k_cache_base + k_cache_offs, o1.to(k_cache_base.dtype.element_ty), mask=cache_mask)
-    tl.store(k_cache_base + k_cache_offs + half, o2.to(k_cache_base.dtype.element_ty), mask=cache_mask)
-    v_offs = h[:, None] * v_stride_h + d[None, :]
-    v1 = _load_product(v_base, v_offs, cache_mask, row_scale, v_col_scale_ptr, cols, V_SCALED)
-    v2 = _load_product(v_base, v_offs + half, cache_mask, row_scale, v_col_scale_ptr, cols + half, V_SCALED)
-    if KV_FORMAT == 1:
-        v_scale = tl.load(v_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
-        v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
-    elif KV_FORMAT == 2:
-        v1 = quantize_int8(v1, tl.load(v_scale_ptr + scale_offs, mask=mask, other=1.0))
-        v2 = quantize_int8(v2, tl.load(v_scale_ptr + scale_offs + half, mask=mask, other=1.0))
-    v_cache_offs = h[:, None] * vc_stride_h + d[None, :]
-    tl.store(v_cache_base + v_cache_offs, v1.to(v_cache_base.dtype.element_ty), mask=cache_mask)
-    tl.store(v_cache_base + v_cache_offs + half, v2.to(v_cache_base.dtype.element_ty), mask=cache_mask)
+def _load_product(ptr, offs, mask, row_scale, col_scale_ptr, cols, SCALED: tl.constexpr):
+    """The values at ptr + offs in fp32; SCALED: an unscaled FP8 product's, scaled_as_written, so the kernel computes
+    on the values scale_product would have written."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        x = scaled_as_written(x, row_scale, col_scale_ptr, cols, mask, ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _norm_rope_heads(base, h, num_heads, stride_h, cols, pair, col_mask, dim, eps, weight_ptr, cos, sin,
+                     row_scale, col_scale_ptr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr):
+    """Heads h of one token at `base`, normalised (HAS_NORM) and rotated in registers, in the activation dtype; and
+    their mask and offsets. Each element's RoPE partner (column `pair`: c + D/2 in the first half, c - D/2 in the
+    second) is loaded a second time, from L1, and normalised by its row's rstd, so no value goes through global
+    memory between the norm and RoPE. The sum of squares comes from the [heads, D] tile in rms_norm's layout, so it
+    adds in _rms_norm_kernel's order; every product is rounded where the eager chain rounds it. SCALED: an unscaled
+    FP8 product's heads (_load_product)."""
+    dtype = base.dtype.element_ty
+    mask = (h < num_heads)[:, None] & col_mask
+    offs = h[:, None] * stride_h + cols
+    x = _load_product(base, offs, mask, row_scale, col_scale_ptr, h[:, None] * dim + cols, SCALED)
+    xp = _load_product(base, h[:, None] * stride_h + pair, mask, row_scale, col_scale_ptr, h[:, None] * dim + pair,
+                       SCALED)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        wp = tl.load(weight_ptr + pair, mask=col_mask, other=0.0).to(tl.float32)
+        # rms_norm's roundings: the normalised value, then its product with the weight (rms_norm's output dtype)
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+    # sin is negated in the first half: x1 c - x2 s = x1 c + x2 (-s), and rounding commutes with the sign
+    return ((x * cos).to(dtype).to(tl.float32) + (xp * sin).to(dtype).to(tl.float32)).to(dtype), mask, offs
 
 
 @triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])  # rows of the pool's scales
@@ -323,48 +286,60 @@ def _qk_norm_rope_store_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride,
     kc_stride_b, kc_stride_s, kc_stride_h, vc_stride_b, vc_stride_s, vc_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-    NORM_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    KV_FORMAT: tl.constexpr, SCALED: tl.constexpr, ROPE_SCALED: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_D: tl.constexpr, KV_FORMAT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    # One program per token: all its q and k heads, then its row of the pool. The grid is the only
-    # thing sized by the token count, so no argument changes from step to step. SCALED: q, k and v are an unscaled
-    # FP8 product's, scaled where they are first read: by the norm, else by RoPE (ROPE_SCALED); v by the store.
+    # Program (t, g) takes HEADS heads of token t: q's [g * HEADS, ...) for g < Q_GROUPS, else k's and v's, which it
+    # also writes to the token's row of the pool. Each does one pass over its heads; the grid is the only thing sized
+    # by the token count, so no argument changes from step to step. SCALED: q, k and v are an unscaled FP8 product's,
+    # scaled where they are read.
+    Q_GROUPS: tl.constexpr = (NUM_Q_HEADS + HEADS - 1) // HEADS
     t = tl.program_id(0).to(tl.int64)
-    q_base, k_base = q_ptr + t * q_stride_t, k_ptr + t * k_stride_t
+    g = tl.program_id(1)
     row_scale = 1.0
     if SCALED:
         row_scale = tl.load(row_scale_ptr + t)
     pos = tl.load(positions_ptr + t).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < half
-    cos = tl.load(cos_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * cache_stride + d, mask=d_mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        cols = tl.arange(0, BLOCK_D)
-        rows = tl.arange(0, NORM_ROWS)
-        for h0 in tl.static_range(0, NUM_Q_HEADS, NORM_ROWS):
-            _norm_heads_in_place(q_base, h0 + rows, NUM_Q_HEADS, q_stride_h, cols, dim, eps, q_weight_ptr, row_scale,
-                                 q_col_scale_ptr, SCALED)
-        for h0 in tl.static_range(0, NUM_KV_HEADS, NORM_ROWS):
-            _norm_heads_in_place(k_base, h0 + rows, NUM_KV_HEADS, k_stride_h, cols, dim, eps, k_weight_ptr, row_scale,
-                                 k_col_scale_ptr, SCALED)
-        # RoPE pairs elements that other threads normalised: their stores must land first.
-        tl.debug_barrier()
-    heads = tl.arange(0, ROPE_HEADS)
-    for h0 in tl.static_range(0, NUM_Q_HEADS, ROPE_HEADS):
-        _rotate_heads(q_base, h0 + heads, NUM_Q_HEADS, q_stride_h, half, cos, sin, d, d_mask, row_scale,
-                      q_col_scale_ptr, ROPE_SCALED)
-    store = slot >= 0  # -1: padding, or a prefix-cache hit already stored
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    k_cache_base = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
-    v_cache_base = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
-    for h0 in tl.static_range(0, NUM_KV_HEADS, ROPE_HEADS):
-        _rotate_store_kv_heads(
-            k_base, v_ptr + t * v_stride_t, k_cache_base, v_cache_base, k_scale_ptr, v_scale_ptr, h0 + heads,
-            NUM_KV_HEADS, k_stride_h, v_stride_h, kc_stride_h, vc_stride_h, half, cos, sin, d, d_mask, store, KV_FORMAT,
-            row_scale, k_col_scale_ptr, v_col_scale_ptr, ROPE_SCALED, SCALED,
-        )
+    rows = tl.arange(0, HEADS)
+    # column indices as a [HEADS, BLOCK_D] tile: every vector below is loaded in the heads' own layout
+    cols = tl.arange(0, BLOCK_D)[None, :] + tl.zeros([HEADS, 1], tl.int32)
+    col_mask = cols < dim
+    first = cols < half
+    pair = tl.where(first, cols + half, cols - half)
+    angle = tl.where(first, cols, cols - half)
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.where(first, -sin, sin)
+    if g < Q_GROUPS:
+        q_base = q_ptr + t * q_stride_t
+        q, mask, offs = _norm_rope_heads(q_base, g * HEADS + rows, NUM_Q_HEADS, q_stride_h, cols, pair, col_mask, dim,
+                                         eps, q_weight_ptr, cos, sin, row_scale, q_col_scale_ptr, HAS_NORM, SCALED)
+        tl.store(q_base + offs, q, mask=mask)
+    else:
+        h = (g - Q_GROUPS) * HEADS + rows
+        k_base = k_ptr + t * k_stride_t
+        k, mask, offs = _norm_rope_heads(k_base, h, NUM_KV_HEADS, k_stride_h, cols, pair, col_mask, dim, eps,
+                                         k_weight_ptr, cos, sin, row_scale, k_col_scale_ptr, HAS_NORM, SCALED)
+        tl.store(k_base + offs, k, mask=mask)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        cache_mask = mask & (slot >= 0)  # -1: padding, or a prefix-cache hit already stored
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        channels = h[:, None] * dim + cols  # int8's scales, [H_kv, D] row-major; a product's columns
+        v = _load_product(v_ptr + t * v_stride_t, h[:, None] * v_stride_h + cols, cache_mask, row_scale,
+                          v_col_scale_ptr, channels, SCALED)
+        k = k.to(tl.float32)
+        if KV_FORMAT == 1:  # the rotated k as rounded to the activation dtype above, over its head's scale
+            k = quantize_fp8(k, tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)[:, None])
+            v = quantize_fp8(v, tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)[:, None])
+        elif KV_FORMAT == 2:
+            k = quantize_int8(k, tl.load(k_scale_ptr + channels, mask=mask, other=1.0))
+            v = quantize_int8(v, tl.load(v_scale_ptr + channels, mask=mask, other=1.0))
+        k_cache_base = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
+        v_cache_base = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
+        tl.store(k_cache_base + h[:, None] * kc_stride_h + cols, k.to(k_cache_ptr.dtype.element_ty),
+                 mask=cache_mask)
+        tl.store(v_cache_base + h[:, None] * vc_stride_h + cols, v.to(v_cache_ptr.dtype.element_ty),
+                 mask=cache_mask)
 
 
 def qk_norm_rope_store(
@@ -402,12 +377,12 @@ def qk_norm_rope_store(
     assert kv.shape[0] == num_tokens and positions.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens
     if num_tokens == 0:
         return q, k
-    # The norm runs on rms_norm's tile and warps: the same reduction order, hence the same bits.
+    # A program takes HEADS heads of a token, a tile of PROLOGUE_TILE elements: (H_q + H_kv) / HEADS programs a token
+    # keep the SMs busy at decode's few tokens. The tile does not shrink to fewer heads: on 4 warps its rows are laid
+    # out as in rms_norm's tile, so each row's sum of squares adds in the same order (test_gpu_compile.py).
     block_d = triton.next_power_of_2(head_dim)
-    norm_rows = max(1, min(32, 2048 // block_d))
-    block_half = triton.next_power_of_2(half)
-    rope_heads = min(triton.next_power_of_2(max(num_q_heads, num_kv_heads)), max(1, 2048 // block_half))
-    num_warps = _num_warps(norm_rows * block_d) if has_norm else _num_warps(rope_heads * block_half)
+    heads = max(1, PROLOGUE_TILE // block_d)
+    grid = (num_tokens, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
     weights = (q_norm_weight, k_norm_weight) if has_norm else (qv, kv)  # unused without the norm
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, slot_mapping)
     if product_scales is not None:
@@ -417,16 +392,15 @@ def qk_norm_rope_store(
             assert cols.numel() == view.shape[1] * head_dim and cols.is_contiguous(), (cols.shape, view.shape)
     else:  # pointers the kernel never reads
         row_scale, col_scales = slot_mapping, (slot_mapping,) * 3
-    _qk_norm_rope_store_kernel[(num_tokens,)](
+    _qk_norm_rope_store_kernel[grid](
         positions, qv, kv, vv, cos, sin, k_cache, v_cache, slot_mapping, *weights, k_scale, v_scale,
         row_scale, *col_scales, head_dim, half, eps,
         qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), vv.stride(0), vv.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
-        NORM_ROWS=norm_rows, BLOCK_D=block_d, ROPE_HEADS=rope_heads, BLOCK_HALF=block_half, KV_FORMAT=kv_format,
-        SCALED=product_scales is not None, ROPE_SCALED=product_scales is not None and not has_norm,
-        num_warps=num_warps,
+        HEADS=heads, BLOCK_D=block_d, KV_FORMAT=kv_format, SCALED=product_scales is not None,
+        num_warps=_num_warps(heads * block_d),
     )
     return q, k
 

@@ -17,9 +17,11 @@ FP8 = "*fp8e4nv"
 
 
 def compile_for_gpu(fn, pointers: dict[str, str], constexprs: dict, floats: tuple[str, ...] = (),
-                    num_warps: int = 4, num_stages: int = 3, capability: int = 90):
+                    num_warps: int = 4, num_stages: int = 3, capability: int = 90, as_launched: bool = False):
     """fn compiled for sm_`capability`: `pointers` types the pointer arguments (others *fp32), `floats` the fp32
-    scalars, every other argument i32; constexprs not given take their defaults."""
+    scalars, every other argument i32; constexprs not given take their defaults. as_launched: specialised as a launch
+    on 16-byte-aligned tensors would be, every pointer and integer argument divisible by 16 except those the kernel
+    opts out of (what sets the loads' layouts)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
@@ -27,16 +29,20 @@ def compile_for_gpu(fn, pointers: dict[str, str], constexprs: dict, floats: tupl
     defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values()
                 if p.default is not inspect.Parameter.empty}
     constexprs = {**{name: value for name, value in defaults.items() if name not in constexprs}, **constexprs}
-    signature = {}
-    for arg in fn.arg_names:
+    signature, attrs = {}, {}
+    opted_out = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
+    for i, arg in enumerate(fn.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg.endswith("_ptr"):
             signature[arg] = pointers.get(arg, "*fp32")
         else:
             signature[arg] = "fp32" if arg in floats else "i32"
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+        if as_launched and arg not in constexprs and arg not in floats and arg not in opted_out:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps,
+                                                                             "num_stages": num_stages})
 
 
 # the most shared memory a program may take: A100 (sm_80), A10 / RTX 30xx (sm_86), H100 / H200 (sm_90)
@@ -190,3 +196,64 @@ def test_the_weight_only_fp8_gemm_compiles_for_gpus_without_fp8_tensor_cores(cap
                              BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, 128), SPLIT_K=1, W_ONLY=True,
                              PRECISION="tf32", UPCAST=False),
                         capability=capability, num_warps=warps, num_stages=stages)
+
+
+# The attention prologue (kernels/fused_ops.qk_norm_rope_store) on the Qwen3-8B shape: 32 q and 8 kv heads of 128
+
+def prologue_arguments(dtype: str, kv: str = "") -> tuple[dict, dict]:
+    pointers = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight_ptr", "k_weight_ptr")}
+    pointers |= {"k_cache_ptr": kv or f"*{dtype}", "v_cache_ptr": kv or f"*{dtype}", "positions_ptr": "*i64",
+                 "slot_mapping_ptr": "*i64"}
+    return pointers, dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_SIZE=16)
+
+
+@pytest.mark.parametrize("kv_format, kv", [(0, ""), (1, FP8), (2, "*i8")])
+@pytest.mark.parametrize("scaled", [False, True])  # an FP8 qkv_proj's unscaled product
+def test_the_attention_prologue_compiles_for_sm90_without_shared_memory(kv_format, kv, scaled):
+    """Every vector the prologue loads (cos, sin, norm weights) is loaded in its heads' tile layout, so no layout is
+    converted through shared memory."""
+    from kernels import fused_ops
+
+    pointers, constexprs = prologue_arguments("bf16", kv)
+    for norm in (True, False):
+        compiled = compile_for_gpu(fused_ops._qk_norm_rope_store_kernel, pointers,
+                                   dict(constexprs, HAS_NORM=norm, HEADS=8, BLOCK_D=128, KV_FORMAT=kv_format,
+                                        SCALED=scaled), floats=("eps",), as_launched=True)
+        assert compiled.metadata.shared == 0 and "convert_layout" not in compiled.asm["ttgir"]
+
+
+def row_reduction_layouts(compiled) -> list[tuple]:
+    """For each tt.reduce over axis 1 in compiled's TTGIR: its operand layout's along-the-row parameters (elements a
+    thread, threads and warps along a row, order), which fix the order in which a row's terms are added."""
+    import re
+
+    ttgir = compiled.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(\{.*\})>$", ttgir, re.M))
+    found = []
+    for operand in re.findall(r"\}\) : \(tensor<\d+x\d+xf32, (#\w+)>\) -> tensor<\d+xf32", ttgir):
+        params = dict(re.findall(r"(\w+) = \[([\d, ]+)\]", layouts[operand]))
+        found.append(tuple(params[p].split(", ")[-1] for p in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+                     + (params["order"],))
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_prologues_q_k_norm_adds_each_row_as_rms_norm_does(dtype, head_dim):
+    """The prologue's q/k RMSNorm equals rms_norm's bit for bit (test_fused_ops' GPU tests) only if each row's sum of
+    squares adds in the same order: each row laid out alike in both kernels' tiles, as the engine launches them."""
+    from kernels import fused_ops
+
+    rows = max(1, min(32, 2048 // head_dim))  # rms_norm's tile, as its wrapper picks it
+    norm = compile_for_gpu(fused_ops._rms_norm_kernel, {name: f"*{dtype}" for name in (
+        "x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr")},
+        dict(HAS_RESIDUAL=False, BLOCK_ROWS=rows, BLOCK_D=head_dim), floats=("eps",),
+        num_warps=fused_ops._num_warps(rows * head_dim), as_launched=True)
+    heads = fused_ops.PROLOGUE_TILE // head_dim
+    pointers, constexprs = prologue_arguments(dtype)
+    prologue = compile_for_gpu(fused_ops._qk_norm_rope_store_kernel, pointers,
+                               dict(constexprs, HAS_NORM=True, HEADS=heads, BLOCK_D=head_dim, KV_FORMAT=0,
+                                    SCALED=False), floats=("eps",),
+                               num_warps=fused_ops._num_warps(heads * head_dim), as_launched=True)
+    (norm_row,) = row_reduction_layouts(norm)
+    assert row_reduction_layouts(prologue) == [norm_row, norm_row]  # q's heads or k's
