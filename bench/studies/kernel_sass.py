@@ -7,10 +7,12 @@ a kernel change does to the code, e.g. whether an operand is read from shared me
     python bench/studies/kernel_sass.py --model-shape qwen3-8b --kv-cache-dtype fp8 --kernels decode
     python bench/studies/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
     python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels decode --kv-cache-dtype auto --decode-fp8-out 0 1 2
+    python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels prologue   # q/k norm, RoPE, K/V store
 
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
-(kernels/attention/triton_tuning.py's configs, bf16 activations), and the arguments are specialised as a
-real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel opts out.
+(kernels/attention/triton_tuning.py's configs, bf16 activations), or kernels/fused_ops.qk_norm_rope_store for the
+attention prologue (with the q/k norm; `scaled` reads an FP8 qkv_proj's unscaled product), and the arguments are
+specialised as a real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel opts out.
 Programs per SM assume 64K registers and 227 KB of shared memory per SM. `loop` counts the instructions of
 the full-tile loop, one tile's worth per warp: the cost of a tile to issue.
 """
@@ -143,9 +145,29 @@ def prefill_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.
             f"BLOCK_M {cfg.block_m} BLOCK_N {cfg.block_n}")
 
 
+def prologue_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16, scaled: bool = False):
+    """The attention prologue's program (8 heads of a token: q's, or k's and v's and their store), as
+    kernels/fused_ops.qk_norm_rope_store launches it."""
+    from kernels import fused_ops
+
+    act, kv = TORCH_TO_TRITON[dtype], TORCH_TO_TRITON[kv_dtype]
+    pointers = {name: f"*{act}" for name in ("q_ptr", "k_ptr", "v_ptr", "q_weight_ptr", "k_weight_ptr")}
+    pointers |= {name: "*fp32" for name in ("cos_ptr", "sin_ptr", "k_scale_ptr", "v_scale_ptr", "row_scale_ptr",
+                                            "q_col_scale_ptr", "k_col_scale_ptr", "v_col_scale_ptr")}
+    pointers |= {"k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "positions_ptr": "*i64", "slot_mapping_ptr": "*i64",
+                 "eps": "fp32"}
+    block_d = triton.next_power_of_2(shape["head_dim"])
+    heads = max(1, fused_ops.PROLOGUE_TILE // block_d)
+    constexprs = dict(NUM_Q_HEADS=shape["num_attention_heads"], NUM_KV_HEADS=shape["num_key_value_heads"],
+                      BLOCK_SIZE=16, HAS_NORM=True, HEADS=heads, BLOCK_D=block_d,
+                      KV_FORMAT={torch.float8_e4m3fn: 1, torch.int8: 2}.get(kv_dtype, 0), SCALED=scaled)
+    return (fused_ops._qk_norm_rope_store_kernel, pointers, constexprs, fused_ops._num_warps(heads * block_d), 3,
+            f"{heads} heads" + (" scaled" if scaled else ""))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
+    p.add_argument("--kernels", nargs="+", choices=["decode", "prefill", "prologue"], default=["decode", "prefill"])
     p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8", "int8"], default=["auto", "fp8"])
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     p.add_argument("--decode-configs", nargs="+", metavar="N,W,S",
@@ -158,21 +180,24 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE.parent / "results" / "kernel_sass.json"))
     args = p.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
-    cases = {"decode": decode_case, "prefill": prefill_case}
-    configs = {"decode": [DecodeConfig(*map(int, c.split(","))) for c in args.decode_configs or []] or [None],
-               "prefill": [PrefillConfig(*map(int, c.split(","))) for c in args.prefill_configs or []] or [None]}
+    cases = {"decode": decode_case, "prefill": prefill_case, "prologue": prologue_case}
+    # each kernel's variants: the keyword arguments of its case
+    variants = {"decode": [{"config": DecodeConfig(*map(int, c.split(",")))} for c in args.decode_configs or []]
+                or [{}],
+                "prefill": [{"config": PrefillConfig(*map(int, c.split(",")))} for c in args.prefill_configs or []]
+                or [{}],
+                "prologue": [{"scaled": False}, {"scaled": True}]}
+    variants["decode"] = [{**v, "fp8_out": f} for v in variants["decode"] for f in args.decode_fp8_out]
     rows = []
     print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
           f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
     print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} "
           f"{'loop':>5}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
-    fp8_outs = {"decode": args.decode_fp8_out, "prefill": [0]}
-    for kernel_name, kv_name, config, fp8_out in [(k, kv, c, f) for k in args.kernels for kv in args.kv_cache_dtype
-                                                  for c in configs[k] for f in fp8_outs[k]]:
+    for kernel_name, kv_name, variant in [(k, kv, v) for k in args.kernels for kv in args.kv_cache_dtype
+                                          for v in variants[k]]:
         kv_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv_name, torch.bfloat16)
-        extra = {"fp8_out": fp8_out} if fp8_out else {}
-        fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, config=config, **extra)
+        fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, **variant)
         result = compile_sm90(fn, pointers, constexprs, warps, stages)
         tiles = f"{tiles} w{warps} s{stages}"
         print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
