@@ -64,7 +64,7 @@ log = logging.getLogger("nanoserve.kernels")
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, x_stride, stride_sm, stride_sg,
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, x_stride, stride_sm, stride_sg, max_scale,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -75,7 +75,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, x_stride,
         mask = (cols < k) & (off + tl.arange(0, BLOCK) < group)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_scale(tl.max(amax, axis=0), _MIN_SCALE)
+    scale = tl.minimum(fp8_scale(tl.max(amax, axis=0), _MIN_SCALE), max_scale)  # values past it saturate
     tl.store(scale_ptr + row * stride_sm + g * stride_sg, scale)
     for off in range(0, group, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
@@ -84,9 +84,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, num_rows, k, group, x_stride,
         tl.store(q_ptr + row * k + cols, quantize_fp8(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, group: int, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int, m_major: bool = False,
+                  max_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/fp8_quant.quantize_rows_ref in one kernel: x [M, K] (unit stride in K); m_major: the scales laid out
-    for the block recipe (kernels/fp8_quant.empty_quantized)."""
+    for the block recipe (kernels/fp8_quant.empty_quantized); max_scale: the largest scale a group may take."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -94,7 +95,8 @@ def quantize_rows(x: torch.Tensor, group: int, m_major: bool = False) -> tuple[t
     q, scale = empty_quantized(m, k, groups, x.device, m_major)
     if m > 0:
         block = min(1024, triton.next_power_of_2(group))
-        _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, x.stride(0), *scale.stride(), BLOCK=block,
+        _quantize_rows_kernel[(m, groups)](x, q, scale, m, k, group, x.stride(0), *scale.stride(),
+                                           float("inf") if max_scale is None else max_scale, BLOCK=block,
                                            num_warps=1 if INTERPRET else max(1, min(8, block // 256)))
     return q, scale
 
@@ -511,13 +513,16 @@ def unit_scaled_product(a: torch.Tensor, w: torch.Tensor, product_dtype: torch.d
 
 def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale: torch.Tensor, group_k: int,
                bias: torch.Tensor | None = None, unscaled: bool = False, rows_sharing_scales: int = 1,
-               block_scales: torch.Tensor | None = None) -> torch.Tensor | UnscaledProduct:
+               block_scales: torch.Tensor | None = None,
+               max_scale: float | None = None) -> torch.Tensor | UnscaledProduct:
     """x [..., K] in bf16/fp16/fp32 through an FP8 weight (see the module docstring) -> [..., N] in x's dtype.
     x may come quantized already (QuantizedActivations [M, K], by the kernel that produced it), in the
     groups the weight's scales need; else one kernel quantizes it here. `unscaled`: the reader can apply the scales
     itself, so where the dispatch picks the tensor-wise GEMM (bf16 [M, K] activations, no bias) the product comes back
     as an UnscaledProduct, without scale_product's pass. `rows_sharing_scales`: triton_fp8_gemm's. `block_scales`:
-    w's scales as whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), where they are (block_scaled_mm)."""
+    w's scales as whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), where they are (block_scaled_mm).
+    `max_scale`: the largest scale x's tokens take here (kernels/fp8_quant.activation_max_scale; a producer that
+    quantizes x does not bound its scales, so a layer with a bound is not fed so: executor_svc/layers/fp8.py)."""
     from kernels.fp8_gemm_dispatch import M_MAJOR_SCALES, choose_gemm, fast_accumulation
 
     grouped = w_scale.shape[1] > 1
@@ -533,7 +538,7 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
             raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
     else:  # the block recipe's scales written M-major, as it reads them
         a, a_scale = quantize_rows(x.reshape(-1, x.shape[-1]), group_k if grouped else k,
-                                   m_major=M_MAJOR_SCALES and backend == "block_scaled_mm")
+                                   m_major=M_MAJOR_SCALES and backend == "block_scaled_mm", max_scale=max_scale)
     fast = fast_accumulation(m)
     if backend == "block_scaled_mm":
         out = block_scaled_mm_fp8_gemm(a, a_scale, w, block_scales, out_dtype, bias, rows=rows)

@@ -49,6 +49,13 @@ def group_scales(amax: torch.Tensor) -> torch.Tensor:
     return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
 
 
+def activation_max_scale(activation_scale_ub: float) -> float:
+    """The largest scale a token's activations may take when their max counts for at most activation_scale_ub
+    (fbgemm_fp8's bound): ub / 448 in float32 by IEEE division. min(amax, ub) / 448 = min(amax / 448, ub / 448), as
+    division by 448 is monotone, so each quantizer caps the scale it would have taken."""
+    return (torch.tensor(activation_scale_ub, dtype=torch.float32) / torch.tensor(FP8_MAX)).item()
+
+
 # Quantized activations are allocated with their rows rounded up to a multiple of this, the rows past M left
 # unwritten, so that an FP8 GEMM can run on more rows than M without a copy (kernels/fp8_gemm_dispatch pads M where
 # cuBLASLt is faster on more rows; each output row depends on its own row only, and those rows are dropped).
@@ -130,12 +137,16 @@ class UnscaledProduct(NamedTuple):
     dtype: torch.dtype  # the activations' dtype: the output's
 
 
-def quantize_rows_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]), a scale per row and group."""
+def quantize_rows_ref(x: torch.Tensor, group: int,
+                      max_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]), a scale per row and group; at most
+    max_scale (activation_max_scale), past which values saturate at +-448."""
     m, k = x.shape
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     scale = group_scales(padded.abs().amax(-1))
+    if max_scale is not None:
+        scale = scale.clamp_max(max_scale)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k].contiguous(), scale
 

@@ -15,7 +15,10 @@ their output quantized (kernels/fp8_fused_quant.py); the GEMM then skips its own
 Where a channel layer's tensor-wise product has one reader that can apply its scales as it reads it (that norm or
 SiLU-and-mul, or the attention layer's fused prologue after qkv_proj), the product goes to it unscaled
 (scale_in_readers). NANOSERVE_FP8_FUSED_QUANT=0 turns both off (every FP8 GEMM quantizes its input and scales its
-product itself), to compare.
+product itself), to compare. A checkpoint that bounds its activations' scales (fbgemm_fp8's activation_scale_ub)
+gives each layer `fp8_max_scale`: its GEMM quantizes its own input under that bound (kernels/fp8_gemm.quantize_rows),
+as the producers' fused quantization does not bound it, and its experts stay weight-only (their activations are not
+quantized).
 
 On a GPU without FP8 tensor cores (before Ada: an A100, an A10) the Linear layers keep their FP8 weights and run the
 weight-only GEMM (kernels/fp8_gemm.weight_only_fp8_gemm: each W tile widened to the model dtype in the kernel, the
@@ -45,8 +48,8 @@ from torch import nn
 from executor_svc.layers.fused_moe import StackedExperts
 from executor_svc.layers.linear import ColumnParallelLinear, RowParallelLinear
 from executor_svc.layers.parallel import tp_rank, tp_size
-from kernels.fp8_quant import (block_scales_of, dequantize_rows, quantize_blocks_on_rows, quantize_weight_per_channel,
-                               rows_sharing_scales)
+from kernels.fp8_quant import (activation_max_scale, block_scales_of, dequantize_rows, quantize_blocks_on_rows,
+                               quantize_weight_per_channel, rows_sharing_scales)
 from kernels.kv_quant import FP8_DTYPE
 from scheduler_svc.common.weight_quantization import WeightQuantization
 
@@ -290,6 +293,8 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
         layer.fp8_rows_sharing_scales = rows_sharing_scales(layer.weight_scale)
         layer.fp8_block_scales = (block_scales_of(layer.weight_scale, layer.fp8_group_k, layer.fp8_rows_sharing_scales)
                                   if block_recipe else None)
+        if quant.activation_scale_ub is not None and not weight_only:
+            layer.fp8_max_scale = activation_max_scale(quant.activation_scale_ub)
     expert_blocks = sum(_finish_experts(name, experts, quant, dtype, device, fp8_gemms, weight_only)
                         for name, experts in expert_layers(model))
     plain = str(dtype).removeprefix("torch.")
@@ -310,6 +315,9 @@ def finish_loading(model: nn.Module, quant: WeightQuantization, dtype: torch.dty
     if quant.unused:
         log.info("the checkpoint's static scales (%s) are not used: activations are quantized per token at run time",
                  ", ".join(quant.unused))
+    if quant.activation_scale_ub is not None and fp8_gemms:
+        log.info("fp8 activations: a token's max counts for at most %g in its scale (activation_scale_ub); larger "
+                 "values saturate", quant.activation_scale_ub)
     if fp8_gemms:
         from kernels.fp8_gemm import split_counters, unit_scale
         from kernels.fp8_gemm_dispatch import cublaslt_named
@@ -352,6 +360,8 @@ def quantize_in_producers(model: nn.Module) -> int:
         for producer, layer in getattr(module, "fp8_activation_producers", list)():
             if layer.weight.dtype != FP8_DTYPE:
                 continue  # a plain layer the checkpoint did not convert
+            if getattr(layer, "fp8_max_scale", None) is not None:
+                continue  # its scales are bounded, which only its own quantize_rows does
             k = layer.weight.shape[1]
             group = layer.fp8_group_k if layer.weight_scale.shape[1] > 1 else k
             if can_quantize_in_groups(group, k):
@@ -419,14 +429,16 @@ def _finish_experts(name: str, experts: StackedExperts, quant: WeightQuantizatio
         scales = stacked["w13"][1].contiguous(), stacked["w2"][1].contiguous()
         experts.fp8 = fused_moe.moe_kernels.Fp8Experts(*scales, experts.fp8_group_k13, experts.fp8_group_k2,
                                                        weight_bytes=not fp8_gemms)
-        experts.fp8 = replace(experts.fp8, activations=moe_activations(name, experts.fp8))
+        bounded = quant.activation_scale_ub is not None  # w8a8 experts would not bound their activations' scales
+        experts.fp8 = replace(experts.fp8, activations=moe_activations(name, experts.fp8, bounded))
     return 1
 
 
-def moe_activations(name: str, scales) -> str:
+def moe_activations(name: str, scales, bounded: bool = False) -> str:
     """What FP8 experts (`scales`, a kernels/fused_moe.Fp8Experts) multiply on a GPU: "fp8" (w8a8: x and h quantized
     per token and 128 columns, FP8 by FP8 on the tensor cores; 1.12x the weight-only path on the Qwen3-30B-A3B shape,
-    bench/RESULTS.md 2026-12-04) where their scales are per row or per 128 columns, else "bf16" (weight-only: each FP8
+    bench/RESULTS.md 2026-12-04) where their scales are per row or per 128 columns and the checkpoint does not bound
+    the activations' scales (`bounded`: fbgemm_fp8's activation_scale_ub), else "bf16" (weight-only: each FP8
     weight tile widened to the activation dtype, exact). NANOSERVE_FP8_MOE_ACTIVATIONS=bf16 keeps every checkpoint
     weight-only; =fp8 refuses one whose scales do not allow it rather than falling back."""
     from kernels.fused_moe_fp8_activations import takes_fp8_activations
@@ -439,6 +451,11 @@ def moe_activations(name: str, scales) -> str:
             raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: FP8 activations need FP8 tensor cores (sm_89 and up)")
         return "bf16"
     if asked == "bf16":
+        return "bf16"
+    if bounded:
+        if asked == "fp8":
+            raise ValueError(f"{MOE_ACTIVATIONS_ENV}=fp8: the checkpoint bounds its activations' scales "
+                             "(activation_scale_ub), which the FP8-activation experts do not apply")
         return "bf16"
     if takes_fp8_activations(scales):
         return "fp8"

@@ -27,7 +27,8 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> tor
         return fp8_gemm.fp8_linear(x, layer.weight, layer.weight_scale, layer.fp8_group_k, bias,
                                    unscaled=getattr(layer, "fp8_unscaled_output", False),
                                    rows_sharing_scales=getattr(layer, "fp8_rows_sharing_scales", 1),
-                                   block_scales=getattr(layer, "fp8_block_scales", None))
+                                   block_scales=getattr(layer, "fp8_block_scales", None),
+                                   max_scale=getattr(layer, "fp8_max_scale", None))
     return F.linear(x, layer.weight, bias)
 
 

@@ -13,7 +13,9 @@ Formats (executor_svc/layers/fp8.py loads them, kernels/fp8_gemm.py multiplies t
   compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC, per row; its FP8 scheme, per tensor with static
   activation scales); `{"quant_method": "fp8"}` without weight_block_size (AutoFP8's and vLLM's per-tensor
   export, activation_scheme dynamic or static); `{"quant_method": "fbgemm_fp8"}` (Meta's Llama 3.1 FP8: per
-  row, dynamic per-token activations; its activation_scale_ub clamp is not applied); NVIDIA ModelOpt's export
+  row, dynamic per-token activations whose scale is bounded: activation_scale_ub, 1200 unless given, caps each
+  token's max before its scale is taken, and larger values saturate at +-448, as fbgemm's quantize_fp8_per_row
+  does); NVIDIA ModelOpt's export
   (`hf_quant_config.json` {"quantization": {"quant_algo": "FP8", ...}}, or `quant_method "modelopt"` in config.json):
   FP8 a scale per tensor with a static input_scale, FP8_PER_CHANNEL_PER_TOKEN a scale per row.
   ModelOpt's FP8_PB_WO is the block format: 128 x 128 blocks, its weight_scale [N/128, 1, K/128, 1]. AMD Quark's
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 QUANTIZATION_CHOICES = ("fp8",)  # --quantization
 MODELOPT_CONFIG = "hf_quant_config.json"  # where NVIDIA ModelOpt's export states its quantization
+FBGEMM_ACTIVATION_SCALE_UB = 1200.0  # fbgemm_fp8's bound where its config gives none (transformers' default)
 STATIC_SCALES = ("input_scale",)  # a static activation scale per converted module, not used (module docstring)
 
 
@@ -51,6 +54,7 @@ class WeightQuantization:
     not_converted: tuple[str, ...] = field(default_factory=tuple)  # module names or "re:" patterns
     unused: tuple[str, ...] = ()  # checkpoint tensors (their last name) read and not used: static activation scales
     per_tensor: bool = False  # channel: the checkpoint has one scale per tensor (served on each of its rows)
+    activation_scale_ub: float | None = None  # fbgemm_fp8: the most a token's max may count for in its scale
 
     def converts(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. model.layers.0.mlp.up_proj) holds FP8 weights."""
@@ -118,8 +122,12 @@ def _from_checkpoint(raw: dict, model_dir: str) -> WeightQuantization:
         return WeightQuantization(scheme="block", from_checkpoint=True, block=(int(block[0]), int(block[1])),
                                   scale_name="weight_scale_inv", not_converted=not_converted)
     if method == "fbgemm_fp8":  # a float32 weight_scale [N, 1] per row; activations per token at run time
+        bound = raw.get("activation_scale_ub", FBGEMM_ACTIVATION_SCALE_UB)
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < float("inf"):
+            raise refuse(f"activation_scale_ub {bound!r} is not a positive number")
         return WeightQuantization(scheme="channel", from_checkpoint=True, scale_name="weight_scale",
-                                  not_converted=tuple(raw.get("modules_to_not_convert") or ()))
+                                  not_converted=tuple(raw.get("modules_to_not_convert") or ()),
+                                  activation_scale_ub=float(bound))
     if method == "compressed-tensors":
         groups = list((raw.get("config_groups") or {}).values())
         if len(groups) != 1:

@@ -73,6 +73,21 @@ def test_a_checkpoints_static_activation_scales_are_named_as_unused(tmp_path):
     assert unused({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}) == ()
 
 
+def test_fbgemms_activation_scale_bound_is_read_with_transformers_default_and_a_bad_one_is_refused(tmp_path):
+    def bound(config: dict) -> float | None:
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump({"quantization_config": config}, f)
+        return weight_quantization(str(tmp_path), None).activation_scale_ub
+
+    assert bound({"quant_method": "fbgemm_fp8", "activation_scale_ub": 600}) == 600.0
+    assert bound({"quant_method": "fbgemm_fp8"}) == 1200.0  # FbgemmFp8Config's default
+    assert bound({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}) is None
+    for bad in (0, -1.0, "1200", None, True, float("inf")):
+        with pytest.raises(ValueError, match="activation_scale_ub .* is not a positive number"):
+            bound({"quant_method": "fbgemm_fp8", "activation_scale_ub": bad})
+
+
 BAD_TENSORS = {  # (scheme, tensor, replacement, what the error says)
     "a block grid of the wrong shape": ("block", "model.layers.0.self_attn.k_proj.weight_scale_inv",
                                         lambda t: torch.ones(3, 3), r"shape \[3, 3\] for a 96 x 192 weight.*\[1, 2\]"),
@@ -361,6 +376,20 @@ def test_fp8_experts_multiply_fp8_activations_by_default_where_their_scales_allo
             fp8.moe_activations("layers.0.mlp.experts", scales)
 
 
+def test_fp8_experts_stay_weight_only_where_the_checkpoint_bounds_its_activations_scales(monkeypatch):
+    """fbgemm_fp8's activation_scale_ub: the FP8-activation experts would not apply it, the weight-only ones quantize
+    no activations; asking for FP8 activations is refused, naming why."""
+    from kernels.fused_moe import Fp8Experts
+
+    scales = Fp8Experts(torch.ones(4, 1536, 1), torch.ones(4, 2048, 1), 2048, 768)  # a scale per row: w8a8 allowed
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "")
+    assert fp8.moe_activations("layers.0.mlp.experts", scales) == "fp8"
+    assert fp8.moe_activations("layers.0.mlp.experts", scales, bounded=True) == "bf16"
+    monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "fp8")
+    with pytest.raises(ValueError, match="bounds its activations' scales"):
+        fp8.moe_activations("layers.0.mlp.experts", scales, bounded=True)
+
+
 def test_fp8_weights_stay_fp8_on_gpus_and_take_the_weight_only_gemm_before_fp8_tensor_cores(checkpoints, monkeypatch,
                                                                                              caplog):
     """runs_fp8_gemms: Ada and Hopper (sm_89, sm_90) keep FP8 weights for the FP8 GEMMs; runs_weight_only_fp8_gemms: an
@@ -406,6 +435,28 @@ def test_the_norm_before_fp8_experts_that_multiply_fp8_activations_writes_both_f
     monkeypatch.setenv(fp8.MOE_ACTIVATIONS_ENV, "bf16")
     model, _ = load(path, quantization="fp8")
     assert all(model.model.layers[i].post_attention_layernorm.fp8_group is None for i in (0, 2))
+
+
+def test_an_fbgemm_checkpoints_layers_quantize_their_own_inputs_under_its_activation_scale_bound(checkpoints,
+                                                                                                 monkeypatch, caplog):
+    """Loaded as a GPU with FP8 tensor cores would load it (runs_fp8_gemms forced on for a CPU load): each FP8 layer
+    of an fbgemm_fp8 checkpoint takes the bound as fp8_max_scale, which its GEMM's quantize_rows applies
+    (tests/kernels/test_fp8_gemm.py), and so no producer quantizes for it; the log says the bound. A checkpoint
+    without one feeds its layers from their producers as before."""
+    from kernels.fp8_quant import activation_max_scale
+
+    monkeypatch.setattr(fp8, "runs_fp8_gemms", lambda device: True)
+    with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
+        model, _ = load(os.path.join(checkpoints, "fbgemm"))
+    layers = [layer for _, layer in fp8.linear_layers(model) if layer.weight.dtype == torch.float8_e4m3fn]
+    assert layers and all(layer.fp8_max_scale == activation_max_scale(1200.0) for layer in layers)
+    block = model.model.layers[0]
+    assert block.input_layernorm.fp8_group is None and block.mlp.act_fn.fp8_group is None
+    assert "counts for at most 1200 in its scale" in caplog.text
+    model, _ = load(os.path.join(checkpoints, "channel"))
+    block = model.model.layers[0]
+    assert not any(hasattr(layer, "fp8_max_scale") for _, layer in fp8.linear_layers(model))
+    assert block.input_layernorm.fp8_group is not None and block.mlp.act_fn.fp8_group is not None
 
 
 def test_experts_on_a_gpu_without_fp8_tensor_cores_keep_fp8_as_bytes_and_stay_weight_only(tmp_path, monkeypatch,

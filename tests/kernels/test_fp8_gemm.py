@@ -80,6 +80,48 @@ def test_activation_quantization_kernel_writes_the_reference_bytes_and_scales(m,
 
 
 @interpreter
+def test_activation_quantization_under_a_scale_bound_caps_the_scale_and_saturates_what_lies_past_it():
+    """fbgemm_fp8's activation_scale_ub (kernels/fp8_quant.activation_max_scale): a group whose max lies past the bound
+    takes the bound's scale and its larger values saturate at +-448; groups under it are quantized as without one."""
+    from kernels.fp8_quant import activation_max_scale
+
+    x, *_ = operands(6, 8, 96, 32, seed=4, outliers=False)
+    x[1, 40] = 9.0  # past the bound: group 1 of row 1
+    x[4, :32] *= 3.0
+    bound = activation_max_scale(4.0)
+    q, scale = fp8_gemm.quantize_rows(x, 32, max_scale=bound)
+    q_ref, scale_ref = quantize_rows_ref(x, 32, max_scale=bound)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    past = x.abs().view(6, 3, 32).amax(-1) > 4.0
+    assert past.any() and not past.all()
+    assert torch.all(scale[past] == bound)
+    assert q[1, 40].float() == 448.0, "a value past the bound saturates"
+    free_q, free_scale = quantize_rows_ref(x, 32)
+    assert torch.equal(scale[~past], free_scale[~past])
+    assert not torch.equal(scale, free_scale)
+    assert bound == pytest.approx(4.0 / 448, rel=1e-7)
+
+
+@interpreter
+def test_a_linear_layer_with_a_scale_bound_quantizes_its_input_under_it():
+    """The layer's fp8_max_scale (set at load for fbgemm_fp8) reaches the quantization fp8_linear runs (fp32 here takes
+    the Triton GEMM): its product is the GEMM of the bounded bytes, not of the free ones."""
+    from executor_svc.layers import linear
+    from kernels.fp8_quant import activation_max_scale
+
+    x, _, _, wq, w_scale, _ = operands(4, 24, 64, 64, seed=9, outliers=False)
+    x[2, 5] = 20.0
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale, layer.fp8_group_k = wq, w_scale, 64
+    free = linear._matmul(layer, x, None)
+    layer.fp8_max_scale = activation_max_scale(6.0)
+    bounded = linear._matmul(layer, x, None)
+    a, a_scale = quantize_rows_ref(x, 64, max_scale=layer.fp8_max_scale)
+    assert torch.equal(bounded, fp8_gemm.triton_fp8_gemm(a, a_scale, wq, w_scale, 64, torch.float32))
+    assert torch.equal(bounded[[0, 1, 3]], free[[0, 1, 3]]) and not torch.equal(bounded[2], free[2])
+
+
+@interpreter
 @pytest.mark.parametrize("m, n, k, group", [(5, 40, 80, 32), (3, 24, 56, 16), (17, 33, 50, 50)])
 def test_triton_fp8_gemm_with_block_or_channel_scales_matches_float64(m, n, k, group):
     _, a, a_scale, w, w_scale, bias = operands(m, n, k, group, seed=n)

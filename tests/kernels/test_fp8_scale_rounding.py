@@ -47,7 +47,8 @@ def test_the_activation_scales_compile_to_ieee_division_for_sm90(kernel):
     fn = getattr(importlib.import_module(f"kernels.{module}"), name)
     pointers = {"x_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_ptr": "*fp32"}
     constexprs = {"BLOCK": 128} if "rows" in name else {"CHUNK": 1024, "CHUNKS": 16}
-    sig = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32") for arg in fn.arg_names}
+    sig = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "fp32" if arg == "max_scale" else "i32")
+           for arg in fn.arg_names}
     ptx = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 1}).asm["ptx"]
     assert "div.full" not in ptx and "div.rn.f32" in ptx
