@@ -519,9 +519,9 @@ def test_gpu_fused_ops_replayed_from_a_cuda_graph_follow_new_inputs():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("num_tokens", [1, 256, 3000])
-def test_gpu_fused_prologue_is_bit_equal_to_the_unfused_chain(dtype, norm, num_tokens):
+@pytest.mark.parametrize("heads", [(Q_HEADS, KV_HEADS, HEAD_DIM), (32, 8, HEAD_DIM)], ids=["0.6b", "8b"])
+def test_gpu_fused_prologue_is_bit_equal_to_the_unfused_chain(dtype, norm, num_tokens, heads):
     gen = torch.Generator().manual_seed(num_tokens)
-    heads = (Q_HEADS, KV_HEADS, HEAD_DIM)
     inputs = prologue_inputs(num_tokens, *heads, gen=gen, dtype=dtype, device="cuda", block_size=16)
     fused = run_prologue(fused_prologue, inputs, heads, norm)
     chain = run_prologue(unfused_prologue, inputs, heads, norm)
