@@ -28,7 +28,25 @@ def checkpoints(tmp_path_factory) -> str:
     make_tiny_qwen3(str(root / "plain"), hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                     intermediate_size=320, vocab_size=1024, max_position_embeddings=2048)
     write_fp8_checkpoints(str(root / "plain"), str(root / "block"), str(root / "dequantized"), "block")
+    write_fp8_checkpoints(str(root / "plain"), str(root / "fbgemm"), str(root / "fbgemm_dequantized"), "fbgemm")
     return str(root)
+
+
+def test_an_fbgemm_checkpoint_quantizes_under_its_scale_bound_and_decodes_under_cuda_graphs_to_the_eager_tokens(
+        checkpoints):
+    """fbgemm_fp8's activation_scale_ub (1200): each FP8 layer quantizes its own input under it (no producer is fed),
+    and the engine's decode graphs capture that path."""
+    from kernels.fp8_quant import activation_max_scale
+
+    path = f"{checkpoints}/fbgemm"
+    loaded, _ = load_model(path, torch.bfloat16, torch.device("cuda"), TorchAttentionBackend())
+    layers = [layer for _, layer in fp8.linear_layers(loaded) if layer.weight.dtype == torch.float8_e4m3fn]
+    assert layers and all(layer.fp8_max_scale == activation_max_scale(1200.0) for layer in layers)
+    assert not [m for m in loaded.modules() if getattr(m, "fp8_group", None) is not None]
+    prompts = gpu_prompts()
+    graphs, _ = generate(path, prompts, max_num_seqs=32)
+    eager, _ = generate(path, prompts, enforce_eager=True)
+    assert_greedy_matches(graphs, [o.token_ids for o in eager], max_flip_fraction=1.0)
 
 
 @pytest.mark.parametrize("model, quantization", [("block", None), ("plain", "fp8")])
