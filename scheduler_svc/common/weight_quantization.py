@@ -71,7 +71,8 @@ class WeightQuantization:
         at_load = "" if self.from_checkpoint else ", quantized at load"
         if self.scheme == "block":
             return f"fp8_e4m3fn, {self.block[0]}x{self.block[1]} block scales{at_load}"
-        return f"fp8_e4m3fn, {'per-tensor' if self.per_tensor else 'per-channel'} scales{at_load}"
+        bound = "" if self.activation_scale_ub is None else f", activation_scale_ub {self.activation_scale_ub:g}"
+        return f"fp8_e4m3fn, {'per-tensor' if self.per_tensor else 'per-channel'} scales{bound}{at_load}"
 
 
 def weight_quantization(model_dir: str, quantization: str | None) -> WeightQuantization | None:

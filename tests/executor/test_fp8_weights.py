@@ -49,7 +49,8 @@ def test_an_fp8_checkpoint_loads_into_exactly_its_dequantized_weights_on_the_cpu
         assert param.dtype == torch.float32 and torch.equal(param, expected[name]), name
     per_tensor = scheme in ("tensor", "modelopt", "quark")
     assert facts.weight_format == ("fp8_e4m3fn, per-tensor scales" if per_tensor else "fp8_e4m3fn, 128x128 block scales"
-                                   if "block" in scheme else "fp8_e4m3fn, per-channel scales")
+                                   if "block" in scheme else "fp8_e4m3fn, per-channel scales"
+                                   + (", activation_scale_ub 1200" if scheme == "fbgemm" else ""))
     # the per-tensor checkpoints' static input_scale tensors are skipped, and the log says so
     said = "static scales (input_scale) are not used" in caplog.text
     assert said is per_tensor
