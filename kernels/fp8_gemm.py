@@ -536,6 +536,8 @@ def fp8_linear(x: torch.Tensor | QuantizedActivations, w: torch.Tensor, w_scale:
         a, a_scale = x.q, x.scale
         if a_scale.shape[1] != w_scale.shape[1]:
             raise ValueError(f"activations quantized in {a_scale.shape[1]} groups for a weight of {w_scale.shape[1]}")
+        if max_scale is not None:
+            raise ValueError("activations quantized by their producer for a layer that bounds their scales")
     else:  # the block recipe's scales written M-major, as it reads them
         a, a_scale = quantize_rows(x.reshape(-1, x.shape[-1]), group_k if grouped else k,
                                    m_major=M_MAJOR_SCALES and backend == "block_scaled_mm", max_scale=max_scale)

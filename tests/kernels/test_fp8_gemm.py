@@ -107,7 +107,7 @@ def test_a_linear_layer_with_a_scale_bound_quantizes_its_input_under_it():
     """The layer's fp8_max_scale (set at load for fbgemm_fp8) reaches the quantization fp8_linear runs (fp32 here takes
     the Triton GEMM): its product is the GEMM of the bounded bytes, not of the free ones."""
     from executor_svc.layers import linear
-    from kernels.fp8_quant import activation_max_scale
+    from kernels.fp8_quant import QuantizedActivations, activation_max_scale
 
     x, _, _, wq, w_scale, _ = operands(4, 24, 64, 64, seed=9, outliers=False)
     x[2, 5] = 20.0
@@ -119,6 +119,9 @@ def test_a_linear_layer_with_a_scale_bound_quantizes_its_input_under_it():
     a, a_scale = quantize_rows_ref(x, 64, max_scale=layer.fp8_max_scale)
     assert torch.equal(bounded, fp8_gemm.triton_fp8_gemm(a, a_scale, wq, w_scale, 64, torch.float32))
     assert torch.equal(bounded[[0, 1, 3]], free[[0, 1, 3]]) and not torch.equal(bounded[2], free[2])
+    # activations a producer quantized (unbounded) are refused there rather than multiplied unbounded
+    with pytest.raises(ValueError, match="bounds their scales"):
+        linear._matmul(layer, QuantizedActivations(a, a_scale, torch.float32), None)
 
 
 @interpreter
