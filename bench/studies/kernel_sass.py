@@ -12,7 +12,8 @@ a kernel change does to the code, e.g. whether an operand is read from shared me
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
 (kernels/attention/triton_tuning.py's configs, bf16 activations), or kernels/fused_ops.qk_norm_rope_store for the
 attention prologue (with the q/k norm; `scaled` reads an FP8 qkv_proj's unscaled product), and the arguments are
-specialised as a real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel opts out.
+specialised as a real launch would be: 16-byte-aligned pointers and strides divisible by 16, except where the kernel
+opts out.
 Programs per SM assume 64K registers and 227 KB of shared memory per SM. `loop` counts the instructions of
 the full-tile loop, one tile's worth per warp: the cost of a tile to issue.
 """
