@@ -1,7 +1,7 @@
 """Benchmark of the fused small ops against their eager torch chains; a benchmark, not a test.
 
   python bench/fused_ops.py                      # H200: graph-replayed us and GB/s per op and batch
-  python bench/fused_ops.py --model-shape qwen3-8b --kv-cache-dtype fp8 --ops prologue   # the attention prologue
+  python bench/fused_ops.py --model-shape qwen3-8b --kv-cache-dtype fp8 --ops prologue prologue-fp8  # the prologue
   python bench/fused_ops.py --device cpu --tiny  # interpreter smoke run, seconds
 
 Both sides are timed replayed from a CUDA graph, as decode runs in the server, so the eager chain
@@ -9,7 +9,9 @@ is charged for its kernels and intermediate tensors, not for launches. GB/s coun
 must move (inputs read once, outputs written once). Shapes are Qwen3-0.6B's (or --model-shape's), bf16 activations.
 The prologue (q/k norm, RoPE and the K/V store in one kernel) is timed against the four kernels it replaces (two
 rms_norm, rotary_embedding, store_kvcache: the eager reference indexes by a mask, which a graph cannot hold); its pool
-is bf16 or, with --kv-cache-dtype fp8, float8_e4m3fn with per-head scales.
+is bf16 or, with --kv-cache-dtype fp8, float8_e4m3fn with per-head scales. "prologue, fp8 product" reads an FP8
+qkv_proj's unscaled product, scaling it as it reads (`product_scales`), against scale_product's pass and then the
+prologue.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from bench.nanovllm_workload import MODEL_SHAPES  # noqa: E402
 
 EPS, VOCAB, BLOCK_SIZE = 1e-6, 151936, 16
 OPS = ("rms_norm", "rms_norm + residual", "q_norm + k_norm", "silu_and_mul", "rotary (q, k)", "prologue",
-       "sample (T=0.6)")
+       "prologue, fp8 product", "sample (T=0.6)")
 
 
 def sample_eager(logits, temperature):
@@ -47,7 +49,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU interpreter)")
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16", help="the prologue's pool")
-    p.add_argument("--ops", nargs="+", default=list(OPS), help=f"a subset of the ops; 'prologue' for {OPS[5]!r}")
+    p.add_argument("--ops", nargs="+", default=list(OPS),
+                   help="a subset of the ops; 'prologue' and 'prologue-fp8' for the prologue's two")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
     p.add_argument("--out", default=str(HERE / "results" / "fused_ops.json"))
     args = p.parse_args()
@@ -60,6 +63,7 @@ def main() -> None:
     from triton import testing
 
     from executor_svc.layers.rotary import RotaryEmbedding
+    from kernels import fp8_gemm
     from kernels import fused_ops as fo
     from kernels.attention.triton_kv_store import store_kvcache
     from kernels.kv_quant import KVScales
@@ -97,6 +101,15 @@ def main() -> None:
         scales = kv_scales if args.kv_cache_dtype == "fp8" else None
         prologue = (pos, q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots, head_w, head_w, EPS, scales)
 
+        # an FP8 qkv_proj's unscaled product: a scale per token and per column
+        row_scale = torch.rand(num_tokens, 1, device=device) * 4e-5 + 1e-5
+        col_scale = torch.rand(qkv.shape[1], 1, device=device) * 4e-3 + 1e-3
+        product_scales = (row_scale, *col_scale.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]))
+
+        def scale_pass_then_prologue():
+            fp8_gemm.scale_product(qkv, row_scale, col_scale, dt)  # in place
+            fo.qk_norm_rope_store(*prologue)
+
         def prologue_chain():
             normed_q, normed_k = fo.rms_norm(q, head_w, EPS), fo.rms_norm(k, head_w, EPS)
             fo.rotary_embedding(pos, normed_q, normed_k, rope.cos, rope.sin)
@@ -119,11 +132,13 @@ def main() -> None:
             "rotary (q, k)": (lambda: fo.rotary_embedding(pos, q, k, rope.cos, rope.sin),
                               lambda: fo.rotary_embedding_ref(pos, q, k, rope.cos, rope.sin), 2 * qk),
             "prologue": (lambda: fo.qk_norm_rope_store(*prologue), prologue_chain, prologue_bytes),
+            "prologue, fp8 product": (lambda: fo.qk_norm_rope_store(*prologue, product_scales),
+                                      scale_pass_then_prologue, prologue_bytes),
             "sample (T=0.6)": (lambda: sample_tokens(logits, temperature, seeds),
                                lambda: sample_eager(logits, temperature), logits.numel() * e),
         }
         for name, (fused, eager, nbytes) in cases.items():
-            if name not in args.ops:
+            if name not in args.ops and name.replace(", fp8 product", "-fp8") not in args.ops:
                 continue
             fused_us, eager_us = time_us(fused), time_us(eager)
             row = {"op": name, "tokens": num_tokens, "bytes": nbytes, "fused_us": fused_us, "eager_us": eager_us,
