@@ -35,7 +35,8 @@
 #   tp           bench/throughput.py at -tp 1 and -tp 2 on the Qwen3-8B shape, then -tp 2 on the 0.6B shape
 #                (a machine of 2+ GPUs; the all-reduce share comes from a `timeline` run with THROUGHPUT_ARGS=-tp 2)
 #   fused        bench/fused_ops.py (fused small ops and the sampler against their torch chains; FUSED_ARGS adds flags,
-#                as does fused@--flag, e.g. fused@--model-shape=qwen3-8b@--kv-cache-dtype=fp8@--ops@prologue@prologue-fp8)
+#                as does fused@--flag, e.g.
+#                fused@--model-shape=qwen3-8b@--kv-cache-dtype=fp8@--ops@prologue@prologue-fp8)
 #   structured   bench/structured.py: token-mask fill times, the scheduler's late-mask path on this host's
 #                CPU (bench/structured_loop.py), then throughput with half the requests JSON-schema-constrained
 #                against all free (STRUCTURED_ARGS adds flags to the latter)
