@@ -253,8 +253,8 @@ def _load_product(ptr, offs, mask, row_scale, col_scale_ptr, cols, SCALED: tl.co
 
 
 @triton.jit
-def _norm_rope_heads(base, h, num_heads, stride_h, cols, pair, col_mask, dim, eps, weight_ptr, cos, sin,
-                     row_scale, col_scale_ptr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr):
+def _norm_rope_heads(base, h, num_heads, stride_h, cols, col_mask, dim, half, eps, weight_ptr, cos_ptr, sin_ptr,
+                     pos, cache_stride, row_scale, col_scale_ptr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr):
     """Heads h of one token at `base`, normalised (HAS_NORM) and rotated in registers, in the activation dtype; and
     their mask and offsets. Each element's RoPE partner (column `pair`: c + D/2 in the first half, c - D/2 in the
     second) is loaded a second time, from L1, and normalised by its row's rstd, so no value goes through global
@@ -262,6 +262,12 @@ def _norm_rope_heads(base, h, num_heads, stride_h, cols, pair, col_mask, dim, ep
     adds in _rms_norm_kernel's order; every product is rounded where the eager chain rounds it. SCALED: an unscaled
     FP8 product's heads (_load_product)."""
     dtype = base.dtype.element_ty
+    first = cols < half
+    pair = tl.where(first, cols + half, cols - half)
+    angle = tl.where(first, cols, cols - half)
+    cos = tl.load(cos_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.where(first, -sin, sin)
     mask = (h < num_heads)[:, None] & col_mask
     offs = h[:, None] * stride_h + cols
     x = _load_product(base, offs, mask, row_scale, col_scale_ptr, h[:, None] * dim + cols, SCALED)
@@ -278,6 +284,20 @@ def _norm_rope_heads(base, h, num_heads, stride_h, cols, pair, col_mask, dim, ep
     return ((x * cos).to(dtype).to(tl.float32) + (xp * sin).to(dtype).to(tl.float32)).to(dtype), mask, offs
 
 
+@triton.jit
+def _store_heads_to_pool(x, cache_ptr, scale_ptr, slot, h, cols, mask, dim, stride_b, stride_s, stride_h,
+                         NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """Heads h of a token's k or v (x, fp32 [HEADS, BLOCK_D]) into the pool row at `slot` (none for -1: padding, or
+    a prefix-cache hit already stored); a quantized pool gets them quantized by their heads' scales (fp8), or int8's
+    by their channels' ([H_kv, D] row-major)."""
+    if KV_FORMAT == 1:
+        x = quantize_fp8(x, tl.load(scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)[:, None])
+    elif KV_FORMAT == 2:
+        x = quantize_int8(x, tl.load(scale_ptr + h[:, None] * dim + cols, mask=mask, other=1.0))
+    base = cache_ptr + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_s
+    tl.store(base + h[:, None] * stride_h + cols, x.to(cache_ptr.dtype.element_ty), mask=mask & (slot >= 0))
+
+
 @triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])  # rows of the pool's scales
 def _qk_norm_rope_store_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -288,58 +308,48 @@ def _qk_norm_rope_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_D: tl.constexpr, KV_FORMAT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    # Program (t, g) takes HEADS heads of token t: q's [g * HEADS, ...) for g < Q_GROUPS, else k's and v's, which it
-    # also writes to the token's row of the pool. Each does one pass over its heads; the grid is the only thing sized
-    # by the token count, so no argument changes from step to step. SCALED: q, k and v are an unscaled FP8 product's,
-    # scaled where they are read.
+    # Program (t, g) takes HEADS heads of token t: q's [g * HEADS, ...) for g < Q_GROUPS, then k's (which it also
+    # writes to the token's row of the pool), then v's (to the pool). Each does one pass over its heads; the grid is
+    # the only thing sized by the token count, so no argument changes from step to step. SCALED: q, k and v are an
+    # unscaled FP8 product's, scaled where they are read.
     Q_GROUPS: tl.constexpr = (NUM_Q_HEADS + HEADS - 1) // HEADS
+    KV_GROUPS: tl.constexpr = (NUM_KV_HEADS + HEADS - 1) // HEADS
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     row_scale = 1.0
     if SCALED:
         row_scale = tl.load(row_scale_ptr + t)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
     rows = tl.arange(0, HEADS)
-    # column indices as a [HEADS, BLOCK_D] tile: every vector below is loaded in the heads' own layout
+    # column indices as a [HEADS, BLOCK_D] tile: every vector is loaded in the heads' own layout
     cols = tl.arange(0, BLOCK_D)[None, :] + tl.zeros([HEADS, 1], tl.int32)
     col_mask = cols < dim
-    first = cols < half
-    pair = tl.where(first, cols + half, cols - half)
-    angle = tl.where(first, cols, cols - half)
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
-    if g < Q_GROUPS:
-        q_base = q_ptr + t * q_stride_t
-        q, mask, offs = _norm_rope_heads(q_base, g * HEADS + rows, NUM_Q_HEADS, q_stride_h, cols, pair, col_mask, dim,
-                                         eps, q_weight_ptr, cos, sin, row_scale, q_col_scale_ptr, HAS_NORM, SCALED)
-        tl.store(q_base + offs, q, mask=mask)
+    if g < Q_GROUPS + KV_GROUPS:
+        pos = tl.load(positions_ptr + t).to(tl.int64)
+        if g < Q_GROUPS:
+            q_base = q_ptr + t * q_stride_t
+            q, mask, offs = _norm_rope_heads(q_base, g * HEADS + rows, NUM_Q_HEADS, q_stride_h, cols, col_mask, dim,
+                                             half, eps, q_weight_ptr, cos_ptr, sin_ptr, pos, cache_stride, row_scale,
+                                             q_col_scale_ptr, HAS_NORM, SCALED)
+            tl.store(q_base + offs, q, mask=mask)
+        else:
+            h = (g - Q_GROUPS) * HEADS + rows
+            k_base = k_ptr + t * k_stride_t
+            k, mask, offs = _norm_rope_heads(k_base, h, NUM_KV_HEADS, k_stride_h, cols, col_mask, dim, half, eps,
+                                             k_weight_ptr, cos_ptr, sin_ptr, pos, cache_stride, row_scale,
+                                             k_col_scale_ptr, HAS_NORM, SCALED)
+            tl.store(k_base + offs, k, mask=mask)
+            # the rotated k as rounded to the activation dtype above goes to the pool
+            _store_heads_to_pool(k.to(tl.float32), k_cache_ptr, k_scale_ptr, tl.load(slot_mapping_ptr + t).to(tl.int64),
+                                 h, cols, mask, dim, kc_stride_b, kc_stride_s, kc_stride_h, NUM_KV_HEADS, BLOCK_SIZE,
+                                 KV_FORMAT)
     else:
-        h = (g - Q_GROUPS) * HEADS + rows
-        k_base = k_ptr + t * k_stride_t
-        k, mask, offs = _norm_rope_heads(k_base, h, NUM_KV_HEADS, k_stride_h, cols, pair, col_mask, dim, eps,
-                                         k_weight_ptr, cos, sin, row_scale, k_col_scale_ptr, HAS_NORM, SCALED)
-        tl.store(k_base + offs, k, mask=mask)
+        h = (g - Q_GROUPS - KV_GROUPS) * HEADS + rows
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        cache_mask = mask & (slot >= 0)  # -1: padding, or a prefix-cache hit already stored
-        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        channels = h[:, None] * dim + cols  # int8's scales, [H_kv, D] row-major; a product's columns
-        v = _load_product(v_ptr + t * v_stride_t, h[:, None] * v_stride_h + cols, cache_mask, row_scale,
-                          v_col_scale_ptr, channels, SCALED)
-        k = k.to(tl.float32)
-        if KV_FORMAT == 1:  # the rotated k as rounded to the activation dtype above, over its head's scale
-            k = quantize_fp8(k, tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)[:, None])
-            v = quantize_fp8(v, tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)[:, None])
-        elif KV_FORMAT == 2:
-            k = quantize_int8(k, tl.load(k_scale_ptr + channels, mask=mask, other=1.0))
-            v = quantize_int8(v, tl.load(v_scale_ptr + channels, mask=mask, other=1.0))
-        k_cache_base = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
-        v_cache_base = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
-        tl.store(k_cache_base + h[:, None] * kc_stride_h + cols, k.to(k_cache_ptr.dtype.element_ty),
-                 mask=cache_mask)
-        tl.store(v_cache_base + h[:, None] * vc_stride_h + cols, v.to(v_cache_ptr.dtype.element_ty),
-                 mask=cache_mask)
+        mask = (h < NUM_KV_HEADS)[:, None] & col_mask
+        v = _load_product(v_ptr + t * v_stride_t, h[:, None] * v_stride_h + cols, mask & (slot >= 0), row_scale,
+                          v_col_scale_ptr, h[:, None] * dim + cols, SCALED)
+        _store_heads_to_pool(v, v_cache_ptr, v_scale_ptr, slot, h, cols, mask, dim, vc_stride_b, vc_stride_s,
+                             vc_stride_h, NUM_KV_HEADS, BLOCK_SIZE, KV_FORMAT)
 
 
 def qk_norm_rope_store(
@@ -382,7 +392,7 @@ def qk_norm_rope_store(
     # out as in rms_norm's tile, so each row's sum of squares adds in the same order (test_gpu_compile.py).
     block_d = triton.next_power_of_2(head_dim)
     heads = max(1, PROLOGUE_TILE // block_d)
-    grid = (num_tokens, triton.cdiv(num_q_heads, heads) + triton.cdiv(num_kv_heads, heads))
+    grid = (num_tokens, triton.cdiv(num_q_heads, heads) + 2 * triton.cdiv(num_kv_heads, heads))
     weights = (q_norm_weight, k_norm_weight) if has_norm else (qv, kv)  # unused without the norm
     k_scale, v_scale, kv_format = kv_scale_args(k_cache, kv_scales, slot_mapping)
     if product_scales is not None:
