@@ -142,7 +142,9 @@ def choose_gemm(scheme: str, m: int, n: int, k: int, whole_blocks: bool = False)
     ("block" or "channel") scales: m, or more where the table's row pads _scaled_mm's rows. whole_blocks: a block
     weight's scales are whole 128 x 128 blocks (kernels/fp8_quant.block_scales_of), which block_scaled_mm needs."""
     if scheme == "block":
-        if not whole_blocks or n % 128 or k % 128:
+        # torch's block recipe takes K's scales in whole runs of 4 blocks: at K = 256 it refused 2 ("scale_b must
+        # have shape 4 x 8", H100, torch 2.11); N = 384 (3 blocks) ran
+        if not whole_blocks or n % 128 or k % (4 * 128):
             return "triton", m
         row = _lookup(BLOCK_TABLE.get((n, k), BLOCK_DEFAULT), m)
         return ("triton", m) if row is None else _backend_and_rows(row, m)  # past the table's last row: Triton

@@ -267,7 +267,6 @@ def _norm_rope_heads(base, h, num_heads, stride_h, cols, col_mask, dim, half, ep
     angle = tl.where(first, cols, cols - half)
     cos = tl.load(cos_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * cache_stride + angle, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
     mask = (h < num_heads)[:, None] & col_mask
     offs = h[:, None] * stride_h + cols
     x = _load_product(base, offs, mask, row_scale, col_scale_ptr, h[:, None] * dim + cols, SCALED)
@@ -280,8 +279,12 @@ def _norm_rope_heads(base, h, num_heads, stride_h, cols, col_mask, dim, half, ep
         # rms_norm's roundings: the normalised value, then its product with the weight (rms_norm's output dtype)
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-    # sin is negated in the first half: x1 c - x2 s = x1 c + x2 (-s), and rounding commutes with the sign
-    return ((x * cos).to(dtype).to(tl.float32) + (xp * sin).to(dtype).to(tl.float32)).to(dtype), mask, offs
+    # x1 c - x2 s in the first half, x2 c + x1 s in the second: _rotate_heads' expressions, which the compiler turns
+    # into the same bf16 products and FMAs (on sm_90 it fuses one product of each pair into the sum; written as one
+    # sum with -sin it fused the other, an ulp apart)
+    rotated = (x * cos).to(dtype).to(tl.float32)
+    partner = (xp * sin).to(dtype).to(tl.float32)
+    return tl.where(first, rotated - partner, rotated + partner).to(dtype), mask, offs
 
 
 @triton.jit
@@ -359,7 +362,9 @@ def qk_norm_rope_store(
     kv_scales: KVScales | None = None, product_scales: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(q), rms_norm(k) (when the weights are given), RoPE on both, then store_kvcache(k, v,
-    kv_scales): one launch, bit for bit the four kernels' result.
+    kv_scales): one launch, bit for bit rms_norm's kernel, then RoPE as eager torch rounds it (rotary_embedding_ref:
+    each product rounded to the activation dtype, then their sum), then the store. On sm_90 the rotary_embedding
+    kernel is an ulp off that: the compiler fuses one product of each pair into a bf16 FMA.
 
     q [T, H_q, D], k and v [T, H_kv, D] (or [T, H*D]): views of the fused qkv output with a unit
     last stride. q and k are normalised and rotated in place; k and v are written to

@@ -607,8 +607,9 @@ def test_block_weights_go_to_torchs_block_recipe_only_where_their_scales_are_who
     assert dispatch.choose_gemm("block", 100, 256, 512) == ("triton", 100)  # scales not whole blocks
     assert dispatch.choose_gemm("block", 100, 200, 512, whole_blocks=True) == ("triton", 100)  # N not in 128s
     assert dispatch.choose_gemm("block", 100, 256, 320, whole_blocks=True) == ("triton", 100)  # nor K
+    assert dispatch.choose_gemm("block", 100, 1024, 256, whole_blocks=True) == ("triton", 100)  # K not in 4 blocks
     # a shape not measured: BLOCK_DEFAULT (Triton at few tokens, cuBLASLt's block kernels from 65 on)
-    assert [dispatch.choose_gemm("block", m, 384, 384, whole_blocks=True)[0] for m in (64, 65, 256, 5000)] == [
+    assert [dispatch.choose_gemm("block", m, 384, 512, whole_blocks=True)[0] for m in (64, 65, 256, 5000)] == [
         "triton", "block_scaled_mm", "block_scaled_mm", "block_scaled_mm"]
     with pytest.raises(ValueError, match="scaled_mm"):  # a channel backend named for block weights
         dispatch.apply_table({"block_backends": {"256x512": [[16, "scaled_mm"]]}})

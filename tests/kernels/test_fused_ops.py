@@ -237,12 +237,21 @@ def fused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
     return fo.qk_norm_rope_store(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, EPS)
 
 
-def unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w):
-    """The four launches the fused kernel replaces, as the model ran them."""
+def unfused_prologue(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_w, k_w, kv_scales=None):
+    """The launches the fused kernel replaces, as the model ran them: rms_norm's kernel (each row added in the same
+    order), RoPE, the pool store. RoPE as the fused kernel rounds it: on a GPU eager torch's (each product rounded to
+    the activation dtype, then their sum; there the rotary_embedding kernel is an ulp off it, as sm_90 fuses one
+    product of each pair into a bf16 FMA), under the interpreter the rotary kernel's (which truncates as the fused
+    kernel does, where torch rounds)."""
     if q_w is not None:
         q, k = fo.rms_norm(q, q_w, EPS), fo.rms_norm(k, k_w, EPS)
-    fo.rotary_embedding(positions, q, k, cos, sin)
-    ta.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    if q.is_cuda:
+        rotated_q, rotated_k = fo.rotary_embedding_ref(positions, q, k, cos, sin)
+        q.copy_(rotated_q)
+        k.copy_(rotated_k)
+    else:
+        fo.rotary_embedding(positions, q, k, cos, sin)
+    ta.store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q, k
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from kernels.kv_quant import FP8_DTYPE, KVScales, as_bytes, dequantize, quantize  # noqa: E402
 from support.paged_batches import make_batch, reference_attention, rel_error  # noqa: E402
-from test_fused_ops import EPS, prologue_inputs, split_heads  # noqa: E402
+from test_fused_ops import EPS, prologue_inputs, split_heads, unfused_prologue  # noqa: E402
 from test_kv_rotation import attention_layer, outlier_qkv  # noqa: E402
 
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -171,10 +171,7 @@ def prologue_pools(device, dtype, norm, tokens, hq, hkv, d, seed, scales, cache_
         if name == "fused":
             fo.qk_norm_rope_store(*args, *w, EPS, scales)
         elif name == "chain":
-            if norm:
-                q, k = fo.rms_norm(q, w[0], EPS), fo.rms_norm(k, w[1], EPS)
-            fo.rotary_embedding(x["positions"], q, k, x["cos"], x["sin"])
-            ta.store_kvcache(k, v, x["k_cache"], x["v_cache"], x["slot_mapping"], scales)
+            unfused_prologue(*args, *w, scales)
         else:
             fo.qk_norm_rope_store_ref(*args, *w, EPS, scales)
         pools[name] = (x["k_cache"], x["v_cache"])
