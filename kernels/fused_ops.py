@@ -152,8 +152,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(base, h, num_heads, stride_h, half, cos, sin, d, d_mask):
-    """Rotate heads h of one token at `base`, in place, in the activation dtype: each product rounded as eager torch
-    rounds it, after the fp32 cos/sin cache is cast to the activation dtype."""
+    """Rotate heads h of one token at `base`, in place, in the activation dtype, after the fp32 cos/sin cache is cast
+    to the activation dtype: eager torch's expressions, though on sm_90 the compiler fuses one product of each pair
+    into a bf16 FMA, an ulp from eager torch (the fused prologue rounds as eager torch does)."""
     dtype = base.dtype.element_ty
     mask = (h < num_heads)[:, None] & d_mask[None, :]
     offs = h[:, None] * stride_h + d[None, :]
@@ -279,9 +280,9 @@ def _norm_rope_heads(base, h, num_heads, stride_h, cols, col_mask, dim, half, ep
         # rms_norm's roundings: the normalised value, then its product with the weight (rms_norm's output dtype)
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-    # x1 c - x2 s in the first half, x2 c + x1 s in the second: _rotate_heads' expressions, which the compiler turns
-    # into the same bf16 products and FMAs (on sm_90 it fuses one product of each pair into the sum; written as one
-    # sum with -sin it fused the other, an ulp apart)
+    # x1 c - x2 s in the first half, x2 c + x1 s in the second, each product rounded before the sum as eager torch
+    # rounds it (on sm_90: bf16 products, then an fp32 sum). Written as one sum with -sin, the compiler fused a product
+    # into a bf16 FMA instead, as it does in _rotate_heads: an ulp apart.
     rotated = (x * cos).to(dtype).to(tl.float32)
     partner = (xp * sin).to(dtype).to(tl.float32)
     return tl.where(first, rotated - partner, rotated + partner).to(dtype), mask, offs
@@ -392,9 +393,9 @@ def qk_norm_rope_store(
     assert kv.shape[0] == num_tokens and positions.shape[0] == num_tokens and slot_mapping.shape[0] == num_tokens
     if num_tokens == 0:
         return q, k
-    # A program takes HEADS heads of a token, a tile of PROLOGUE_TILE elements: (H_q + H_kv) / HEADS programs a token
-    # keep the SMs busy at decode's few tokens. The tile does not shrink to fewer heads: on 4 warps its rows are laid
-    # out as in rms_norm's tile, so each row's sum of squares adds in the same order (test_gpu_compile.py).
+    # A program takes HEADS heads of a token, a tile of PROLOGUE_TILE elements: (H_q + 2 H_kv) / HEADS programs a
+    # token keep the SMs busy at decode's few tokens. The tile does not shrink to fewer heads: on 4 warps its rows
+    # are laid out as in rms_norm's tile, so each row's sum of squares adds in the same order (test_gpu_compile.py).
     block_d = triton.next_power_of_2(head_dim)
     heads = max(1, PROLOGUE_TILE // block_d)
     grid = (num_tokens, triton.cdiv(num_q_heads, heads) + 2 * triton.cdiv(num_kv_heads, heads))
