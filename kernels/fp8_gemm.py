@@ -28,8 +28,9 @@ Four GEMMs, chosen per shape and token count by kernels/fp8_gemm_dispatch.py:
   SPLIT_K programs over slices of K, whose last one adds up the fp32 partials in the same launch.
 
 On GPUs without FP8 tensor cores (before sm_89) `weight_only_fp8_gemm` runs the same Triton kernel with W_ONLY: the
-activations are not quantized, and each W tile is read as bytes and widened to their dtype (e4m3_from_bytes), so the
-weights keep FP8's memory where no FP8 product can run.
+activations are not quantized, and each W tile is read as bytes and widened to their dtype (e4m3_as_fp16: each value
+/ 2^8 in three integer operations, the 2^8 folded into the scales), so the weights keep FP8's memory where no FP8
+product can run.
 
 The three cuBLASLt recipes above (row-wise, tensor-wise, block) run on the algorithm cuBLASLt's heuristic gives
 torch, unless the dispatch's CUBLASLT_ALGOS names another for that shape and token count: then `cublaslt_product`
@@ -120,13 +121,29 @@ def e4m3_from_bytes(b):
     return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
 
 
+# e4m3_as_fp16 reads each weight as its value / 2^8 (fp16's exponent bias is 15, e4m3's 7): the weight-only GEMM
+# multiplies its scales by this, exactly
+E4M3_AS_FP16_UNSCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def e4m3_as_fp16(b):
+    """float8_e4m3fn values given as their bytes (uint8) as float16 holding each value / 2^8, exactly: the byte's
+    exponent and mantissa fields are fp16's low exponent and high mantissa bits, its sign fp16's sign, so e4m3's
+    subnormals land on fp16's with the same factor. A shift and two masks a byte, where e4m3_from_bytes takes about
+    15 operations: the weight-only GEMM's decode, which issues once per W element a program reads. The NaN bytes
+    (0x7F, 0xFF) read as +-480 / 2^8: the loader refuses weights that hold them (executor_svc/layers/fp8.py)."""
+    bits = b.to(tl.uint16) << 7
+    return ((bits & 0x3F80) | ((bits << 1) & 0x8000)).to(tl.float16, bitcast=True)
+
+
 @triton.jit
 def _fp8_gemm_epilogue(acc, rows64, cols64, row_mask, col_mask, a_scale_ptr, w_scale_ptr, bias_ptr, c_ptr, stride_cm,
                        stride_asm, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_ONLY: tl.constexpr):
     if not GROUPED:  # channel scales apply once, to the whole accumulator
         w_s = tl.load(w_scale_ptr + cols64, mask=col_mask, other=0.0)
-        if W_ONLY:  # the activations were not quantized
-            acc = acc * w_s[None, :]
+        if W_ONLY:  # the activations were not quantized; W was read as its values / 2^8 (e4m3_as_fp16)
+            acc = acc * (w_s * E4M3_AS_FP16_UNSCALE)[None, :]
         else:
             a_s = tl.load(a_scale_ptr + rows64 * stride_asm, mask=row_mask, other=0.0)
             acc = acc * (a_s[:, None] * w_s[None, :])
@@ -181,10 +198,10 @@ def _fp8_gemm_kernel(
         if W_ONLY:
             if UPCAST:  # the interpreter's bf16 arithmetic is wrong: fp32 there
                 a = a.to(tl.float32)
-            w = e4m3_from_bytes(w).to(a.dtype)
+            w = e4m3_as_fp16(w).to(a.dtype)  # exact in bf16 and fp32 too (at most 4 significant bits, 2^-17..2)
         if GROUPED:  # one K tile is one scale group
-            if W_ONLY:  # no activation scales
-                a_s = tl.full([BLOCK_M], 1.0, tl.float32)
+            if W_ONLY:  # no activation scales; W was read as its values / 2^8 (e4m3_as_fp16)
+                a_s = tl.full([BLOCK_M], E4M3_AS_FP16_UNSCALE, tl.float32)
                 part = tl.dot(a, w, input_precision=PRECISION)
             else:
                 a_s = tl.load(a_scale_ptr + rows64 * stride_asm + kt * stride_asg, mask=row_mask, other=0.0)

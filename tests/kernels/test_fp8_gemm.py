@@ -31,6 +31,11 @@ if KERNELS_RUN_HERE:
         offs = tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, fp8_gemm.e4m3_from_bytes(tl.load(b_ptr + offs)))
 
+    @triton.jit
+    def _bytes_as_fp16_kernel(b_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, fp8_gemm.e4m3_as_fp16(tl.load(b_ptr + offs)))
+
 
 def operands(m, n, k, group, *, seed, device="cpu", outliers=True, x_dtype=None):
     """Activations with a few large channels (as real ones have) and a weight whose blocks differ in scale,
@@ -288,6 +293,22 @@ def test_fp8_bytes_decode_to_every_e4m3_value_exactly():
     finite = ~torch.isnan(want)
     assert torch.equal(out[finite], want[finite])
     assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))  # -0.0 and the negative subnormals
+
+
+@interpreter
+def test_fp8_bytes_read_as_fp16_are_every_finite_e4m3_value_over_256_exactly():
+    """The weight-only GEMM's decode (e4m3_as_fp16): every finite byte, normal, subnormal and both zeros, is its
+    float8_e4m3fn value / 2^8 in fp16, sign included; the NaN bytes (refused at load) read as +-480 / 2^8."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.float16)
+    _bytes_as_fp16_kernel[(1,)](every, out, BLOCK=256)
+    want = every.view(torch.float8_e4m3fn).float()
+    finite = ~torch.isnan(want)
+    assert int(finite.sum()) == 254
+    assert torch.equal(out[finite].float() * fp8_gemm.E4M3_AS_FP16_UNSCALE.value, want[finite])
+    assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))
+    assert (torch.count_nonzero(out[finite].float() == 0) == 2  # only the two zeros: no subnormal flushed
+            and torch.equal(out[~finite].float() * 256, torch.tensor([480.0, -480.0])))
 
 
 @interpreter
