@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_gemm import e4m3_from_bytes
+from kernels.fp8_gemm import E4M3_AS_FP16_UNSCALE, e4m3_as_fp16
 from kernels.fp8_quant import SCALE_BLOCK_ROWS, rows_sharing_scales
 from kernels.triton_runtime import INTERPRET
 
@@ -242,12 +242,12 @@ def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: t
 
 @triton.jit
 def _scaled_dot(a, w, acc, s_ptrs, s_tile_ptr, k, n_ok, SCALES: tl.constexpr, GROUP_K: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W_PER_TILE: tl.constexpr):
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W_PER_TILE: tl.constexpr, W_BYTES: tl.constexpr):
     """acc + a . w for one K tile. FP8 weights (SCALES > 0) are widened to the activations' dtype, exactly (e4m3's
-    values are all bf16 values); with a scale per group of GROUP_K columns (SCALES 2: a block checkpoint's, the K tile
-    inside one group) the tile's product is scaled as it joins the accumulator, per-row scales (SCALES 1) wait for
-    the epilogue. W_PER_TILE (per_tile): the tile's rows share their scales, so one scalar a group from its first
-    row (s_tile_ptr), not a [BLOCK_N] vector a K tile."""
+    values are all bf16 values; W_BYTES: read as their values / 2^8, which the scales undo); with a scale per group of
+    GROUP_K columns (SCALES 2: a block checkpoint's, the K tile inside one group) the tile's product is scaled as it
+    joins the accumulator, per-row scales (SCALES 1) wait for the epilogue. W_PER_TILE (per_tile): the tile's rows
+    share their scales, so one scalar a group from its first row (s_tile_ptr), not a [BLOCK_N] vector a K tile."""
     if SCALES == 0:
         return tl.dot(a, w, acc, input_precision=PRECISION)
     w = w.to(a.dtype)
@@ -255,16 +255,24 @@ def _scaled_dot(a, w, acc, s_ptrs, s_tile_ptr, k, n_ok, SCALES: tl.constexpr, GR
         return tl.dot(a, w, acc, input_precision=PRECISION)
     group = (k * BLOCK_K) // GROUP_K
     if W_PER_TILE:
-        return acc + tl.dot(a, w, input_precision=PRECISION) * tl.load(s_tile_ptr + group)
+        s_tile = tl.load(s_tile_ptr + group)
+        if W_BYTES:
+            s_tile = s_tile * E4M3_AS_FP16_UNSCALE
+        return acc + tl.dot(a, w, input_precision=PRECISION) * s_tile
     s = tl.load(s_ptrs + group, mask=n_ok, other=0.0)
+    if W_BYTES:
+        s = s * E4M3_AS_FP16_UNSCALE
     return acc + tl.dot(a, w, input_precision=PRECISION) * s[None, :]
 
 
 @triton.jit
-def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr):
-    """The epilogue's per-row weight scale (SCALES 1), else acc as it is."""
+def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr, W_BYTES: tl.constexpr):
+    """The epilogue's per-row weight scale (SCALES 1; W_BYTES: times 2^8, see _scaled_dot), else acc as it is."""
     if SCALES == 1:
-        return acc * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
+        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        if W_BYTES:
+            s = s * E4M3_AS_FP16_UNSCALE
+        return acc * s[None, :]
     return acc
 
 
@@ -305,7 +313,7 @@ def _store_weighted(out_ptr, acc, weights_ptr, pair, row_ok, offs_n, n_ok, strid
 def _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, W_BYTES: tl.constexpr):
     """K tile k of the activations [M, K] and of the gate and up weights [K, N], zeros past the edges (fp32 in the
-    interpreter; W_BYTES: FP8 weights given as their bytes, decoded to fp32)."""
+    interpreter; W_BYTES: FP8 weights given as their bytes, read as their values / 2^8 in fp16)."""
     if EVEN_K:
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
@@ -316,7 +324,7 @@ def _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOC
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if W_BYTES:
-        g, u = e4m3_from_bytes(g), e4m3_from_bytes(u)
+        g, u = e4m3_as_fp16(g), e4m3_as_fp16(u)
     if UPCAST:
         a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
     return a, g, u
@@ -345,13 +353,15 @@ def _gate_up_silu_kernel(
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
         a, g, u = _gate_up_loads(a_ptrs, g_ptrs, u_ptrs, row_ok, n_ok, offs_k, k, hidden, BLOCK_K, EVEN_K, UPCAST,
                                  W_BYTES)
-        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, sg_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
-        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, su_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
+        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, sg_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE,
+                             W_BYTES)
+        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, su_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE,
+                             W_BYTES)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALES)
-    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALES)
+    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALES, W_BYTES)
+    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALES, W_BYTES)
     # rounded where HF's eager expert rounds: each projection's output, then silu, then the product
     gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -387,14 +397,15 @@ def _down_weighted_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if W_BYTES:
-            b = e4m3_from_bytes(b)
+            b = e4m3_as_fp16(b)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = _scaled_dot(a, b, acc, s_ptrs, s_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE)
+        acc = _scaled_dot(a, b, acc, s_ptrs, s_tile, k, n_ok, SCALES, GROUP_K, BLOCK_K, PRECISION, W_PER_TILE,
+                          W_BYTES)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    _store_weighted(out_ptr, _row_scaled(acc, s_ptrs, n_ok, SCALES), weights_ptr, pair, row_ok, offs_n, n_ok,
-                    stride_ot)
+    _store_weighted(out_ptr, _row_scaled(acc, s_ptrs, n_ok, SCALES, W_BYTES), weights_ptr, pair, row_ok, offs_n,
+                    n_ok, stride_ot)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_weight_only_fp8_experts_compile_for_sm90_and_sm80(num_tokens, scales, g
 @pytest.mark.parametrize("capability", [80, 86, 90])  # A100; A10, A40, RTX 30xx; and Hopper
 @pytest.mark.parametrize("grouped", [True, False])
 def test_the_weight_only_fp8_gemm_compiles_for_gpus_without_fp8_tensor_cores(capability, grouped):
-    """FP8 weights read as bytes and widened to bf16 in the tile (fp8_gemm.e4m3_from_bytes): no e4m3 type anywhere,
+    """FP8 weights read as bytes and widened to bf16 in the tile (fp8_gemm.e4m3_as_fp16): no e4m3 type anywhere,
     so it compiles where Triton refuses one, at the rule's tiles for a decode step and a prefill chunk."""
     from kernels import fp8_gemm
 
