@@ -1,5 +1,6 @@
-"""What the engine's attention kernels compile to on a Hopper GPU, without one: registers, spills and an
-instruction histogram of each kernel, compiled for sm_90 by Triton's own ptxas on this machine. Not a
+"""What the engine's attention kernels (and the weight-only FP8 GEMM) compile to on a Hopper GPU, without one:
+registers, spills and an instruction histogram of each kernel, compiled for sm_90 (or sm_80) by Triton's own ptxas
+on this machine. Not a
 timing (that needs the device: bench/kernels.py, bench/studies/fp8_decode_variants.py), but it shows in seconds what
 a kernel change does to the code, e.g. whether an operand is read from shared memory a byte at a time.
 
@@ -8,6 +9,7 @@ a kernel change does to the code, e.g. whether an operand is read from shared me
     python bench/studies/kernel_sass.py --dump-dir /tmp/sass         # also writes each kernel's SASS
     python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels decode --kv-cache-dtype auto --decode-fp8-out 0 1 2
     python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels prologue   # q/k norm, RoPE, K/V store
+    python bench/studies/kernel_sass.py --model-shape qwen3-8b --kernels weight-only --arch 80   # FP8 W as bytes
 
 The launch constants are the ones paged_decode_attention / paged_prefill_attention pass on an H200
 (kernels/attention/triton_tuning.py's configs, bf16 activations), or kernels/fused_ops.qk_norm_rope_store for the
@@ -91,16 +93,19 @@ def cuobjdump(kernel) -> tuple[str, str]:
     return usage, sass
 
 
-def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 capability: int = 90) -> dict:
+    """The kernel compiled for sm_90, or for sm_`capability` (80: an A100, whose SMs hold 163 KB of shared memory)."""
     sig, attrs = signature(fn, pointer_types, constexprs)
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     usage, sass = cuobjdump(kernel)
     opcodes = collections.Counter(OPCODE.findall(sass))
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
     programs = min(SM_REGISTERS // (registers * 32 * num_warps), SM_MAX_WARPS // num_warps,
-                   SM_SHARED_BYTES // max(shared, 1))
+                   (SM_SHARED_BYTES if capability >= 90 else 163 * 1024) // max(shared, 1))
     return {"registers": registers, "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "shared_bytes": shared, "programs_per_sm": programs, "instructions": sum(opcodes.values()),
             "loop_instructions": first_loop_size(sass),
@@ -166,9 +171,28 @@ def prologue_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch
             f"{heads} heads" + (" scaled" if scaled else ""))
 
 
+def weight_only_case(shape: dict, kv_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16, tokens: int = 16,
+                     grouped: bool = False):
+    """The weight-only FP8 GEMM (kernels/fp8_gemm.weight_only_fp8_gemm, GPUs before sm_89: W read as bytes) at the
+    rule's tiles for `tokens` rows of the shape's gate_up_proj, channel or 128 x 128 block weights; kv_dtype unused."""
+    from kernels import fp8_gemm
+
+    n, k = 2 * shape["intermediate_size"], shape["hidden_size"]
+    block_m, block_n, block_k, warps, stages = fp8_gemm._tiles(tokens, n, k, 128, grouped, weight_only=True)
+    pointers = {"a_ptr": f"*{TORCH_TO_TRITON[dtype]}", "w_ptr": "*u8", "c_ptr": f"*{TORCH_TO_TRITON[dtype]}",
+                "bias_ptr": f"*{TORCH_TO_TRITON[dtype]}", "counter_ptr": "*i32", "a_scale_ptr": "*fp32",
+                "w_scale_ptr": "*fp32", "partial_ptr": "*fp32"}
+    constexprs = dict(GROUPED=grouped, W_PER_TILE=grouped, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, GROUP_M=8, PROMOTE_K=min(block_k, 128), SPLIT_K=1, W_ONLY=True,
+                      PRECISION="tf32", UPCAST=False)
+    return (fp8_gemm._fp8_gemm_kernel, pointers, constexprs, warps, stages,
+            f"{'block' if grouped else 'channel'} {block_m}x{block_n}x{block_k}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", nargs="+", choices=["decode", "prefill", "prologue"], default=["decode", "prefill"])
+    p.add_argument("--kernels", nargs="+", choices=["decode", "prefill", "prologue", "weight-only"],
+                   default=["decode", "prefill"])
     p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8", "int8"], default=["auto", "fp8"])
     p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="qwen3-0.6b")
     p.add_argument("--decode-configs", nargs="+", metavar="N,W,S",
@@ -177,29 +201,33 @@ def main() -> None:
                    help="prefill tiles to compile instead of the engine's: BLOCK_M,BLOCK_N,warps,stages each")
     p.add_argument("--decode-fp8-out", nargs="+", type=int, choices=[0, 1, 2], default=[0],
                    help="the decode kernel's FP8 output for an FP8 o_proj: none, per token, per head")
+    p.add_argument("--arch", type=int, choices=[80, 90], default=90, help="compile for sm_80 (an A100) or sm_90")
     p.add_argument("--dump-dir", help="write each kernel's SASS here")
     p.add_argument("--out", default=str(HERE.parent / "results" / "kernel_sass.json"))
     args = p.parse_args()
     shape = MODEL_SHAPES[args.model_shape]
-    cases = {"decode": decode_case, "prefill": prefill_case, "prologue": prologue_case}
+    cases = {"decode": decode_case, "prefill": prefill_case, "prologue": prologue_case,
+             "weight-only": weight_only_case}
     # each kernel's variants: the keyword arguments of its case
     variants = {"decode": [{"config": DecodeConfig(*map(int, c.split(",")))} for c in args.decode_configs or []]
                 or [{}],
                 "prefill": [{"config": PrefillConfig(*map(int, c.split(",")))} for c in args.prefill_configs or []]
                 or [{}],
-                "prologue": [{"scaled": False}, {"scaled": True}]}
+                "prologue": [{"scaled": False}, {"scaled": True}],
+                "weight-only": [{"tokens": t, "grouped": g} for g in (False, True) for t in (16, 64)]}
     variants["decode"] = [{**v, "fp8_out": f} for v in variants["decode"] for f in args.decode_fp8_out]
     rows = []
-    print(f"sm_90 code of the attention kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
+    print(f"sm_{args.arch} code of the kernels, {args.model_shape} (heads {shape['num_attention_heads']}/"
           f"{shape['num_key_value_heads']}, D {shape['head_dim']}), bf16 activations")
     print(f"{'kernel':>8} {'KV':>5} {'tiles':>22} {'regs':>4} {'local':>5} {'smem':>6} {'prog/SM':>7} {'instr':>6} "
           f"{'loop':>5}  "
           + " ".join(f"{w:>8}" for w in WATCHED))
-    for kernel_name, kv_name, variant in [(k, kv, v) for k in args.kernels for kv in args.kv_cache_dtype
+    for kernel_name, kv_name, variant in [(k, kv, v) for k in args.kernels
+                                          for kv in (["-"] if k == "weight-only" else args.kv_cache_dtype)
                                           for v in variants[k]]:
         kv_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv_name, torch.bfloat16)
         fn, pointers, constexprs, warps, stages, tiles = cases[kernel_name](shape, kv_dtype, **variant)
-        result = compile_sm90(fn, pointers, constexprs, warps, stages)
+        result = compile_sm90(fn, pointers, constexprs, warps, stages, capability=args.arch)
         tiles = f"{tiles} w{warps} s{stages}"
         print(f"{kernel_name:>8} {kv_name:>5} {tiles:>22} {result['registers']:>4} {result['local_bytes']:>5} "
               f"{result['shared_bytes']:>6} {result['programs_per_sm']:>7} {result['instructions']:>6} "
@@ -213,7 +241,7 @@ def main() -> None:
                      **{k: v for k, v in result.items() if k != "sass"}})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model_shape": args.model_shape, "arch": "sm_90", "rows": rows}, indent=2))
+    out.write_text(json.dumps({"model_shape": args.model_shape, "arch": f"sm_{args.arch}", "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 
