@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,8 +28,39 @@ def smol_dir() -> str:
     return path
 
 
+_handed_out: set[int] = set()
+_pick = random.Random()  # seeded from the OS: concurrent test processes pick apart
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on, below the kernel's ephemeral range and never handed out before in this
+    process. A port bound to 0 comes from that range, where any outgoing connection may take it as its source port
+    before the role it was meant for binds it (a scheduler's ZMQ bind failed so with EADDRINUSE); below the range
+    only a listener can hold it."""
+    low, _ = _ephemeral_range()
+    floor = max(10000, low - 8192)  # clear of the well-known and registered services most hosts run
+    if low - floor >= 1024:
+        for _ in range(200):
+            port = _pick.randrange(floor, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # a host whose ephemeral range leaves no room below it
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
