@@ -241,6 +241,14 @@ def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, num_pairs, BLOCK_M: t
 
 
 @triton.jit
+def _undo_decode(scales, W_BYTES: tl.constexpr):
+    """Weight scales as they apply to the weights read: times 2^8 where they were read as bytes (e4m3_as_fp16)."""
+    if W_BYTES:
+        return scales * E4M3_AS_FP16_UNSCALE
+    return scales
+
+
+@triton.jit
 def _scaled_dot(a, w, acc, s_ptrs, s_tile_ptr, k, n_ok, SCALES: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, W_PER_TILE: tl.constexpr, W_BYTES: tl.constexpr):
     """acc + a . w for one K tile. FP8 weights (SCALES > 0) are widened to the activations' dtype, exactly (e4m3's
@@ -255,24 +263,16 @@ def _scaled_dot(a, w, acc, s_ptrs, s_tile_ptr, k, n_ok, SCALES: tl.constexpr, GR
         return tl.dot(a, w, acc, input_precision=PRECISION)
     group = (k * BLOCK_K) // GROUP_K
     if W_PER_TILE:
-        s_tile = tl.load(s_tile_ptr + group)
-        if W_BYTES:
-            s_tile = s_tile * E4M3_AS_FP16_UNSCALE
-        return acc + tl.dot(a, w, input_precision=PRECISION) * s_tile
-    s = tl.load(s_ptrs + group, mask=n_ok, other=0.0)
-    if W_BYTES:
-        s = s * E4M3_AS_FP16_UNSCALE
+        return acc + tl.dot(a, w, input_precision=PRECISION) * _undo_decode(tl.load(s_tile_ptr + group), W_BYTES)
+    s = _undo_decode(tl.load(s_ptrs + group, mask=n_ok, other=0.0), W_BYTES)
     return acc + tl.dot(a, w, input_precision=PRECISION) * s[None, :]
 
 
 @triton.jit
 def _row_scaled(acc, s_ptrs, n_ok, SCALES: tl.constexpr, W_BYTES: tl.constexpr):
-    """The epilogue's per-row weight scale (SCALES 1; W_BYTES: times 2^8, see _scaled_dot), else acc as it is."""
+    """The epilogue's per-row weight scale (SCALES 1; W_BYTES: see _undo_decode), else acc as it is."""
     if SCALES == 1:
-        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-        if W_BYTES:
-            s = s * E4M3_AS_FP16_UNSCALE
-        return acc * s[None, :]
+        return acc * _undo_decode(tl.load(s_ptrs, mask=n_ok, other=0.0), W_BYTES)[None, :]
     return acc
 
 

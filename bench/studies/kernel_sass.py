@@ -44,7 +44,8 @@ from bench.nanovllm_workload import MODEL_SHAPES  # noqa: E402
 from kernels.attention import triton_backend as tb  # noqa: E402
 from kernels.attention.triton_tuning import DecodeConfig, PrefillConfig, decode_config, prefill_config  # noqa: E402
 
-SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS = 65536, 227 * 1024, 64
+SM_REGISTERS, SM_MAX_WARPS = 65536, 64
+SM_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}  # per SM: an A100's, a Hopper's
 # opcodes worth a column: byte-wise shared loads, conversions, tensor-core ops, async copies, barriers
 WATCHED = ["LDS.U8", "LDS.64", "LDS.128", "LDSM", "STS", "F2FP", "HMMA", "HGMMA", "LDGSTS", "BAR", "IMAD.MOV"]
 OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
@@ -95,7 +96,7 @@ def cuobjdump(kernel) -> tuple[str, str]:
 
 def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_stages: int,
                  capability: int = 90) -> dict:
-    """The kernel compiled for sm_90, or for sm_`capability` (80: an A100, whose SMs hold 163 KB of shared memory)."""
+    """The kernel compiled for sm_90, or for sm_`capability` (a key of SM_SHARED_BYTES)."""
     sig, attrs = signature(fn, pointer_types, constexprs)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", capability, 32),
@@ -105,7 +106,7 @@ def compile_sm90(fn, pointer_types: dict, constexprs: dict, num_warps: int, num_
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
     programs = min(SM_REGISTERS // (registers * 32 * num_warps), SM_MAX_WARPS // num_warps,
-                   (SM_SHARED_BYTES if capability >= 90 else 163 * 1024) // max(shared, 1))
+                   SM_SHARED_BYTES[capability] // max(shared, 1))
     return {"registers": registers, "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
             "shared_bytes": shared, "programs_per_sm": programs, "instructions": sum(opcodes.values()),
             "loop_instructions": first_loop_size(sass),

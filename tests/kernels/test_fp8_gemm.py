@@ -308,7 +308,7 @@ def test_fp8_bytes_read_as_fp16_are_every_finite_e4m3_value_over_256_exactly():
     assert torch.equal(out[finite].float() * fp8_gemm.E4M3_AS_FP16_UNSCALE.value, want[finite])
     assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))
     assert (torch.count_nonzero(out[finite].float() == 0) == 2  # only the two zeros: no subnormal flushed
-            and torch.equal(out[~finite].float() * 256, torch.tensor([480.0, -480.0])))
+            and torch.equal(out[~finite].float() * fp8_gemm.E4M3_AS_FP16_UNSCALE.value, torch.tensor([480.0, -480.0])))
 
 
 @interpreter
